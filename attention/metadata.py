@@ -1,0 +1,120 @@
+"""Per-step attention metadata, built by one function for the eager path and graph replay.
+
+Cache extents follow the forward mode: in DRAFT_EXTEND_V2 `seq_lens` is the prefix before
+this step's write, so the attention reads prefix + extend per request and
+max_seqlen_k = max_i(prefix_i + extend_i) — never max(prefix) + max(extend).
+
+Encoder-decoder requests keep their cross-attention K/V in the first `encoder_lens[i]`
+req_to_token columns of their own row (rounded up to a whole page), so the self-attention
+columns of request i start at its own offset, never at request 0's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.forward_batch import ForwardBatch
+
+
+def round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+@dataclass
+class AttentionMetadata:
+    # [B] tokens of KV each request's new tokens attend over (prefix + extend).
+    cache_seqlens_int32: torch.Tensor
+    # [B+1] offsets of each request's new tokens in the flattened batch.
+    cu_seqlens_q: torch.Tensor
+    # [B+1] offsets of each request's cached tokens (prefix + extend).
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # [B, max_seqlen_k] KV slot of each cached token (columns past a request's length are
+    # stale and must be masked by cache_seqlens_int32).
+    token_table: torch.Tensor
+    # [B, ceil(max_seqlen_k / P)] page ids: column j holds tokens [j*P, (j+1)*P).
+    page_table: torch.Tensor
+    # [B] new tokens per request and their prefix lengths (all 1 / seq_len-1 for decode).
+    extend_seq_lens_cpu: list[int]
+    cache_seqlens_cpu: list[int]
+    # Encoder-decoder only (None otherwise).
+    encoder_lens_int32: torch.Tensor | None = None
+    encoder_cu_seqlens_k: torch.Tensor | None = None
+    encoder_max_seqlen_k: int = 0
+    encoder_token_table: torch.Tensor | None = None
+    encoder_page_table: torch.Tensor | None = None
+    encoder_lens_cpu: list[int] | None = None
+
+
+def _pad_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(torch.cumsum(x, dim=0, dtype=torch.int32), (1, 0))
+
+
+def encoder_columns(encoder_lens_cpu: list[int], page_size: int) -> list[int]:
+    """req_to_token columns reserved for each request's encoder K/V (whole pages)."""
+    return [round_up(e, page_size) for e in encoder_lens_cpu]
+
+
+def build_attention_metadata(fb: ForwardBatch, page_size: int) -> AttentionMetadata:
+    """The one builder of attention metadata for every mode, eager or graph replay."""
+    assert fb.req_to_token_pool is not None
+    device = fb.seq_lens.device
+    bs = fb.batch_size
+    if fb.forward_mode.is_decode():
+        extend_cpu = [1] * bs
+        extend = torch.ones(bs, dtype=torch.int32, device=device)
+    else:
+        assert fb.extend_seq_lens is not None and fb.extend_seq_lens_cpu is not None
+        extend_cpu = list(fb.extend_seq_lens_cpu)
+        extend = fb.extend_seq_lens.to(torch.int32)
+    seq_lens = fb.seq_lens.to(torch.int32)
+    seq_lens_cpu = fb.seq_lens_cpu.tolist()
+    if fb.forward_mode.seq_lens_include_extend():
+        cache_lens = seq_lens
+        cache_cpu = seq_lens_cpu
+    else:
+        # DRAFT_EXTEND_V2: seq_lens is the prefix; the rows just written are read too.
+        cache_lens = seq_lens + extend
+        cache_cpu = [s + e for s, e in zip(seq_lens_cpu, extend_cpu)]
+    max_k = max(cache_cpu) if cache_cpu else 0
+    max_q = max(extend_cpu) if extend_cpu else 0
+
+    rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices.long()]
+    cols = torch.arange(max(max_k, 1), device=device)
+    enc_fields: dict = {}
+    if fb.encoder_lens is not None:
+        assert fb.encoder_lens_cpu is not None
+        enc_cpu = list(fb.encoder_lens_cpu)
+        enc_cols = torch.tensor(encoder_columns(enc_cpu, page_size), device=device, dtype=torch.long)
+        max_enc = max(enc_cpu) if enc_cpu else 0
+        enc_lens = fb.encoder_lens.to(torch.int32)
+        enc_table = rows[:, : max(round_up(max_enc, page_size), page_size)]
+        enc_fields = dict(
+            encoder_lens_int32=enc_lens,
+            encoder_cu_seqlens_k=_pad_cumsum(enc_lens),
+            encoder_max_seqlen_k=max_enc,
+            encoder_token_table=enc_table,
+            encoder_page_table=(enc_table[:, ::page_size] // page_size),
+            encoder_lens_cpu=enc_cpu,
+        )
+        # Per-request offset: request i's self-attention starts after its own encoder pages.
+        col_idx = (enc_cols[:, None] + cols[None, :]).clamp_(max=rows.shape[1] - 1)
+        token_table = torch.gather(rows, 1, col_idx)
+    else:
+        token_table = rows[:, : cols.numel()]
+    page_table = token_table[:, ::page_size] // page_size
+    return AttentionMetadata(
+        cache_seqlens_int32=cache_lens,
+        cu_seqlens_q=_pad_cumsum(extend),
+        cu_seqlens_k=_pad_cumsum(cache_lens),
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        token_table=token_table,
+        page_table=page_table,
+        extend_seq_lens_cpu=extend_cpu,
+        cache_seqlens_cpu=cache_cpu,
+        **enc_fields,
+    )

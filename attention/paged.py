@@ -1,0 +1,139 @@
+"""Shared machinery of the MHA/GQA backends over the paged cache: metadata, KV write, graph
+buffers. Subclasses choose the kernels (`_extend_kernel`, `_decode_kernel`) and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from attention.base import AttentionBackend, AttentionLayer
+from attention.metadata import AttentionMetadata, build_attention_metadata
+
+if TYPE_CHECKING:
+    from workers.forward_batch import ForwardBatch
+
+
+def should_skip_kv_cache(
+    *, is_embedding: bool, chunked_prefill_size: int, disable_radix_cache: bool, use_mla: bool
+) -> bool:
+    """The one place that decides the embedding fast path: attend over the batch's raw K/V and
+    neither write nor read the paged cache. Only safe when nothing will ever read the cache
+    again (no chunked prefill continues the request, no radix cache shares it) and never for
+    MLA, whose absorbed path always reads its latent cache."""
+    return is_embedding and chunked_prefill_size == -1 and disable_radix_cache and not use_mla
+
+
+class PagedAttentionBackend(AttentionBackend):
+    """Base for backends over `MHATokenToKVPool`."""
+
+    supports_mla = False
+
+    def __init__(self, page_size: int, skip_kv_cache: bool = False):
+        self.page_size = page_size
+        self.skip_kv_cache = skip_kv_cache
+        self.metadata: AttentionMetadata | None = None
+        self._graph_max_bs = 0
+
+    # ---- metadata ----
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self.metadata = build_attention_metadata(forward_batch, self.page_size)
+
+    def init_mha_chunk_metadata(self, forward_batch: ForwardBatch) -> None:
+        # MHA reads its cached prefix directly from the paged cache: no chunk plan needed.
+        return None
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self._graph_max_bs = max_bs
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, num_tokens: int, forward_batch: ForwardBatch
+    ) -> None:
+        self.metadata = build_attention_metadata(forward_batch, self.page_size)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch: ForwardBatch) -> None:
+        self.metadata = build_attention_metadata(forward_batch, self.page_size)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # ---- kernels chosen by subclasses ----
+    def _extend_kernel(self, q, k_cache, v_cache, table, q_lens, kv_lens, layer: AttentionLayer, causal):
+        raise NotImplementedError
+
+    def _decode_kernel(self, q, k_cache, v_cache, meta: AttentionMetadata, layer: AttentionLayer):
+        raise NotImplementedError
+
+    # ---- forward ----
+    def _save(self, layer: AttentionLayer, forward_batch: ForwardBatch, k, v) -> None:
+        pool = forward_batch.kv_pool
+        assert pool is not None
+        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+
+    def _cross_attention(self, q, k, v, layer, forward_batch, save_kv_cache):
+        meta = self.metadata
+        assert meta is not None and meta.encoder_token_table is not None
+        pool = forward_batch.kv_pool
+        if k is not None and save_kv_cache:
+            # The encoder's K/V of this step's new requests: written by the caller-provided
+            # locations in extras (see workers.models.bart).
+            loc = forward_batch.extras["encoder_out_cache_loc"]
+            pool.set_kv_buffer(layer.layer_id, loc, k, v)
+        q_lens = meta.extend_seq_lens_cpu
+        return self._extend_kernel(
+            q,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
+            meta.encoder_token_table,
+            q_lens,
+            meta.encoder_lens_cpu,
+            layer,
+            False,
+        )
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        meta = self.metadata
+        assert meta is not None
+        if layer.is_cross_attention:
+            out = self._cross_attention(q, k, v, layer, forward_batch, save_kv_cache)
+        elif self.skip_kv_cache or not layer.is_causal and forward_batch.kv_pool is None:
+            # Embedding fast path: no write and no read of the paged cache (one decision).
+            table = _ragged_table(meta)
+            out = self._extend_kernel(
+                q, k, v, table, meta.extend_seq_lens_cpu, meta.extend_seq_lens_cpu, layer, layer.is_causal
+            )
+        else:
+            if save_kv_cache:
+                self._save(layer, forward_batch, k, v)
+            pool = forward_batch.kv_pool
+            out = self._extend_kernel(
+                q,
+                pool.get_key_buffer(layer.layer_id),
+                pool.get_value_buffer(layer.layer_id),
+                meta.token_table,
+                meta.extend_seq_lens_cpu,
+                meta.cache_seqlens_cpu,
+                layer,
+                layer.is_causal,
+            )
+        return out.reshape(q.shape[0], -1)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        meta = self.metadata
+        assert meta is not None
+        if layer.is_cross_attention:
+            return self._cross_attention(q, k, v, layer, forward_batch, save_kv_cache).reshape(q.shape[0], -1)
+        if save_kv_cache:
+            self._save(layer, forward_batch, k, v)
+        pool = forward_batch.kv_pool
+        out = self._decode_kernel(
+            q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), meta, layer
+        )
+        return out.reshape(q.shape[0], -1)
+
+
+def _ragged_table(meta: AttentionMetadata) -> torch.Tensor:
+    from attention.torch_ops import ragged_self_table
+
+    return ragged_self_table(meta.cu_seqlens_q, meta.extend_seq_lens_cpu)

@@ -1,0 +1,134 @@
+"""Device memory of one rank: the request → token-slot table and the KV pools.
+
+Who decides what: the replica's scheduler owns all *bookkeeping* (which request row and which
+KV pages are free, see `cluster.kv_allocator`); the worker owns the *tensors* and applies the
+scheduler's decisions (`ReqToTokenPool.write`). Page 0 is reserved: padded entries of a batch
+(CUDA-graph padding) write their K/V there, so no live page is ever touched by padding.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class ReqToTokenPool:
+    """req_to_token[row, i] = KV slot of token i of the request in `row` (int32).
+
+    For page size P, tokens i and i+1 of one request share a page unless (i+1) % P == 0, so
+    req_to_token[row, j*P] // P is that request's j-th page (the page table).
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str):
+        self.max_reqs = max_reqs
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int32, device=device)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.req_to_token[row, start : start + slots.numel()] = slots.to(torch.int32)
+
+
+class KVPool(ABC):
+    """Per-layer KV storage indexed by slot. `num_slots` counts page 0 (reserved)."""
+
+    use_mla: bool = False
+
+    def __init__(self, num_pages: int, page_size: int, num_layers: int, dtype: torch.dtype, device):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = device
+        # Counts K/V writes; tests use it to assert that a fast path really skipped the cache.
+        self.write_count = 0
+
+    @abstractmethod
+    def bytes_per_token(self) -> int:
+        """Bytes of KV one token occupies on this rank over all layers."""
+
+
+class MHATokenToKVPool(KVPool):
+    """K and V per layer: [num_slots, num_kv_heads, head_dim] (this rank's heads only)."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,
+        v_head_dim: int | None = None,
+    ):
+        super().__init__(num_pages, page_size, num_layers, dtype, device)
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        shape = (self.num_slots, num_kv_heads)
+        self.k_buffer = [torch.zeros(*shape, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [
+            torch.zeros(*shape, self.v_head_dim, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+
+    def bytes_per_token(self) -> int:
+        per_layer = self.num_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.itemsize
+        return per_layer * self.num_layers
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k: [T, num_kv_heads, head_dim], v: [T, num_kv_heads, v_head_dim], loc: [T]."""
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        self.write_count += 1
+
+
+class MLATokenToKVPool(KVPool):
+    """One latent per token and layer: [num_slots, 1, kv_lora_rank + qk_rope_head_dim].
+
+    The latent is the same on every TP rank (it is computed before heads are split), so every
+    rank holds the full vector and the KV store keeps one copy per page (see kvstore.client).
+    """
+
+    use_mla = True
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        dtype: torch.dtype,
+        device,
+    ):
+        super().__init__(num_pages, page_size, num_layers, dtype, device)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.latent_dim = kv_lora_rank + qk_rope_head_dim
+        self.kv_buffer = [
+            torch.zeros(self.num_slots, 1, self.latent_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+
+    def bytes_per_token(self) -> int:
+        return self.latent_dim * self.dtype.itemsize * self.num_layers
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffer[layer_id]
+
+    def set_mla_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
+        """kv_latent: [T, kv_lora_rank] (normalised), k_rope: [T, qk_rope_head_dim] (rotated)."""
+        buf = self.kv_buffer[layer_id]
+        buf[loc, 0, : self.kv_lora_rank] = kv_latent.to(self.dtype)
+        buf[loc, 0, self.kv_lora_rank :] = k_rope.to(self.dtype)
+        self.write_count += 1

@@ -1,0 +1,70 @@
+"""The two messages between a replica's scheduler and its TP workers.
+
+`StepPlan` says what to run this step; `StepResult` says what came back (from rank 0). They
+are plain picklable dataclasses of Python ints and lists: they cross Ray actor boundaries (or
+a multiprocessing pipe) once per step, and the scheduler never reaches into a worker's objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.forward_batch import ForwardMode
+from workers.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequest:
+    """Sent once when a request enters (or, after preemption, re-enters) the running batch."""
+
+    rid: str
+    sampling: SamplingParams
+    prompt_ids: list[int]  # for the repetition penalty
+    output_ids: list[int] = field(default_factory=list)  # generated before a preemption
+    is_embedding: bool = False
+
+
+@dataclass
+class ScheduledReq:
+    """One request's share of this step, in batch order."""
+
+    rid: str
+    req_pool_idx: int
+    input_ids: list[int]  # tokens computed this step (1 for decode)
+    prefix_len: int  # tokens of this request already in the KV cache before this step
+    out_cache_loc: list[int]  # KV slot of each input token; also req_to_token[row, prefix_len:]
+    sample: bool = True  # False for a prefill chunk that is not the prompt's last
+    encoder_len: int = 0  # encoder-decoder: encoder tokens cached at the start of the row
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    mode: ForwardMode
+    reqs: list[ScheduledReq]
+    new_requests: list[NewRequest] = field(default_factory=list)
+    # Requests whose worker-side state is dropped before this step (finished, aborted,
+    # preempted). Their KV slots are already back in the scheduler's free lists.
+    finished_rids: list[str] = field(default_factory=list)
+    # (row, start, slots): req_to_token rows to fill before the forward (cached prefixes of
+    # newly admitted requests; slots of the new tokens are written from out_cache_loc).
+    table_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)
+
+
+@dataclass
+class TokenLogprobs:
+    token_logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    # One entry per request of the plan with sample=True, in batch order.
+    sampled_rids: list[str] = field(default_factory=list)
+    next_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Embedding requests: one pooled vector per request, in batch order.
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
+    # Seconds the worker spent in this step (forward + sample), for overhead accounting.
+    compute_s: float = 0.0

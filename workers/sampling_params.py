@@ -1,0 +1,82 @@
+"""Per-request sampling parameters, validated once at the boundary with errors that name the
+parameter (the HTTP layer turns `SamplingParamsError` into a 400 with `param` set)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+MAX_STOP_SEQUENCES = 16
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF semantics: over prompt and output tokens
+    frequency_penalty: float = 0.0  # OpenAI semantics: over output tokens
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    # None: no logprobs; k >= 0: logprob of the sampled token plus the top k alternatives.
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        def bad(param: str, msg: str):
+            raise SamplingParamsError(param, msg)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", f"must be -1 (off) or >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0.0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0 or self.seed >= 2**63):
+            bad("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            bad("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "stop sequences must be non-empty strings")
+        if any(len(s) > 1024 for s in self.stop):
+            bad("stop", "stop sequences are limited to 1024 characters")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad("stop_token_ids", f"token id {t!r} is out of range")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            bad("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        return self
