@@ -3,6 +3,7 @@ parameter (the HTTP layer turns `SamplingParamsError` into a 400 with `param` se
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -14,6 +15,16 @@ class SamplingParamsError(ValueError):
 
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20
+
+
+def _is_int(v: object) -> bool:
+    # bool is an int subclass; `max_tokens: true` in a JSON body is a client bug, not 1.
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    """A finite int or float (NaN and inf fail every range check, so are rejected here)."""
+    return (isinstance(v, float) or _is_int(v)) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -48,14 +59,24 @@ class SamplingParams:
         def bad(param: str, msg: str):
             raise SamplingParamsError(param, msg)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
+            if not _is_real(getattr(self, name)):
+                bad(name, f"must be a finite number, got {getattr(self, name)!r}")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", f"must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", f"must be -1 (off) or >= 0, got {self.top_k}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", f"must be -1 (off) or >= 0, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0.0:
@@ -64,19 +85,28 @@ class SamplingParams:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0 or self.seed >= 2**63):
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0 or self.seed >= 2**63):
             bad("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
+        # A bare string would otherwise pass as a sequence of one-character stop strings.
+        if isinstance(self.stop, str | bytes) or not isinstance(self.stop, tuple | list):
+            bad("stop", f"must be a sequence of strings, got {type(self.stop).__name__}")
         if len(self.stop) > MAX_STOP_SEQUENCES:
             bad("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop sequences must be non-empty strings")
         if any(len(s) > 1024 for s in self.stop):
             bad("stop", "stop sequences are limited to 1024 characters")
+        if isinstance(self.stop_token_ids, str | bytes) or not isinstance(self.stop_token_ids, tuple | list):
+            bad(
+                "stop_token_ids", f"must be a sequence of token ids, got {type(self.stop_token_ids).__name__}"
+            )
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad("stop_token_ids", f"token id {t!r} is out of range")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            bad("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         return self

@@ -1,0 +1,85 @@
+"""One frozen configuration tree for an engine (a replica), validated at start-up.
+
+Options come from the CLI or from code; unknown options are errors (`EngineConfig.from_dict`).
+External configs (the checkpoint's config.json) are converted once, in
+`workers.model_config.ModelConfig`, and never mutated afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ATTENTION_BACKENDS = ("flash", "reference")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MANTA_CACHE_DIR", Path.home() / ".cache" / "manta"))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None  # defaults to the model directory
+    served_model_name: str | None = None
+    device: str = "cpu"  # "cpu" or "cuda"
+    dtype: str | None = None  # None: float32 on cpu, the checkpoint's dtype on cuda
+    tp_size: int = 1
+    page_size: int = 1
+    # KV capacity in tokens. None: sized from memory (cpu: 65536 tokens; cuda: mem_fraction).
+    kv_cache_tokens: int | None = None
+    mem_fraction: float = 0.85
+    max_running_requests: int = 256
+    # Tokens computed per step over all requests (decodes + prefill chunks).
+    max_num_batched_tokens: int = 8192
+    # Longest prefill piece per request per step; -1 disables chunking (whole prompt at once).
+    chunked_prefill_size: int = 2048
+    disable_radix_cache: bool = False
+    attention_backend: str = "flash"
+    is_embedding: bool = False
+    # Largest context a request may reach (prompt + output); None: the model's limit.
+    max_context_len: int | None = None
+    # Waiting requests beyond this are refused (overload); 0: unbounded.
+    max_waiting: int = 0
+    disable_cuda_graph: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(field: str, msg: str) -> None:
+            raise ValueError(f"invalid engine option {field}: {msg}")
+
+        if self.tp_size < 1:
+            bad("tp_size", "must be >= 1")
+        if self.page_size < 1:
+            bad("page_size", "must be >= 1")
+        if self.device not in ("cpu", "cuda"):
+            bad("device", f"must be cpu or cuda, not {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            bad("chunked_prefill_size", "must be -1 (off) or >= 1")
+        if self.max_num_batched_tokens < 1:
+            bad("max_num_batched_tokens", "must be >= 1")
+        if self.max_running_requests < 1:
+            bad("max_running_requests", "must be >= 1")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2 * self.page_size:
+            bad("kv_cache_tokens", "must hold at least two pages")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            bad("mem_fraction", "must be in (0, 1]")
+
+    @classmethod
+    def from_dict(cls, options: dict) -> EngineConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine options: {', '.join(unknown)}")
+        return cls(**options)
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name

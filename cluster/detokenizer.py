@@ -1,0 +1,84 @@
+"""Incremental detokenization with exact stop strings.
+
+Text is emitted only once it is final: bytes of an unfinished UTF-8 character (decoded as
+U+FFFD) are held back, and so is any tail that could still grow into a stop string. When a
+stop string appears the text is cut right before it, and nothing after it is ever emitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# How many already-decoded tokens to re-decode with the new ones, so that tokenizers which
+# merge spaces or bytes across tokens decode each new piece in context.
+_CONTEXT_TOKENS = 6
+
+
+@dataclass
+class DetokState:
+    stop: tuple[str, ...]
+    skip_special_tokens: bool = True
+    prompt_tail: list[int] = field(default_factory=list)  # last prompt tokens, for context
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # all final text so far (before any stop string)
+    emitted: int = 0  # characters of `text` already handed out
+    read_offset: int = 0  # tokens of token_ids whose text is in `text`
+    stopped: bool = False
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def new_state(self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool) -> DetokState:
+        return DetokState(stop=stop, skip_special_tokens=skip_special_tokens,
+                          prompt_tail=list(prompt_ids[-_CONTEXT_TOKENS:]))
+
+    def _decode(self, ids: list[int], skip: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+    def add_tokens(self, st: DetokState, new_ids: list[int], final: bool) -> tuple[str, bool]:
+        """Append tokens; return (text that became final, whether a stop string matched).
+
+        `final` flushes everything held back (the request has finished for another reason)."""
+        if st.stopped:
+            return "", True
+        st.token_ids.extend(new_ids)
+        ctx = (st.prompt_tail + st.token_ids)[: len(st.prompt_tail) + st.read_offset][-_CONTEXT_TOKENS:]
+        pending = st.token_ids[st.read_offset :]
+        before = self._decode(ctx, st.skip_special_tokens)
+        full = self._decode(ctx + pending, st.skip_special_tokens)
+        piece = full[len(before) :] if full.startswith(before) else full[len(before):]
+        if piece.endswith("\ufffd") and not final:
+            # An incomplete UTF-8 sequence: wait for the next token.
+            return self._release(st, final=False)
+        st.text += piece
+        st.read_offset = len(st.token_ids)
+        if st.stop:
+            window_start = max(0, len(st.text) - len(piece) - max(len(s) for s in st.stop))
+            cut = min((i for i in (st.text.find(s, window_start) for s in st.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                st.text = st.text[:cut]
+                st.stopped = True
+                return self._release(st, final=True)[0], True
+        return self._release(st, final)
+
+    def _release(self, st: DetokState, final: bool) -> tuple[str, bool]:
+        hold = 0 if final else _stop_prefix_overlap(st.text, st.stop)
+        end = len(st.text) - hold
+        if end <= st.emitted:
+            return "", st.stopped
+        out = st.text[st.emitted : end]
+        st.emitted = end
+        return out, st.stopped
+
+
+def _stop_prefix_overlap(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

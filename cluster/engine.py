@@ -1,0 +1,303 @@
+"""The engine loop of one replica: tokenizer, scheduler, detokenizer, a TP worker group.
+
+One loop (`step`) serves everything: the offline `generate` runs it in the caller's thread,
+the server and the replica actor run it in a background thread (`start`). They differ only in
+where requests come from and where outputs go (a callback per request).
+
+Threading: `add_request` and `abort` may be called from any thread; they take `_lock`, as do
+the scheduler calls of `step`. The forward pass runs outside the lock, so requests can be
+added while a step is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from cluster.config import EngineConfig
+from cluster.detokenizer import Detokenizer, DetokState
+from cluster.request import FinishReason, Request, RequestOutput
+from cluster.scheduler import Scheduler, TokenEvent
+from workers.group import InProcessWorkerGroup, WorkerGroup
+from workers.messages import TokenLogprobs
+from workers.model_runner import RunnerOptions
+from workers.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[RequestOutput], None]
+
+
+@dataclass
+class GenerationResult:
+    """A finished request, assembled from its outputs (offline API)."""
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    embedding: list[float] | None = None
+    error: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.delta_text
+        self.token_ids += out.delta_token_ids
+        self.logprobs += out.delta_logprobs
+        self.prompt_tokens = out.prompt_tokens
+        self.cached_tokens = out.cached_tokens
+        if out.embedding is not None:
+            self.embedding = out.embedding
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.error = out.error
+
+
+@dataclass
+class _Tracked:
+    req: Request
+    sink: Sink
+    detok: DetokState
+
+
+def runner_options(config: EngineConfig) -> RunnerOptions:
+    """The slice of the engine config every rank needs."""
+    return RunnerOptions(
+        model=config.model,
+        device=config.device,
+        dtype=config.dtype,
+        page_size=config.page_size,
+        kv_cache_tokens=config.kv_cache_tokens,
+        mem_fraction=config.mem_fraction,
+        max_running_requests=config.max_running_requests,
+        max_context_len=config.max_context_len,
+        attention_backend=config.attention_backend,
+        is_embedding=config.is_embedding,
+        chunked_prefill_size=config.chunked_prefill_size,
+        disable_radix_cache=config.disable_radix_cache,
+        disable_cuda_graph=config.disable_cuda_graph,
+        seed=config.seed,
+    )
+
+
+def make_worker_group(config: EngineConfig) -> WorkerGroup:
+    if config.tp_size == 1:
+        return InProcessWorkerGroup(runner_options(config))
+    from workers.mp_group import MultiprocessWorkerGroup
+
+    return MultiprocessWorkerGroup(runner_options(config), config.tp_size)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, workers: WorkerGroup | None = None, tokenizer=None):
+        self.config = config
+        self.workers = workers or make_worker_group(config)
+        mc = self.workers.model_config
+        self.model_config = mc
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer)
+        self.max_context_len = min(config.max_context_len or mc.max_context_len, mc.max_context_len)
+        self.scheduler = Scheduler(
+            num_pages=self.workers.num_pages,
+            page_size=config.page_size,
+            max_running_requests=config.max_running_requests,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            chunked_prefill_size=config.chunked_prefill_size,
+            max_context_len=self.max_context_len,
+            eos_token_ids=mc.eos_token_ids,
+            disable_radix_cache=config.disable_radix_cache,
+            max_waiting=config.max_waiting,
+        )
+        self._tracked: dict[str, _Tracked] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._ids = itertools.count()
+        self.step_listeners: list[Callable[[Engine, float], None]] = []
+
+    # ---------------- requests in ----------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        return list(prompt)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        sink: Sink,
+        rid: str | None = None,
+        is_embedding: bool = False,
+    ) -> str:
+        """Queue a request; raises (and queues nothing) if it is invalid or the queue is full."""
+        params.validate(self.model_config.vocab_size)
+        rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        req = Request(rid, self.tokenize(prompt), params, is_embedding=is_embedding)
+        detok = self.detokenizer.new_state(req.prompt_ids, params.stop, params.skip_special_tokens)
+        with self._lock:
+            self.scheduler.add_request(req)
+            self._tracked[rid] = _Tracked(req, sink, detok)
+            self._wake.notify()
+        return rid
+
+    def abort(self, rid: str) -> None:
+        with self._lock:
+            req = self.scheduler.abort(rid)
+            tracked = self._tracked.pop(rid, None)
+            self._wake.notify()
+        if req is not None and tracked is not None:
+            tracked.sink(self._final_output(req, FinishReason.ABORT.value))
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work()
+
+    # ---------------- the loop ----------------
+    def step(self) -> bool:
+        """Run one scheduled step; False when there was nothing to run."""
+        t0 = time.perf_counter()
+        with self._lock:
+            plan = self.scheduler.schedule()
+        if plan is None:
+            return False
+        result = self.workers.execute(plan)
+        with self._lock:
+            events = self.scheduler.process_result(plan, result)
+            outputs = [self._emit(ev) for ev in events]
+        for tracked, out in outputs:
+            if tracked is not None:
+                tracked.sink(out)
+        dt = time.perf_counter() - t0
+        for listener in self.step_listeners:
+            listener(self, dt)
+        return True
+
+    def _emit(self, ev: TokenEvent) -> tuple[_Tracked | None, RequestOutput]:
+        """Detokenize one request's new tokens (under the lock: may finish it on a stop string)."""
+        req = ev.req
+        tracked = self._tracked.get(req.rid)
+        if tracked is None:
+            return None, RequestOutput(req.rid)
+        text, hit_stop = self.detokenizer.add_tokens(tracked.detok, ev.token_ids, final=req.finished)
+        if hit_stop and not req.finished:
+            self.scheduler.finish(req, FinishReason.STOP)
+            # Flush nothing more: the text was cut before the stop string.
+        now = time.monotonic()
+        if ev.token_ids and req.first_token_time is None:
+            req.first_token_time = now
+        out = RequestOutput(
+            rid=req.rid,
+            delta_text=text,
+            delta_token_ids=list(ev.token_ids),
+            delta_logprobs=list(ev.logprobs),
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            embedding=ev.embedding,
+        )
+        if req.finished:
+            req.finish_time = now
+            out.finished = True
+            out.finish_reason = req.finish_reason.value if req.finish_reason else None
+            out.ttft_s = (req.first_token_time or now) - req.arrival_time
+            out.e2e_s = now - req.arrival_time
+            del self._tracked[req.rid]
+        return tracked, out
+
+    def _final_output(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            rid=req.rid, finished=True, finish_reason=reason, error=error,
+            prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+        )
+
+    def fail_all(self, error: str) -> None:
+        """Finish every request with an error (the worker group died)."""
+        with self._lock:
+            tracked = list(self._tracked.values())
+            self._tracked.clear()
+            for t in tracked:
+                self.scheduler.finish(t.req, FinishReason.ERROR)
+        for t in tracked:
+            t.sink(self._final_output(t.req, FinishReason.ERROR.value, error))
+
+    # ---------------- offline API ----------------
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Run prompts to completion in this thread (not while the background loop runs)."""
+        assert self._thread is None, "generate() runs the loop itself; use generate_stream with start()"
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        results: list[GenerationResult] = []
+        for prompt, p in zip(prompts, plist):
+            res = GenerationResult(rid="")
+            res.rid = self.add_request(prompt, p, res.add)
+            results.append(res)
+        while self.has_work():
+            self.step()
+        return results
+
+    # ---------------- background loop + async API ----------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="manta-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self.scheduler.has_work():
+                    self._wake.wait(timeout=0.5)
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a failed forward must not hang its requests
+                logger.exception("engine step failed")
+                self.fail_all(f"engine step failed: {exc}")
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        self.workers.shutdown()
+
+    async def generate_stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        is_embedding: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs as they come; cancelling the iterator aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        rid = self.add_request(prompt, params, lambda o: loop.call_soon_threadsafe(queue.put_nowait, o),
+                               rid=rid, is_embedding=is_embedding)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)

@@ -1,0 +1,84 @@
+"""A request as the scheduler sees it, and what the engine reports back for it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.kv_allocator import RequestKV
+from workers.messages import TokenLogprobs
+from workers.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the client went away or asked
+    ERROR = "error"  # the replica failed the request
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    is_embedding: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # KV bookkeeping while running (None while waiting).
+    kv: RequestKV | None = None
+    req_pool_idx: int = -1
+    prefix_node: Any = None  # radix node locked for this request's cached prefix
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int = 0
+    # Wall-clock marks for metrics.
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    aborted: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose K/V is in the cache."""
+        return self.kv.num_tokens if self.kv is not None else 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """One increment of a request's result, as the engine emits it (and a replica streams it)."""
+
+    rid: str
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    embedding: list[float] | None = None
+    # Seconds from arrival, filled when finished (for metrics and clients that ask).
+    ttft_s: float | None = None
+    e2e_s: float | None = None

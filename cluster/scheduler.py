@@ -1,0 +1,341 @@
+"""Continuous batching with chunked prefill, a page-granular prefix cache and preemption.
+
+The model of a step: every running request has tokens whose K/V is not cached yet — the rest
+of its prompt (a prefill, maybe in chunks) or its last sampled token (a decode). A step
+computes, within a token budget (`max_num_batched_tokens`), the next piece of each running
+request in admission order (at most `chunk_size` tokens each), then admits waiting requests
+into what budget and KV memory remain. A request whose piece reaches the end of its tokens is
+sampled. Prefill chunks and decodes share one batch (MIXED); a batch of only one-token pieces
+is DECODE, one without any is EXTEND.
+
+Guarantees:
+- KV pages are reserved before a plan leaves the scheduler; a plan never refers to a page
+  another request owns.
+- When memory runs out, unlocked prefix-cache pages are evicted first; then the most recently
+  admitted running request is preempted (its K/V is put into the prefix cache and released;
+  it re-enters the front of the queue and is recomputed, mostly from that cache).
+- Every finished, aborted or preempted request's rid goes to the workers in the next plan's
+  `finished_rids`, after its pages are back in the free lists.
+- `check_integrity()` holds between steps: free + cached + owned pages == all pages.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from cluster.kv_allocator import PageAllocator, RequestKV, slots_for
+from cluster.radix_cache import RadixCache
+from cluster.request import FinishReason, Request, RequestStatus
+from workers.forward_batch import ForwardMode
+from workers.messages import NewRequest, ScheduledReq, StepPlan, StepResult, TokenLogprobs
+from workers.sampling_params import SamplingParamsError
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the context or the KV cache). `param` names
+    the offending field for the HTTP layer."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at `max_waiting`: the caller should answer 503/429."""
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of one request from one step, before detokenization."""
+
+    req: Request
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    embedding: list[float] | None = None
+
+
+@dataclass
+class SchedulerStats:
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_running_requests: int,
+        max_num_batched_tokens: int,
+        chunked_prefill_size: int,
+        max_context_len: int,
+        eos_token_ids: tuple[int, ...],
+        disable_radix_cache: bool = False,
+        max_waiting: int = 0,
+    ):
+        self.page_size = page_size
+        self.max_running = max_running_requests
+        self.max_batched_tokens = max_num_batched_tokens
+        self.chunk_size = chunked_prefill_size if chunked_prefill_size > 0 else None
+        self.max_context_len = max_context_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_waiting = max_waiting
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.radix = RadixCache(self.allocator, page_size, disabled=disable_radix_cache)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._free_rows = list(range(max_running_requests - 1, -1, -1))
+        self._pending_drop: list[str] = []
+        self._step_id = 0
+        self.stats = SchedulerStats()
+
+    # ---------------- requests in ----------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.allocator.num_total * self.page_size
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request or raise RequestRejected / QueueFull (nothing is queued then)."""
+        req.params.validate()
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise RequestRejected("prompt", "the prompt is empty")
+        if n >= self.max_context_len and not req.is_embedding or n > self.max_context_len:
+            raise RequestRejected(
+                "prompt",
+                f"the prompt has {n} tokens; this model's context is {self.max_context_len} tokens "
+                "including at least one generated token",
+            )
+        if n + (0 if req.is_embedding else 1) > self.kv_capacity_tokens:
+            raise RequestRejected(
+                "prompt", f"the prompt has {n} tokens; the KV cache holds {self.kv_capacity_tokens}"
+            )
+        if self.chunk_size is None and n > self.max_batched_tokens:
+            raise RequestRejected(
+                "prompt",
+                f"the prompt has {n} tokens; with chunked prefill off a step computes at most "
+                f"{self.max_batched_tokens}",
+            )
+        if req.rid in self.requests:
+            raise RequestRejected("request_id", f"duplicate request id {req.rid!r}")
+        if self.max_waiting and len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting={self.max_waiting})")
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Request | None:
+        """Finish a request now (client gone); its pages are freed immediately."""
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return None
+        req.aborted = True
+        self.finish(req, FinishReason.ABORT)
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_drop)
+
+    # ---------------- one step ----------------
+    def schedule(self) -> StepPlan | None:
+        budget = self.max_batched_tokens
+        plan_reqs: list[ScheduledReq] = []
+        new_reqs: list[NewRequest] = []
+        table_writes: list[tuple[int, int, list[int]]] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._piece(req, budget)
+            slots = self._reserve_or_preempt(req, n)
+            if slots is None:  # req itself was preempted
+                continue
+            plan_reqs.append(self._scheduled(req, n, slots))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_running and self._free_rows:
+            req = self.waiting[0]
+            if self.chunk_size is None and req.num_tokens > budget and plan_reqs:
+                break  # whole-prompt prefill must wait for a step with room
+            admitted = self._admit(req, budget)
+            if admitted is None:
+                break
+            self.waiting.popleft()
+            n, slots, prefix_slots = admitted
+            if prefix_slots:
+                table_writes.append((req.req_pool_idx, 0, prefix_slots))
+            new_reqs.append(
+                NewRequest(req.rid, req.params, req.prompt_ids, list(req.output_ids), req.is_embedding)
+            )
+            plan_reqs.append(self._scheduled(req, n, slots))
+            budget -= n
+
+        dropped, self._pending_drop = self._pending_drop, []
+        if not plan_reqs and not dropped:
+            return None
+        if not plan_reqs:
+            mode = ForwardMode.IDLE
+        elif all(len(r.input_ids) == 1 for r in plan_reqs):
+            mode = ForwardMode.DECODE
+        elif all(len(r.input_ids) > 1 or r.prefix_len == 0 for r in plan_reqs):
+            mode = ForwardMode.EXTEND
+        else:
+            mode = ForwardMode.MIXED
+        self._step_id += 1
+        return StepPlan(self._step_id, mode, plan_reqs, new_reqs, dropped, table_writes)
+
+    def _piece(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed, budget)
+        return min(n, self.chunk_size) if self.chunk_size else n
+
+    def _scheduled(self, req: Request, n: int, slots: list[int]) -> ScheduledReq:
+        start = req.num_computed - n  # reserve() has already advanced num_tokens
+        ids = req.all_ids[start : start + n]
+        return ScheduledReq(
+            rid=req.rid,
+            req_pool_idx=req.req_pool_idx,
+            input_ids=ids,
+            prefix_len=start,
+            out_cache_loc=slots,
+            sample=(start + n == req.num_tokens) and not req.is_embedding,
+        )
+
+    def _admit(self, req: Request, budget: int) -> tuple[int, list[int], list[int]] | None:
+        """Give `req` a row, its cached prefix and pages for its first piece, or change nothing."""
+        tokens = req.all_ids
+        # Leave at least one token to compute: its logits sample the next token.
+        match = self.radix.match_prefix(tokens[: len(tokens) - 1])
+        kv = RequestKV()
+        kv.pages = list(match.pages)
+        kv.num_tokens = match.num_tokens
+        kv.num_cached_pages = len(match.pages)
+        self.radix.lock(match.node)
+        req.kv, req.prefix_node = kv, match.node
+        n = self._piece(req, budget)
+        slots = self._reserve(req, n, allow_preempt=False)
+        if slots is None:
+            self.radix.unlock(match.node)
+            req.kv, req.prefix_node = None, None
+            return None
+        if req.num_preemptions == 0:
+            req.cached_tokens = match.num_tokens
+            self.stats.prefix_hit_tokens += match.num_tokens
+            self.stats.prefix_query_tokens += len(req.prompt_ids)
+        req.req_pool_idx = self._free_rows.pop()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        prefix_slots = slots_for(kv.pages, 0, match.num_tokens, self.page_size)
+        return n, slots, prefix_slots
+
+    def _reserve(self, req: Request, n: int, allow_preempt: bool) -> list[int] | None:
+        assert req.kv is not None
+        slots = req.kv.reserve(self.allocator, n)
+        if slots is not None:
+            return slots
+        needed = req.kv.pages_needed(n, self.page_size)
+        self.radix.evict(needed - self.allocator.num_free)
+        slots = req.kv.reserve(self.allocator, n)
+        if slots is not None or not allow_preempt:
+            return slots
+        # Preempt the newest running requests (never one already scheduled this step: those
+        # precede `req` in self.running) until the reservation fits or `req` is the victim.
+        while slots is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return None
+            self.radix.evict(needed - self.allocator.num_free)
+            slots = req.kv.reserve(self.allocator, n)
+        return slots
+
+    def _reserve_or_preempt(self, req: Request, n: int) -> list[int] | None:
+        return self._reserve(req, n, allow_preempt=True)
+
+    # ---------------- results back ----------------
+    def process_result(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        logprobs = result.logprobs or [None] * len(result.sampled_rids)
+        for rid, tok, lp in zip(result.sampled_rids, result.next_token_ids, logprobs):
+            req = self.requests.get(rid)
+            if req is None or req.finished:
+                continue  # aborted while the step ran
+            req.output_ids.append(tok)
+            events.append(TokenEvent(req, [tok], [lp]))
+            reason = self._token_finish_reason(req, tok)
+            if reason is not None:
+                self.finish(req, reason)
+        for rid, emb in result.embeddings.items():
+            req = self.requests.get(rid)
+            if req is None or req.finished:
+                continue
+            events.append(TokenEvent(req, [], [], embedding=emb))
+            self.finish(req, FinishReason.STOP)
+        return events
+
+    def _token_finish_reason(self, req: Request, tok: int) -> FinishReason | None:
+        p = req.params
+        n_out = len(req.output_ids)
+        if n_out >= p.min_tokens and (
+            (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
+        ):
+            return FinishReason.STOP
+        if n_out >= p.max_tokens or req.num_tokens >= self.max_context_len:
+            return FinishReason.LENGTH
+        return None
+
+    # ---------------- leaving ----------------
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        if req.finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self._release(req, keep_in_cache=True)
+            self.running.remove(req)
+            self._pending_drop.append(req.rid)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.rid]
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req, keep_in_cache=True)
+        self.running.remove(req)
+        self._pending_drop.append(req.rid)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request, keep_in_cache: bool) -> None:
+        """Return a running request's pages: whole pages of computed tokens go to the prefix
+        cache (the cache keeps one copy; our duplicates are freed), the rest to the allocator."""
+        kv = req.kv
+        assert kv is not None
+        full = kv.num_tokens // self.page_size
+        if keep_in_cache and full > 0:
+            tokens = req.all_ids[: full * self.page_size]
+            already = self.radix.insert(tokens, kv.pages[:full])
+            self.allocator.free(kv.pages[kv.num_cached_pages : already])
+            self.allocator.free(kv.pages[full:])
+        else:
+            self.allocator.free(kv.pages[kv.num_cached_pages :])
+        self.radix.unlock(req.prefix_node)
+        self._free_rows.append(req.req_pool_idx)
+        req.kv, req.prefix_node, req.req_pool_idx = None, None, -1
+
+    # ---------------- introspection ----------------
+    def kv_usage(self) -> float:
+        total = self.allocator.num_total
+        used = total - self.allocator.num_free - self.radix.evictable_pages
+        return used / total if total else 0.0
+
+    def check_integrity(self) -> None:
+        owned = sum(len(r.kv.pages) - r.kv.num_cached_pages for r in self.running if r.kv)
+        self.radix.check_integrity(extra_used=owned)
+
+
+__all__ = ["Scheduler", "TokenEvent", "RequestRejected", "QueueFull", "SamplingParamsError"]

@@ -1,0 +1,80 @@
+"""Contract 1: one attention-backend interface. Every concrete backend and wrapper implements
+every hook of `AttentionBackend` with the interface's exact signature; nobody probes hooks."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+
+import attention
+from attention.base import AttentionBackend
+
+HOOKS = sorted(AttentionBackend.__abstractmethods__)
+
+
+def all_backend_classes() -> list[type]:
+    for mod in pkgutil.iter_modules(attention.__path__):
+        importlib.import_module(f"attention.{mod.name}")
+    seen, stack = [], [AttentionBackend]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            if sub.__module__.startswith("attention.") and sub not in seen:
+                seen.append(sub)
+                stack.append(sub)
+    return [c for c in seen if not inspect.isabstract(c)]
+
+
+def conformance_errors(cls: type) -> list[str]:
+    errors = []
+    for hook in HOOKS:
+        impl = getattr(cls, hook, None)
+        if impl is None or getattr(impl, "__isabstractmethod__", False):
+            errors.append(f"{cls.__name__} misses hook {hook}")
+            continue
+        want = inspect.signature(getattr(AttentionBackend, hook))
+        got = inspect.signature(impl)
+        if list(want.parameters) != list(got.parameters):
+            errors.append(f"{cls.__name__}.{hook}{got} != interface {want}")
+    return errors
+
+
+def test_interface_declares_the_hooks_the_design_names():
+    for hook in ("init_forward_metadata", "forward_extend", "forward_decode", "init_mha_chunk_metadata",
+                 "init_cuda_graph_state", "init_forward_metadata_capture_cuda_graph",
+                 "init_forward_metadata_replay_cuda_graph", "get_cuda_graph_seq_len_fill_value"):
+        assert hook in HOOKS
+
+
+def test_there_are_backends_to_check():
+    names = {c.__name__ for c in all_backend_classes()}
+    assert {"TorchReferenceBackend", "FlashAttentionBackend"} <= names
+
+
+@pytest.mark.parametrize("cls", all_backend_classes(), ids=lambda c: c.__name__)
+def test_backend_implements_every_hook(cls):
+    assert conformance_errors(cls) == []
+
+
+def test_an_incomplete_backend_is_caught():
+    class Incomplete(AttentionBackend):
+        def init_forward_metadata(self, forward_batch):  # noqa: D401
+            pass
+
+        def forward_extend(self, q, k, v, layer):  # wrong signature: fewer arguments
+            pass
+
+    errors = conformance_errors(Incomplete)
+    assert any("misses hook init_mha_chunk_metadata" in e for e in errors)
+    assert any("forward_extend" in e and "!=" in e for e in errors)
+
+
+def test_no_hasattr_probing_of_hooks():
+    roots = [Path(attention.__file__).parent, Path(attention.__file__).parent.parent / "workers"]
+    pattern = re.compile(r"hasattr\([^)]*(" + "|".join(HOOKS) + r")")
+    offenders = [str(p) for root in roots for p in root.rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []

@@ -1,0 +1,212 @@
+"""One rank's forward pass: StepPlan in, StepResult out.
+
+The runner owns the model shard, the KV pool, the req → token table, the attention backend
+and (on rank 0) the sampler and per-request sampling state. It holds no scheduling logic:
+which tokens go where was decided by the replica's scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from attention.base import AttentionBackend
+from attention.flash import FlashAttentionBackend
+from attention.paged import should_skip_kv_cache
+from attention.reference import TorchReferenceBackend
+from workers.forward_batch import ForwardBatch, ForwardMode
+from workers.loader import load_model
+from workers.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from workers.messages import StepPlan, StepResult
+from workers.model_config import ModelConfig
+from workers.parallel import TPGroup
+from workers.sampler import RequestSamplingState, Sampler
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """The narrow slice of the engine config a rank needs."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str | None = None
+    page_size: int = 1
+    kv_cache_tokens: int | None = None
+    mem_fraction: float = 0.85
+    max_running_requests: int = 256
+    max_context_len: int | None = None
+    attention_backend: str = "flash"
+    is_embedding: bool = False
+    chunked_prefill_size: int = 2048
+    disable_radix_cache: bool = False
+    disable_cuda_graph: bool = False
+    seed: int = 0
+
+
+def make_attention_backend(opts: RunnerOptions, use_mla: bool, device: torch.device) -> AttentionBackend:
+    skip = should_skip_kv_cache(
+        is_embedding=opts.is_embedding,
+        chunked_prefill_size=opts.chunked_prefill_size,
+        disable_radix_cache=opts.disable_radix_cache,
+        use_mla=use_mla,
+    )
+    if use_mla:
+        from attention.mla import MLAAttentionBackend
+
+        backend: AttentionBackend = MLAAttentionBackend(opts.page_size, device=device.type)
+    elif opts.attention_backend == "reference":
+        backend = TorchReferenceBackend(opts.page_size, skip_kv_cache=skip)
+    else:
+        backend = FlashAttentionBackend(opts.page_size, skip_kv_cache=skip, device=device.type)
+    backend.check_capabilities(use_mla=use_mla, page_size=opts.page_size, cuda_graph=False)
+    return backend
+
+
+class ModelRunner:
+    def __init__(self, opts: RunnerOptions, tp: TPGroup | None = None):
+        self.opts = opts
+        self.tp = tp or TPGroup()
+        self.device = torch.device(opts.device if opts.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        default_dtype = "float32" if self.device.type == "cpu" else None
+        self.model_config = ModelConfig.from_pretrained(opts.model, dtype=opts.dtype or default_dtype)
+        self.dtype = self.model_config.dtype
+        torch.manual_seed(opts.seed)
+        self.model = load_model(self.model_config, self.tp, self.device, self.dtype)
+        self.max_context_len = min(opts.max_context_len or self.model_config.max_context_len,
+                                   self.model_config.max_context_len)
+        self.kv_pool = self._make_kv_pool()
+        self.req_to_token_pool = ReqToTokenPool(opts.max_running_requests, self.max_context_len, self.device)
+        self.attn_backend = make_attention_backend(opts, self.model_config.use_mla, self.device)
+        self.sampler = (
+            Sampler(self.model_config.vocab_size, self.device, eos_token_ids=set(self.model_config.eos_token_ids))
+            if self.tp.is_first
+            else None
+        )
+        self.states: dict[str, RequestSamplingState] = {}
+        self.embedding_rids: set[str] = set()
+
+    # ---------------- memory ----------------
+    def _kv_tokens(self, bytes_per_token: int) -> int:
+        if self.opts.kv_cache_tokens is not None:
+            return self.opts.kv_cache_tokens
+        if self.device.type == "cpu":
+            return 65536
+        free, _total = torch.cuda.mem_get_info(self.device)
+        budget = int(free * self.opts.mem_fraction) - (1 << 30)  # keep 1 GiB for activations
+        tokens = max(budget // bytes_per_token, 2 * self.opts.page_size)
+        # Every rank must size its pool identically: take the minimum over the TP group.
+        return self.tp.all_min_int(tokens)
+
+    def _make_kv_pool(self) -> KVPool:
+        mc, ps = self.model_config, self.opts.page_size
+        layers = mc.num_attention_layers
+        if mc.use_mla:
+            def build(pages: int) -> KVPool:
+                return MLATokenToKVPool(pages, ps, layers, mc.kv_lora_rank, mc.qk_rope_head_dim, self.dtype, self.device)
+            per_token = (mc.kv_lora_rank + mc.qk_rope_head_dim) * self.dtype.itemsize * layers
+        else:
+            kv_heads = mc.per_rank_kv_heads(self.tp.size)
+            def build(pages: int) -> KVPool:
+                return MHATokenToKVPool(pages, ps, layers, kv_heads, mc.head_dim, self.dtype, self.device,
+                                        v_head_dim=mc.v_head_dim)
+            per_token = kv_heads * (mc.head_dim + mc.v_head_dim) * self.dtype.itemsize * layers
+        num_pages = self._kv_tokens(per_token) // ps + 1  # + the reserved page 0
+        pool = build(num_pages)
+        logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, ps,
+                    pool.bytes_per_token() * pool.num_slots / 2**20)
+        return pool
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_pool.num_pages
+
+    # ---------------- one step ----------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        for rid in plan.finished_rids:
+            self.states.pop(rid, None)
+            self.embedding_rids.discard(rid)
+        for nr in plan.new_requests:
+            if nr.is_embedding:
+                self.embedding_rids.add(nr.rid)
+            else:
+                self.states[nr.rid] = RequestSamplingState(nr.sampling, nr.prompt_ids, list(nr.output_ids))
+        for row, start, slots in plan.table_writes:
+            self.req_to_token_pool.write(row, start, torch.tensor(slots, dtype=torch.int32, device=self.device))
+        result = StepResult(plan.step_id)
+        if plan.mode == ForwardMode.IDLE or not plan.reqs:
+            return result
+        fb = self.build_forward_batch(plan)
+        hidden = self.forward(fb)
+        self._finish_step(plan, fb, hidden, result)
+        result.compute_s = time.perf_counter() - t0
+        return result
+
+    def build_forward_batch(self, plan: StepPlan) -> ForwardBatch:
+        dev = self.device
+        reqs = plan.reqs
+        ext = [len(r.input_ids) for r in reqs]
+        prefix = [r.prefix_len for r in reqs]
+        input_ids = torch.tensor([t for r in reqs for t in r.input_ids], dtype=torch.long, device=dev)
+        positions = torch.tensor([p + j for r, p in zip(reqs, prefix) for j in range(len(r.input_ids))],
+                                 dtype=torch.long, device=dev)
+        out_loc = torch.tensor([s for r in reqs for s in r.out_cache_loc], dtype=torch.long, device=dev)
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.long, device=dev)
+        # Record the new tokens' slots in the request table before the attention reads it.
+        self.req_to_token_pool.req_to_token[rows.repeat_interleave(torch.tensor(ext, device=dev)), positions] = (
+            out_loc.to(torch.int32)
+        )
+        seq_lens_cpu = torch.tensor([p + e for p, e in zip(prefix, ext)], dtype=torch.int32)
+        ext_t = torch.tensor(ext, dtype=torch.int32, device=dev)
+        start_loc = torch.nn.functional.pad(torch.cumsum(ext_t, 0, dtype=torch.int32), (1, 0))
+        mode = plan.mode
+        fb = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(reqs),
+            input_ids=input_ids,
+            positions=positions,
+            req_pool_indices=rows,
+            seq_lens=seq_lens_cpu.to(dev),
+            seq_lens_cpu=seq_lens_cpu,
+            out_cache_loc=out_loc,
+            extend_seq_lens=None if mode.is_decode() else ext_t,
+            extend_seq_lens_cpu=None if mode.is_decode() else ext,
+            extend_prefix_lens=None if mode.is_decode() else torch.tensor(prefix, dtype=torch.int32, device=dev),
+            extend_prefix_lens_cpu=None if mode.is_decode() else prefix,
+            extend_start_loc=start_loc,
+            is_embedding=any(r.rid in self.embedding_rids for r in reqs),
+            logits_indices=start_loc[1:].long() - 1,
+            req_to_token_pool=self.req_to_token_pool,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )
+        return fb
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, hidden] of every new token."""
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    def _finish_step(self, plan: StepPlan, fb: ForwardBatch, hidden: torch.Tensor, result: StepResult) -> None:
+        sample_idx = [i for i, r in enumerate(plan.reqs) if r.sample and r.rid in self.states]
+        assert fb.logits_indices is not None
+        if sample_idx:
+            last = hidden[fb.logits_indices[sample_idx]]
+            logits = self.model.compute_logits(last)  # every rank joins the gather
+            if self.sampler is not None:
+                states = [self.states[plan.reqs[i].rid] for i in sample_idx]
+                out = self.sampler.sample(logits, states)
+                for i, tok, lp in zip(sample_idx, out.token_ids, out.logprobs):
+                    rid = plan.reqs[i].rid
+                    self.states[rid].output_ids.append(tok)
+                    result.sampled_rids.append(rid)
+                    result.next_token_ids.append(tok)
+                    result.logprobs.append(lp)
