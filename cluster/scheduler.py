@@ -292,7 +292,7 @@ class Scheduler:
         if req.finished:
             return
         if req.status == RequestStatus.RUNNING:
-            self._release(req, keep_in_cache=True)
+            self._release(req)
             self.running.remove(req)
             self._pending_drop.append(req.rid)
         elif req in self.waiting:
@@ -302,7 +302,7 @@ class Scheduler:
         del self.requests[req.rid]
 
     def _preempt(self, req: Request) -> None:
-        self._release(req, keep_in_cache=True)
+        self._release(req)
         self.running.remove(req)
         self._pending_drop.append(req.rid)
         req.status = RequestStatus.WAITING
@@ -310,20 +310,11 @@ class Scheduler:
         self.stats.preemptions += 1
         self.waiting.appendleft(req)
 
-    def _release(self, req: Request, keep_in_cache: bool) -> None:
+    def _release(self, req: Request) -> None:
         """Return a running request's pages: whole pages of computed tokens go to the prefix
-        cache (the cache keeps one copy; our duplicates are freed), the rest to the allocator."""
-        kv = req.kv
-        assert kv is not None
-        full = kv.num_tokens // self.page_size
-        if keep_in_cache and full > 0:
-            tokens = req.all_ids[: full * self.page_size]
-            already = self.radix.insert(tokens, kv.pages[:full])
-            self.allocator.free(kv.pages[kv.num_cached_pages : already])
-            self.allocator.free(kv.pages[full:])
-        else:
-            self.allocator.free(kv.pages[kv.num_cached_pages :])
-        self.radix.unlock(req.prefix_node)
+        cache (it keeps one copy; our duplicates are freed), the rest to the allocator."""
+        assert req.kv is not None
+        self.radix.release(req.kv, req.all_ids, req.prefix_node)
         self._free_rows.append(req.req_pool_idx)
         req.kv, req.prefix_node, req.req_pool_idx = None, None, -1
 
@@ -334,7 +325,7 @@ class Scheduler:
         return used / total if total else 0.0
 
     def check_integrity(self) -> None:
-        owned = sum(len(r.kv.pages) - r.kv.num_cached_pages for r in self.running if r.kv)
+        owned = [p for r in self.running if r.kv for p in r.kv.owned_pages]
         self.radix.check_integrity(extra_used=owned)
 
 

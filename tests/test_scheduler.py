@@ -104,7 +104,7 @@ def test_min_tokens_blocks_eos_and_ignore_eos():
 
 
 def test_prefix_cache_hit_after_finish():
-    s = make_scheduler()
+    s = make_scheduler(chunked_prefill_size=64)
     s.add_request(req("a", 21, max_tokens=1))
     run_step(s)
     s.add_request(req("b", 23, max_tokens=1))
@@ -126,7 +126,7 @@ def test_full_prompt_hit_still_computes_one_token():
 
 
 def test_disabled_radix_cache_never_hits():
-    s = make_scheduler(disable_radix_cache=True)
+    s = make_scheduler(disable_radix_cache=True, chunked_prefill_size=64)
     s.add_request(req("a", 21, max_tokens=1))
     run_step(s)
     s.add_request(req("b", 21, max_tokens=1))

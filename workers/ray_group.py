@@ -1,0 +1,128 @@
+"""A replica's TP ranks as Ray actors, placed by one placement group.
+
+Rendezvous: rank 0 reports its node's IP and a free port; every rank joins the process group
+there (gloo on CPU, NCCL on GPU). The network interface gloo/NCCL use is set per actor with
+GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME when `nic` is given (multi-node clusters).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from workers.group import WorkerGroup
+from workers.messages import StepPlan, StepResult
+from workers.model_runner import RunnerOptions
+from workers.worker import RankWorker
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+class WorkerDied(RuntimeError):
+    """A rank of this group is gone; the group cannot run another step."""
+
+
+class RayWorkerGroup(WorkerGroup):
+    def __init__(
+        self,
+        opts: RunnerOptions,
+        tp_size: int,
+        *,
+        placement_strategy: str = "PACK",
+        nic: str | None = None,
+        cpus_per_rank: float = 1.0,
+        name: str = "replica",
+        ready_timeout_s: float = 300.0,
+    ):
+        if placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement strategy must be one of {PLACEMENT_STRATEGIES}")
+        self.tp_size = tp_size
+        gpu = opts.device == "cuda"
+        bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if gpu else {})}
+        self.pg: PlacementGroup | None = placement_group([dict(bundle) for _ in range(tp_size)],
+                                                         strategy=placement_strategy, name=f"{name}-pg")
+        ready, _ = ray.wait([self.pg.ready()], timeout=ready_timeout_s)
+        if not ready:
+            remove_placement_group(self.pg)
+            raise RuntimeError(f"placement group for {tp_size} ranks ({bundle} each, {placement_strategy}) "
+                               f"could not be placed within {ready_timeout_s:.0f}s: not enough resources")
+        env = {}
+        if nic:
+            env = {"GLOO_SOCKET_IFNAME": nic, "NCCL_SOCKET_IFNAME": nic}
+        actor_cls = ray.remote(RankWorker)
+        self.workers = [
+            actor_cls.options(
+                num_cpus=cpus_per_rank,
+                num_gpus=1 if gpu else 0,
+                max_concurrency=2,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                runtime_env={"env_vars": env} if env else None,
+            ).remote(opts, i, tp_size)
+            for i in range(tp_size)
+        ]
+        addr, port = ray.get(self.workers[0].node_address.remote())
+        infos = ray.get([w.init.remote(addr, port) for w in self.workers])
+        self.model_config = infos[0]["model_config"]
+        self.num_pages = infos[0]["num_pages"]
+        self.placements = ray.get([w.placement.remote() for w in self.workers])
+        # One never-returning call per rank: it fails the moment its actor dies.
+        self.hold_refs = [w.hold.remote() for w in self.workers]
+        self._dead: str | None = None
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self._dead:
+            raise WorkerDied(self._dead)
+        refs = [w.execute.remote(plan) for w in self.workers]
+        pending = list(refs)
+        try:
+            # Surface the first failure at once rather than waiting on a rank blocked in a
+            # collective with a dead peer.
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                ray.get(ready[0])
+            return ray.get(refs[0])
+        except ray.exceptions.RayActorError as exc:
+            self._dead = f"a TP rank died: {exc}"
+            raise WorkerDied(self._dead) from exc
+
+    def wait_for_death(self, timeout: float | None = None) -> str | None:
+        """Block until a rank dies (returns why) or the timeout passes (returns None)."""
+        ready, _ = ray.wait(self.hold_refs, num_returns=1, timeout=timeout)
+        if not ready:
+            return None
+        try:
+            ray.get(ready[0])
+            return None  # returned normally: shutdown
+        except Exception as exc:
+            rank = self.hold_refs.index(ready[0])
+            self._dead = f"TP rank {rank} died: {type(exc).__name__}"
+            return self._dead
+
+    def describe(self) -> dict:
+        return {"kind": "ray", "tp_size": self.tp_size, "ranks": self.placements}
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                w.shutdown.remote()
+            except Exception:
+                pass
+        time.sleep(0.05)
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:
+                pass
+        self.workers = []
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None

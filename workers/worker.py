@@ -1,0 +1,87 @@
+"""The Ray actor of one TP rank: its model shard, KV pools and model runner.
+
+The actor is threaded (max_concurrency 2) so that `hold()`, a call that never returns while the
+actor lives, runs beside `execute()`: the replica waits on every rank's `hold()` and learns of
+a dead rank as soon as Ray does, not at the next request.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+
+from workers.messages import StepPlan, StepResult
+from workers.model_runner import ModelRunner, RunnerOptions
+from workers.parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class RankWorker:
+    """Plain class; `workers.ray_group` wraps it with `ray.remote`. Also usable in-process."""
+
+    def __init__(self, opts: RunnerOptions, rank: int, world_size: int):
+        self.opts = opts
+        self.rank = rank
+        self.world_size = world_size
+        self.runner: ModelRunner | None = None
+        self._stop = threading.Event()
+        if opts.device == "cpu":
+            # Several ranks share the host's cores: one thread each keeps them from fighting.
+            torch.set_num_threads(max(1, int(os.environ.get("MANTA_WORKER_THREADS", "1"))))
+
+    def node_address(self) -> tuple[str, int]:
+        """This node's IP (as Ray sees it) and a free port on it, for the rendezvous."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def placement(self) -> dict:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"rank": self.rank, "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids()}
+
+    def init(self, master_addr: str, master_port: int) -> dict:
+        """Join the TP process group and load this rank's shard; returns what the replica needs."""
+        tp = TPGroup()
+        if self.world_size > 1:
+            backend = "nccl" if self.opts.device == "cuda" else "gloo"
+            if self.opts.device == "cuda":
+                torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=120),
+            )
+            tp = TPGroup(self.rank, self.world_size)
+        self.runner = ModelRunner(self.opts, tp)
+        return {"num_pages": self.runner.num_pages, "model_config": self.runner.model_config}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        assert self.runner is not None, "init() first"
+        return self.runner.execute(plan)
+
+    def hold(self) -> None:
+        """Returns only at shutdown; its failure tells the replica that this rank died."""
+        self._stop.wait()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if dist.is_initialized():
+            dist.destroy_process_group()
