@@ -78,7 +78,14 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    # Set with `error` on a request refused at admission by a remote replica, so the router
+    # can raise the same typed error the in-process engine raises: "invalid_request" (with
+    # error_param naming the field), "queue_full", "unavailable" or "internal".
+    error_type: str | None = None
+    error_param: str | None = None
     embedding: list[float] | None = None
+    # Which replica served the request (set by the router).
+    replica: str = "local"
     # Seconds from arrival, filled when finished (for metrics and clients that ask).
     ttft_s: float | None = None
     e2e_s: float | None = None

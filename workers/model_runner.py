@@ -106,17 +106,17 @@ class ModelRunner:
 
     def _make_kv_pool(self) -> KVPool:
         mc, ps = self.model_config, self.opts.page_size
-        layers = mc.num_attention_layers
+        layers = mc.num_layers
         if mc.use_mla:
+            lora, rope = mc.hf_config.kv_lora_rank, mc.hf_config.qk_rope_head_dim
             def build(pages: int) -> KVPool:
-                return MLATokenToKVPool(pages, ps, layers, mc.kv_lora_rank, mc.qk_rope_head_dim, self.dtype, self.device)
-            per_token = (mc.kv_lora_rank + mc.qk_rope_head_dim) * self.dtype.itemsize * layers
+                return MLATokenToKVPool(pages, ps, layers, lora, rope, self.dtype, self.device)
+            per_token = (lora + rope) * self.dtype.itemsize * layers
         else:
             kv_heads = mc.per_rank_kv_heads(self.tp.size)
             def build(pages: int) -> KVPool:
-                return MHATokenToKVPool(pages, ps, layers, kv_heads, mc.head_dim, self.dtype, self.device,
-                                        v_head_dim=mc.v_head_dim)
-            per_token = kv_heads * (mc.head_dim + mc.v_head_dim) * self.dtype.itemsize * layers
+                return MHATokenToKVPool(pages, ps, layers, kv_heads, mc.head_dim, self.dtype, self.device)
+            per_token = kv_heads * 2 * mc.head_dim * self.dtype.itemsize * layers
         num_pages = self._kv_tokens(per_token) // ps + 1  # + the reserved page 0
         pool = build(num_pages)
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, ps,

@@ -1,0 +1,246 @@
+"""The router: spreads requests over replica actors and keeps serving when one fails.
+
+Policies: `round_robin`; `least_load` (the router's own in-flight count plus the replica's
+waiting queue, then KV usage); `cache_aware` (each replica's approximate prefix tree of recent
+prompts: go to the best match when its match rate reaches `cache_threshold`, unless the load
+gap exceeds both `balance_abs_threshold` and `balance_rel_threshold` × the lightest load, in
+which case least load wins).
+
+Health: a poller fetches every replica's stats each `stats_interval_s`; a replica that fails
+to answer, reports itself unhealthy, or fails a request before its first token is skipped
+until it answers healthy again. A request that fails before its first token is retried on
+another replica; one that fails later ends with a clean error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from cluster.client_api import HealthStatus, NoReplicaAvailable
+from cluster.prefix_tree import PrefixTree
+from cluster.request import RequestOutput
+from cluster.scheduler import QueueFull, RequestRejected
+from workers.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("round_robin", "least_load", "cache_aware")
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    policy: str = "cache_aware"
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 16
+    balance_rel_threshold: float = 1.5
+    tree_max_tokens: int = 200_000
+    stats_interval_s: float = 0.5
+    stats_timeout_s: float = 5.0
+    max_attempts: int = 3
+    # Requests the router holds at once over all replicas; 0: unbounded (QueueFull beyond).
+    max_inflight: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"router policy must be one of {POLICIES}, not {self.policy!r}")
+
+
+@dataclass
+class ReplicaHandle:
+    name: str
+    actor: Any
+    healthy: bool = True
+    reason: str | None = None
+    draining: bool = False
+    inflight: int = 0
+    stats: dict = field(default_factory=dict)
+    tree: PrefixTree = field(default_factory=PrefixTree)
+
+    @property
+    def load(self) -> int:
+        return self.inflight + int(self.stats.get("num_waiting", 0))
+
+
+class Router:
+    def __init__(self, options: RouterOptions, metrics, tokenizer, model_name: str,
+                 max_context_len: int, vocab_size: int):
+        self.options = options
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_context_len = max_context_len
+        self.vocab_size = vocab_size
+        self.replicas: dict[str, ReplicaHandle] = {}
+        self._rr = itertools.count()
+        self._poller: asyncio.Task | None = None
+        self._inflight = 0
+
+    # ---------------- membership ----------------
+    def add_replica(self, name: str, actor) -> None:
+        self.replicas[name] = ReplicaHandle(name, actor, tree=PrefixTree(self.options.tree_max_tokens))
+        logger.info("router: replica %s added", name)
+
+    def remove_replica(self, name: str) -> ReplicaHandle | None:
+        handle = self.replicas.pop(name, None)
+        if handle is not None and self.metrics is not None:
+            self.metrics.remove_replica(name)
+        return handle
+
+    def _candidates(self, exclude: set[str]) -> list[ReplicaHandle]:
+        return [h for h in self.replicas.values() if h.healthy and not h.draining and h.name not in exclude]
+
+    # ---------------- policy ----------------
+    def choose(self, tokens: list[int], exclude: set[str] = frozenset()) -> ReplicaHandle | None:
+        cands = self._candidates(set(exclude))
+        if not cands:
+            return None
+        policy = self.options.policy
+        if policy == "round_robin":
+            return cands[next(self._rr) % len(cands)]
+        lightest = min(cands, key=lambda h: (h.load, h.stats.get("kv_usage", 0.0)))
+        if policy == "least_load":
+            return lightest
+        heaviest = max(cands, key=lambda h: h.load)
+        gap = heaviest.load - lightest.load
+        imbalanced = (gap > self.options.balance_abs_threshold
+                      and heaviest.load > self.options.balance_rel_threshold * lightest.load)
+        if imbalanced or not tokens:
+            return lightest
+        best = max(cands, key=lambda h: (h.tree.match(tokens), -h.load))
+        rate = best.tree.match(tokens) / len(tokens)
+        return best if rate >= self.options.cache_threshold else lightest
+
+    # ---------------- serving ----------------
+    def _tokens(self, prompt: str | list[int]) -> list[int]:
+        return list(self.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
+
+    async def generate_stream(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None,
+                              is_embedding: bool = False) -> AsyncIterator[RequestOutput]:
+        params.validate(self.vocab_size)
+        tokens = self._tokens(prompt)
+        rid = rid or f"req-{uuid.uuid4().hex}"
+        if self.options.max_inflight and self._inflight >= self.options.max_inflight:
+            raise QueueFull(f"{self._inflight} requests in flight (router max {self.options.max_inflight})")
+        tried: set[str] = set()
+        saw_full = False
+        self._inflight += 1
+        try:
+            for _attempt in range(self.options.max_attempts):
+                handle = self.choose(tokens, tried)
+                if handle is None:
+                    break
+                tried.add(handle.name)
+                if self.metrics is not None:
+                    self.metrics.record_route(self.options.policy, handle.name)
+                handle.tree.insert(tokens)
+                first_seen = False
+                handle.inflight += 1
+                finished = False
+                try:
+                    gen = handle.actor.generate.remote(tokens, params, rid, is_embedding)
+                    async for ref in gen:
+                        out: RequestOutput = await ref
+                        if out.error_type is not None and not first_seen:
+                            saw_full |= self._admission_failed(handle, out) == "queue_full"
+                            break
+                        first_seen = True
+                        finished = out.finished
+                        out.replica = handle.name
+                        yield out
+                    if finished:
+                        return
+                    if first_seen:  # the stream ended without a final output
+                        yield self._failed(rid, handle.name, "the replica closed the stream")
+                        return
+                except ray.exceptions.RayError as exc:
+                    self._mark_unhealthy(handle, f"{type(exc).__name__}: {exc}")
+                    if first_seen:
+                        yield self._failed(rid, handle.name, f"replica {handle.name} failed: {type(exc).__name__}")
+                        return
+                    continue  # nothing sent yet: retry elsewhere
+                finally:
+                    handle.inflight -= 1
+                    if not finished:
+                        try:
+                            handle.actor.abort.remote(rid)
+                        except Exception:
+                            pass
+            if saw_full:
+                raise QueueFull("every replica's waiting queue is full")
+            raise NoReplicaAvailable("no healthy replica can serve the request")
+        finally:
+            self._inflight -= 1
+
+    def _admission_failed(self, handle: ReplicaHandle, out: RequestOutput) -> str:
+        """Raise for errors of the request itself; otherwise return why to retry elsewhere."""
+        if out.error_type == "invalid_request":
+            raise RequestRejected(out.error_param or "request", out.error or "invalid request")
+        if out.error_type == "unavailable":
+            self._mark_unhealthy(handle, out.error or "unavailable")
+        elif out.error_type != "queue_full":
+            raise RuntimeError(out.error or "replica error")
+        return out.error_type
+
+    @staticmethod
+    def _failed(rid: str, replica: str, error: str) -> RequestOutput:
+        return RequestOutput(rid, finished=True, finish_reason="error", error=error, error_type="internal",
+                             replica=replica)
+
+    def _mark_unhealthy(self, handle: ReplicaHandle, reason: str) -> None:
+        if handle.healthy:
+            logger.warning("router: replica %s unhealthy: %s", handle.name, reason)
+        handle.healthy, handle.reason = False, reason
+
+    # ---------------- health ----------------
+    def health(self) -> HealthStatus:
+        detail = {h.name: {"healthy": h.healthy, "reason": h.reason, "inflight": h.inflight}
+                  for h in self.replicas.values()}
+        return HealthStatus(ok=any(h.healthy for h in self.replicas.values()), detail=detail)
+
+    async def poll_once(self) -> None:
+        handles = list(self.replicas.values())
+        refs = [h.actor.stats.remote() for h in handles]
+
+        async def one(h: ReplicaHandle, ref) -> None:
+            try:
+                stats = await asyncio.wait_for(ref, timeout=self.options.stats_timeout_s)
+            except Exception as exc:
+                self._mark_unhealthy(h, f"stats failed: {type(exc).__name__}")
+                return
+            h.stats = stats
+            if stats.get("healthy"):
+                if not h.healthy:
+                    logger.info("router: replica %s healthy again", h.name)
+                h.healthy, h.reason = True, None
+            else:
+                self._mark_unhealthy(h, stats.get("reason") or "reported unhealthy")
+            if self.metrics is not None:
+                self.metrics.update_replica_stats(h.name, stats)
+
+        await asyncio.gather(*(one(h, r) for h, r in zip(handles, refs)))
+
+    async def start(self) -> None:
+        if self._poller is None:
+            await self.poll_once()
+            self._poller = asyncio.create_task(self._poll_loop())
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.stats_interval_s)
+            try:
+                await self.poll_once()
+            except Exception:
+                logger.exception("router stats poll failed")
+
+    async def aclose(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            self._poller = None

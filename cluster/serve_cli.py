@@ -1,0 +1,79 @@
+"""`manta serve`: the cluster (Ray, replicas, router) behind the OpenAI HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_parser(sub) -> None:
+    from cluster.cli import add_engine_args
+
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API from a Ray cluster")
+    add_engine_args(p)
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--router-policy", default="cache_aware", choices=["round_robin", "least_load", "cache_aware"])
+    p.add_argument("--cache-threshold", type=float, default=0.5)
+    p.add_argument("--balance-abs-threshold", type=int, default=16)
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default=None, help="join this Ray cluster ('auto' on a ray up head)")
+    p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
+    p.add_argument("--nic", default=None, help="network interface for gloo/NCCL (multi-node)")
+    p.add_argument("--cpus-per-rank", type=float, default=1.0)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not for /health)")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    p.set_defaults(func=cmd_serve)
+
+
+def cluster_options_from_args(args: argparse.Namespace):
+    from cluster.cli import engine_config_from_args
+    from cluster.launch import ClusterOptions
+    from cluster.router import RouterOptions
+
+    return ClusterOptions(
+        engine=engine_config_from_args(args),
+        replicas=args.replicas,
+        router=RouterOptions(policy=args.router_policy, cache_threshold=args.cache_threshold,
+                             balance_abs_threshold=args.balance_abs_threshold,
+                             balance_rel_threshold=args.balance_rel_threshold),
+        address=args.address,
+        placement_strategy=args.placement_strategy,
+        nic=args.nic,
+        cpus_per_rank=args.cpus_per_rank,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from cluster.launch import ServingCluster
+    from cluster.metrics import ServerMetrics
+    from cluster.server import build_app
+
+    metrics = ServerMetrics()
+    cluster = ServingCluster(cluster_options_from_args(args), metrics)
+    try:
+        router = cluster.start()
+        app = build_app(router, metrics, api_key=args.api_key, metrics_public=args.metrics_public)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on")
+        server = uvicorn.Server(config)
+
+        async def main() -> None:
+            await router.start()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+            logger.info("serving %s on http://%s:%d/v1", router.model_name, args.host, args.port)
+            await server.serve()
+            await router.aclose()
+
+        asyncio.run(main())
+    finally:
+        cluster.shutdown()
+    return 0

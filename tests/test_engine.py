@@ -1,0 +1,180 @@
+"""The engine against `transformers` on the same tiny checkpoints: identical greedy tokens for
+batches of prompts of different lengths arriving at different steps, with the prefix cache,
+chunked prefill, page sizes 1 and 16, and preemption; plus sampling and error behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.config import EngineConfig
+from cluster.engine import Engine, GenerationResult
+from cluster.scheduler import RequestRejected
+from tests.fixtures import tiny_model_dir
+from workers.sampling_params import SamplingParams, SamplingParamsError
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog",
+    "Hello",
+    "In a distant land, far beyond the mountains and the rivers, there lived an old king who",
+    "Serving systems batch requests",
+    "one two three four five six seven",
+]
+MAX_NEW = 12
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return {arch: tiny_model_dir(tmp_path_factory, arch) for arch in ARCHS}
+
+
+_REF_CACHE: dict = {}
+
+
+def hf_greedy(model_dir, prompt_ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation (full recompute each step: no cache subtleties)."""
+    from transformers import AutoModelForCausalLM
+
+    key = (str(model_dir), tuple(prompt_ids), n)
+    if key in _REF_CACHE:
+        return _REF_CACHE[key]
+    if str(model_dir) not in _REF_CACHE:
+        _REF_CACHE[str(model_dir)] = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+    model = _REF_CACHE[str(model_dir)]
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    result = ids[len(prompt_ids):]
+    _REF_CACHE[key] = result
+    return result
+
+
+def run_staggered(engine: Engine, prompts, params, arrive_every: int = 2) -> list[GenerationResult]:
+    """Submit prompts two at a time, a couple of steps apart, then run to completion."""
+    results = []
+    pending = list(prompts)
+    while pending or engine.has_work():
+        for _ in range(2):
+            if pending:
+                res = GenerationResult(rid="")
+                res.rid = engine.add_request(pending.pop(0), params, res.add)
+                results.append(res)
+        for _ in range(arrive_every):
+            engine.step()
+        engine.scheduler.check_integrity()
+    return results
+
+
+def greedy(n=MAX_NEW) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def check_against_hf(engine: Engine, model_dir, prompts=PROMPTS, **kw):
+    results = run_staggered(engine, prompts, greedy(), **kw)
+    for prompt, res in zip(prompts, results):
+        ref = hf_greedy(model_dir, engine.tokenize(prompt), MAX_NEW)
+        assert res.token_ids == ref, f"prompt {prompt!r}"
+        assert res.finish_reason == "length"
+    return results
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_transformers(model_dirs, arch):
+    engine = Engine(EngineConfig(model=str(model_dirs[arch])))
+    check_against_hf(engine, model_dirs[arch])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefix_cache_hits_give_same_tokens(model_dirs, page_size):
+    d = model_dirs["llama"]
+    engine = Engine(EngineConfig(model=str(d), page_size=page_size))
+    shared = PROMPTS[2] + " and then"
+    engine.generate([shared], greedy())
+    prompts = [shared + " the king", shared + " a dragon came", shared]
+    check_against_hf(engine, d, prompts)
+    assert engine.scheduler.stats.prefix_hit_tokens >= page_size * ((len(engine.tokenize(shared)) - 1) // page_size)
+    assert engine.scheduler.stats.prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_chunked_prefill_small_chunks(model_dirs, page_size):
+    d = model_dirs["llama"]
+    engine = Engine(EngineConfig(model=str(d), chunked_prefill_size=3, max_num_batched_tokens=7,
+                                 page_size=page_size))
+    check_against_hf(engine, d)
+
+
+def test_preemption_when_kv_pool_is_too_small(model_dirs):
+    d = model_dirs["llama"]
+    # 5 prompts of up to ~25 tokens + 12 new each need ~150 tokens; give the pool 64.
+    engine = Engine(EngineConfig(model=str(d), kv_cache_tokens=64, page_size=4))
+    check_against_hf(engine, d)
+    assert engine.scheduler.stats.preemptions > 0
+
+
+def test_reference_backend_matches(model_dirs):
+    d = model_dirs["qwen2"]
+    engine = Engine(EngineConfig(model=str(d), attention_backend="reference", page_size=16))
+    check_against_hf(engine, d)
+
+
+def test_seeded_sampling_is_reproducible(model_dirs):
+    engine = Engine(EngineConfig(model=str(model_dirs["llama"])))
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = engine.generate([PROMPTS[0]], p)[0].token_ids
+    # Same request inside a different batch, at a different position.
+    batch = engine.generate([PROMPTS[1], PROMPTS[0], PROMPTS[3]],
+                            [SamplingParams(max_tokens=5, temperature=0.7), p,
+                             SamplingParams(max_tokens=8, temperature=1.0)])
+    assert batch[1].token_ids == alone
+    other = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True))
+    assert other[0].token_ids != alone
+
+
+def test_stop_strings_cut_text_exactly(model_dirs):
+    engine = Engine(EngineConfig(model=str(model_dirs["llama"])))
+    full = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    assert len(full.text) > 4
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    cut = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                       stop=(stop,)))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert stop not in cut.text
+
+
+@pytest.mark.parametrize(
+    "params,param",
+    [
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_k=-5), "top_k"),
+    ],
+)
+def test_bad_parameters_raise_and_engine_keeps_serving(model_dirs, params, param):
+    engine = Engine(EngineConfig(model=str(model_dirs["llama"])))
+    with pytest.raises(SamplingParamsError) as ei:
+        engine.generate([PROMPTS[0]], SamplingParams(**params))
+    assert ei.value.param == param and param in str(ei.value)
+    out = engine.generate([PROMPTS[1]], greedy(3))
+    assert len(out[0].token_ids) == 3
+
+
+def test_prompt_longer_than_context_is_rejected(model_dirs):
+    engine = Engine(EngineConfig(model=str(model_dirs["llama"]), max_context_len=16))
+    with pytest.raises(RequestRejected) as ei:
+        engine.generate([list(range(5, 25))], greedy(3))
+    assert ei.value.param == "prompt" and "16" in str(ei.value)
+    assert not engine.has_work()
+    assert len(engine.generate([list(range(5, 10))], greedy(3))[0].token_ids) == 3
+
+
+def test_context_limit_finishes_with_length(model_dirs):
+    engine = Engine(EngineConfig(model=str(model_dirs["llama"]), max_context_len=16))
+    res = engine.generate([list(range(5, 15))], greedy(50))[0]
+    assert res.finish_reason == "length" and len(res.token_ids) == 6

@@ -1,0 +1,216 @@
+"""Tensor-parallel linear layers and the weight-loading protocol every layer follows.
+
+Every parameter of a manta model carries
+    `weight_loader(param, src, shard_id=None)`: copies this rank's part of the checkpoint
+        tensor `src` into `param` (for a fused parameter, the part named by `shard_id`);
+    `shard_ids`: the shard ids the loader must see before the parameter is complete
+        ((None,) for an unfused parameter).
+`src` is a lazy slice (`TensorSlice`): safetensors' `get_slice` object, so a rank reads only
+its rows/columns from disk and never materialises the full tensor of a sharded parameter.
+
+Weights are stored as in `nn.Linear`: [out_features, in_features].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.parallel import TPGroup, divide, kv_head_placement, shard_range
+
+
+class TensorSlice(Protocol):
+    """What safetensors' `safe_open(...).get_slice(name)` returns."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+class InMemorySlice:
+    """A `TensorSlice` over a tensor already in memory (tests, converted weights)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index]
+
+
+WeightLoader = Callable[..., None]
+
+
+def check_shape(name: str, src: TensorSlice, expected: Sequence[int]) -> None:
+    shape = list(src.get_shape())
+    if shape != list(expected):
+        raise ValueError(f"{name}: checkpoint tensor has shape {shape}, expected {list(expected)}")
+
+
+def _copy(dst: torch.Tensor, data: torch.Tensor) -> None:
+    if dst.shape != data.shape:
+        raise ValueError(f"shard of shape {tuple(data.shape)} does not fit {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(data.to(dtype=dst.dtype))
+
+
+def default_weight_loader(param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
+    """A replicated parameter: every rank copies the whole tensor."""
+    check_shape("replicated parameter", src, param.shape)
+    _copy(param.data, src[:])
+
+
+def make_param(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    loader: WeightLoader = default_weight_loader,
+    shard_ids: tuple[Any, ...] = (None,),
+) -> nn.Parameter:
+    """An uninitialised parameter with its loader; `load_model` fails if it stays unloaded."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.shard_ids = shard_ids  # type: ignore[attr-defined]
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A's output rows split over ranks; each rank returns its own
+    [.., out / tp] columns (no gather: the next layer is row-parallel or per-head)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TPGroup, dtype: torch.dtype, device
+    ):
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features = out_features
+        self.start, self.end = shard_range(out_features, tp.rank, tp.size)
+        local = self.end - self.start
+        self.weight = make_param((local, in_features), dtype, device, self._load_rows)
+        self.bias = make_param((local,), dtype, device, self._load_rows) if bias else None
+
+    def _load_rows(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
+        check_shape("column-parallel", src, [self.out_features, *param.shape[1:]])
+        _copy(param.data, src[self.start : self.end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel outputs fused in one weight (gate_up: output_sizes [I, I]).
+
+    Rank r holds, for each part i, rows [r*s_i/tp, (r+1)*s_i/tp) of that part, laid out part
+    after part; `shard_id` is the part's index."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.output_sizes = list(output_sizes)
+        self.local_sizes = [divide(s, tp.size) for s in self.output_sizes]
+        local = sum(self.local_sizes)
+        ids = tuple(range(len(self.output_sizes)))
+        self.weight = make_param((local, in_features), dtype, device, self._load_part, ids)
+        self.bias = make_param((local,), dtype, device, self._load_part, ids) if bias else None
+
+    def _load_part(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
+        i = int(shard_id)
+        check_shape(f"merged part {i}", src, [self.output_sizes[i], *param.shape[1:]])
+        start, end = shard_range(self.output_sizes[i], self.tp.rank, self.tp.size)
+        offset = sum(self.local_sizes[:i])
+        _copy(param.data[offset : offset + self.local_sizes[i]], src[start:end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(nn.Module):
+    """q, k and v projections fused: output [.., (q_heads + 2 * kv_heads) * head_dim] with this
+    rank's heads only. Query heads are split evenly; kv heads follow `kv_head_placement`
+    (when tp > num_kv_heads each rank holds one kv head, replicated over tp / num_kv_heads
+    ranks). `shard_id` is "q", "k" or "v"."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.head_dim = head_dim
+        self.total_heads = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
+        self.num_heads = divide(num_heads, tp.size)
+        kv_start, self.num_kv_heads = kv_head_placement(num_kv_heads, tp.size, tp.rank)
+        # (first head, heads, row offset in the fused weight) per shard id
+        q_rows = self.num_heads * head_dim
+        kv_rows = self.num_kv_heads * head_dim
+        self.layout = {
+            "q": (tp.rank * self.num_heads, self.num_heads, 0),
+            "k": (kv_start, self.num_kv_heads, q_rows),
+            "v": (kv_start, self.num_kv_heads, q_rows + kv_rows),
+        }
+        self.output_sizes = [q_rows, kv_rows, kv_rows]
+        local = q_rows + 2 * kv_rows
+        ids = ("q", "k", "v")
+        self.weight = make_param((local, hidden_size), dtype, device, self._load_part, ids)
+        self.bias = make_param((local,), dtype, device, self._load_part, ids) if bias else None
+
+    def _load_part(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
+        first, heads, offset = self.layout[shard_id]
+        hd = self.head_dim
+        check_shape(f"{shard_id}_proj", src, [self.total_heads[shard_id] * hd, *param.shape[1:]])
+        rows = heads * hd
+        _copy(param.data[offset : offset + rows], src[first * hd : first * hd + rows])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> q [T, heads * hd], k and v [T, kv_heads * hd] (this rank's)."""
+        q, k, v = F.linear(x, self.weight, self.bias).split(self.output_sizes, dim=-1)
+        return q, k, v
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A's input columns split over ranks: each rank multiplies its slice
+    of x (the output of a column-parallel layer), the partial sums are all-reduced, and the
+    bias (replicated) is added once, after the reduce."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TPGroup, dtype: torch.dtype, device
+    ):
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.start, self.end = shard_range(in_features, tp.rank, tp.size)
+        self.weight = make_param((out_features, self.end - self.start), dtype, device, self._load_cols)
+        self.bias = make_param((out_features,), dtype, device) if bias else None
+
+    def _load_cols(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
+        check_shape("row-parallel", src, [param.shape[0], self.in_features])
+        _copy(param.data, src[:, self.start : self.end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank calls this (it is a collective at tp > 1)."""
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

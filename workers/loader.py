@@ -1,0 +1,103 @@
+"""Checkpoint reading and model loading for one rank.
+
+`CheckpointReader` indexes every `*.safetensors` file of a model directory (through
+`model.safetensors.index.json` when present) and hands out lazy slices, so each rank reads
+only its own shard of a sharded parameter from disk. `load_model` builds the registered class
+for the architecture, loads this rank's weights and refuses a model with any parameter (or any
+part of a fused parameter) left unloaded.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from workers.models.registry import get_model_class
+from workers.parallel import TPGroup
+
+if TYPE_CHECKING:
+    from workers.model_config import ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a safetensors checkpoint. File handles are opened on first
+    use and kept (safetensors memory-maps them) until `close()`."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self._file_of: dict[str, str] = {}
+        self._handles: dict[str, Any] = {}
+        index_path = os.path.join(model_dir, INDEX_FILE)
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            for name, file in weight_map.items():
+                self._file_of[name] = os.path.join(model_dir, file)
+        else:
+            for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+                for name in self._handle(path).keys():
+                    if name in self._file_of:
+                        raise ValueError(f"tensor {name!r} appears in two files of {model_dir!r}")
+                    self._file_of[name] = path
+        if not self._file_of:
+            raise ValueError(f"no *.safetensors weights in {model_dir!r}")
+
+    def _handle(self, path: str) -> Any:
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="pt", device="cpu")
+        return self._handles[path]
+
+    def _file(self, name: str) -> str:
+        try:
+            return self._file_of[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.model_dir!r}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._file_of)
+
+    def get_slice(self, name: str) -> Any:
+        """safetensors' lazy slice: `.get_shape()`, and `[a:b]` / `[:, a:b]` read only that
+        part from disk."""
+        return self._handle(self._file(name)).get_slice(name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor (for replicated parameters and tests)."""
+        return self._handle(self._file(name)).get_tensor(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def expected_shards(model: nn.Module) -> set[tuple[str, Any]]:
+    """(parameter name, shard id) pairs a complete load must produce (see workers.layers.linear)."""
+    return {(name, sid) for name, p in model.named_parameters() for sid in p.shard_ids}
+
+
+def load_model(
+    model_config: ModelConfig, tp: TPGroup, device: torch.device | str, dtype: torch.dtype
+) -> nn.Module:
+    """Build the model class registered for `model_config.architecture`, load this rank's
+    shard of the weights and return it in eval mode. Raises ValueError naming every parameter
+    (or fused part) the checkpoint did not provide."""
+    cls = get_model_class(model_config.architecture)
+    model = cls(model_config, tp, device, dtype)
+    reader = CheckpointReader(model_config.model_dir)
+    try:
+        with torch.no_grad():
+            loaded = model.load_weights(reader)
+    finally:
+        reader.close()
+    missing = expected_shards(model) - loaded
+    if missing:
+        shown = sorted(n if s is None else f"{n}[{s}]" for n, s in missing)
+        raise ValueError(f"checkpoint {model_config.model_dir!r} is missing parameters: {', '.join(shown)}")
+    return model.eval()

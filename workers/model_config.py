@@ -1,0 +1,147 @@
+"""The model's shape, converted once from a Hugging Face `config.json` at the boundary.
+
+`ModelConfig` is frozen: the worker, the model runner and the pools read it, nothing mutates it.
+`hf_config` (the transformers config object) is kept only for model construction, where a
+family reads its own extra fields (biases, norms, RoPE scaling).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workers.parallel import divide, kv_head_placement
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {value}; use float32, bfloat16 or float16")
+        return value
+    key = value.lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {value!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def _first_attr(cfg: Any, *names: str) -> Any:
+    """The first of `names` the HF config sets (families name the same quantity differently)."""
+    for name in names:
+        value = getattr(cfg, name, None)
+        if value is not None:
+            return value
+    raise ValueError(f"config of {type(cfg).__name__} sets none of {names}")
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_dir: str
+    architecture: str  # config.architectures[0], the key of workers.models.registry
+    num_layers: int
+    hidden_size: int
+    num_heads: int  # attention (query) heads, all ranks together
+    num_kv_heads: int  # all ranks together
+    head_dim: int
+    vocab_size: int
+    max_context_len: int  # max_position_embeddings
+    dtype: torch.dtype  # weights and activations (the engine passes float32 on CPU)
+    use_mla: bool  # DeepSeek-style latent attention (config has kv_lora_rank)
+    is_encoder_decoder: bool
+    eos_token_ids: tuple[int, ...]  # config.json + generation_config.json, first seen first
+    tie_word_embeddings: bool
+    # The transformers config object; read only while building the model.
+    hf_config: Any = field(repr=False, compare=False, default=None)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, dtype: str | torch.dtype | None = None) -> ModelConfig:
+        """Read `model_dir/config.json` (local files only). Raises ValueError for an
+        architecture no model class is registered for."""
+        from transformers import AutoConfig
+
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            raise ValueError(f"{model_dir!r} has no config.json")
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        return cls.from_hf_config(hf_config, model_dir, dtype)
+
+    @classmethod
+    def from_hf_config(
+        cls, hf_config: Any, model_dir: str, dtype: str | torch.dtype | None = None
+    ) -> ModelConfig:
+        from workers.models.registry import supported_architectures
+
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"config in {model_dir!r} names no architecture")
+        arch = archs[0]
+        if arch not in supported_architectures():
+            raise ValueError(
+                f"unsupported architecture {arch!r} in {model_dir!r}; "
+                f"supported: {', '.join(supported_architectures())}"
+            )
+        num_heads = int(_first_attr(hf_config, "num_attention_heads", "decoder_attention_heads", "n_head"))
+        hidden = int(_first_attr(hf_config, "hidden_size", "d_model", "n_embd"))
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
+
+        if dtype is None:
+            # transformers >= 4.56 reads config.json's torch_dtype into `dtype`.
+            cfg_dtype = getattr(hf_config, "dtype", None)
+            resolved = parse_dtype(cfg_dtype) if cfg_dtype is not None else torch.float32
+        else:
+            resolved = parse_dtype(dtype)
+
+        eos = _as_ids(getattr(hf_config, "eos_token_id", None))
+        gen_path = os.path.join(model_dir, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                eos += _as_ids(json.load(f).get("eos_token_id"))
+
+        return cls(
+            model_dir=model_dir,
+            architecture=arch,
+            num_layers=int(_first_attr(hf_config, "num_hidden_layers", "decoder_layers", "n_layer")),
+            hidden_size=hidden,
+            num_heads=num_heads,
+            num_kv_heads=int(num_kv_heads),
+            head_dim=int(head_dim),
+            vocab_size=int(hf_config.vocab_size),
+            max_context_len=int(_first_attr(hf_config, "max_position_embeddings", "n_positions")),
+            dtype=resolved,
+            use_mla=getattr(hf_config, "kv_lora_rank", None) is not None,
+            is_encoder_decoder=bool(getattr(hf_config, "is_encoder_decoder", False)),
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            hf_config=hf_config,
+        )
+
+    def per_rank_heads(self, tp_size: int) -> int:
+        """Query heads on each rank (tp must divide num_heads)."""
+        return divide(self.num_heads, tp_size)
+
+    def per_rank_kv_heads(self, tp_size: int) -> int:
+        """KV heads each rank holds (the same on every rank): num_kv_heads / tp, or 1 when
+        tp > num_kv_heads (each kv head replicated over tp / num_kv_heads ranks)."""
+        return kv_head_placement(self.num_kv_heads, tp_size, 0)[1]

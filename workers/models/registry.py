@@ -1,0 +1,32 @@
+"""Architecture name (config.json `architectures[0]`) -> model class.
+
+Every class is built as `cls(model_config, tp, device, dtype)` and offers
+`forward(input_ids, positions, forward_batch)`, `compute_logits(hidden)` and
+`load_weights(reader) -> set of (parameter name, shard id) loaded`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from workers.models.llama import LlamaForCausalLM
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(sorted(ARCHITECTURES))
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return ARCHITECTURES[architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
+        ) from None
