@@ -217,22 +217,25 @@ class Engine:
             del self._tracked[req.rid]
         return tracked, out
 
-    def _final_output(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+    def _final_output(self, req: Request, reason: str, error: str | None = None,
+                      error_type: str | None = None) -> RequestOutput:
         return RequestOutput(
-            rid=req.rid, finished=True, finish_reason=reason, error=error,
+            rid=req.rid, finished=True, finish_reason=reason, error=error, error_type=error_type,
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
         )
 
     def fail_all(self, error: str) -> None:
-        """Finish every request with an error (the worker group died)."""
+        """Finish every request with an error (the worker group died). Requests that had no
+        token yet are marked `unavailable`, so a router may retry them elsewhere."""
         with self._lock:
             tracked = list(self._tracked.values())
             self._tracked.clear()
             for t in tracked:
                 self.scheduler.finish(t.req, FinishReason.ERROR)
         for t in tracked:
-            t.sink(self._final_output(t.req, FinishReason.ERROR.value, error))
+            etype = "unavailable" if not t.req.output_ids else "internal"
+            t.sink(self._final_output(t.req, FinishReason.ERROR.value, error, etype))
 
     # ---------------- offline API ----------------
     def generate(

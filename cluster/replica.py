@@ -47,6 +47,7 @@ class Replica:
         self.unhealthy_reason: str | None = "starting"
         self.engine: Engine | None = None
         self.started_at = time.time()
+        self.restarts = 0
         self._start()
 
     def _start(self) -> None:
@@ -68,11 +69,21 @@ class Replica:
         self.healthy, self.unhealthy_reason = False, reason
         if self.engine is not None:
             self.engine.fail_all(f"replica {self.name} lost a worker: {reason}")
+        # Self-heal: tear the group down and build a new one (with backoff between tries).
+        for attempt in range(5):
+            try:
+                self.restart()
+                return
+            except Exception as exc:
+                logger.exception("replica %s: restart %d failed", self.name, attempt + 1)
+                self.unhealthy_reason = f"restart failed: {exc}"
+                time.sleep(2.0 * (attempt + 1))
 
     def restart(self) -> bool:
         """Tear the TP group down and build it again (after a rank died)."""
         old = self.engine
         self.healthy, self.unhealthy_reason = False, "restarting"
+        self.restarts += 1
         if old is not None:
             old.fail_all(f"replica {self.name} restarting")
             try:
@@ -115,6 +126,7 @@ class Replica:
             "prefix_hit_tokens": sch.stats.prefix_hit_tokens,
             "prefix_query_tokens": sch.stats.prefix_query_tokens,
             "preemptions": sch.stats.preemptions,
+            "restarts": self.restarts,
         }
 
     def info(self) -> dict:

@@ -58,6 +58,7 @@ class RayWorkerGroup(WorkerGroup):
         actor_cls = ray.remote(RankWorker)
         self.workers = [
             actor_cls.options(
+                name=f"manta-{name}-rank{i}",
                 num_cpus=cpus_per_rank,
                 num_gpus=1 if gpu else 0,
                 max_concurrency=2,
