@@ -1,0 +1,87 @@
+"""Shared test helpers: tiny random checkpoints built by `workers.make_model`, cached.
+
+    from tests.fixtures import tiny_model_dir
+
+    @pytest.fixture(scope="session")
+    def llama_dir(tmp_path_factory):
+        return tiny_model_dir(tmp_path_factory, "llama")
+
+A checkpoint is built once per (arch, kwargs, make_model source, library versions) and reused: under
+`<pytest base temp>/manta-models/` when given pytest's `tmp_path_factory` (once per session), under a
+given directory, or under `/tmp/manta-test-models/` (shared across sessions) when `base` is None.
+Builds are atomic (written to a temporary directory, then renamed), so parallel test processes never
+see a half-written checkpoint. Treat the returned directory as read-only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CACHE = Path(tempfile.gettempdir()) / "manta-test-models"
+
+_built: dict[tuple[str, str], Path] = {}
+
+
+def _root(base: Any) -> Path:
+    if base is None:
+        return DEFAULT_CACHE
+    if hasattr(base, "getbasetemp"):  # pytest TempPathFactory
+        return Path(base.getbasetemp()) / "manta-models"
+    return Path(base)
+
+
+def _cache_key(arch: str, kw: dict[str, Any]) -> str:
+    import tokenizers
+    import torch
+    import transformers
+
+    import workers.make_model as mm
+
+    src = Path(mm.__file__).read_bytes()
+    blob = json.dumps(
+        {
+            "arch": arch,
+            "kw": kw,
+            "src": hashlib.sha256(src).hexdigest(),
+            "versions": [transformers.__version__, torch.__version__, tokenizers.__version__],
+        },
+        sort_keys=True,
+        default=repr,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def tiny_model_dir(base: Any, arch: str, **kw: Any) -> Path:
+    """Path of a checkpoint made by `make_model(dir, arch, **kw)`, built on first use.
+
+    base: pytest's `tmp_path_factory`, a directory, or None for the cross-session cache.
+    """
+    from workers.make_model import make_model
+
+    root = _root(base)
+    key = _cache_key(arch, kw)
+    memo = (str(root), key)
+    if memo in _built:
+        return _built[memo]
+    final = root / f"{arch}-{key}"
+    if not (final / "config.json").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-{key}-", dir=root))
+        try:
+            make_model(tmp, arch, **kw)
+            tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared
+            os.rename(tmp, final)
+        except OSError:
+            # Another process renamed its build into place first: use that one.
+            if not (final / "config.json").exists():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _built[memo] = final
+    return final
