@@ -1,0 +1,164 @@
+"""`manta bench`: the project's benchmarks. Each prints a table and writes JSON.
+
+- offline:  N prompts of fixed input/output lengths (ignore_eos) through the engine loop;
+            output tokens/s and total tokens/s.
+- latency:  decode step time at batch 1 and batch B.
+- overhead: per-step cost of driving the TP group (in-process vs Ray actors), i.e. the
+            driver's step time minus the worker's own compute time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+from cluster.config import EngineConfig
+from cluster.engine import Engine
+from workers.sampling_params import SamplingParams
+
+
+def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 1) for _ in range(length)] for _ in range(n)]
+
+
+def _print_table(title: str, rows: list[tuple[str, object]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    print(f"\n{title}")
+    print("-" * (width + 24))
+    for k, v in rows:
+        print(f"{k:<{width}}  {v:>20}" if not isinstance(v, float) else f"{k:<{width}}  {v:>20.3f}")
+
+
+def _write(path: str | None, payload: dict) -> None:
+    payload = {"date": date.today().isoformat(), "host": platform.node(), **payload}
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=2))
+        print(f"\nwrote {path}")
+
+
+def bench_offline(engine: Engine, num_prompts: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+    prompts = _random_prompts(num_prompts, input_len, engine.model_config.vocab_size, seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    out_tokens = sum(len(r.token_ids) for r in results)
+    return {
+        "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+        "seconds": dt, "output_tokens_per_s": out_tokens / dt,
+        "total_tokens_per_s": (out_tokens + num_prompts * input_len) / dt,
+    }
+
+
+def _decode_step_times(engine: Engine, batch: int, input_len: int, steps: int) -> tuple[list[float], list[float]]:
+    """Wall time and worker compute time of each pure-decode step at a fixed batch size."""
+    prompts = _random_prompts(batch, input_len, engine.model_config.vocab_size, 1)
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    walls: list[float] = []
+    computes: list[float] = []
+    original = engine.workers.execute
+
+    def timed(plan):
+        t0 = time.perf_counter()
+        res = original(plan)
+        if plan.mode.is_decode() and len(plan.reqs) == batch:
+            walls.append(time.perf_counter() - t0)
+            computes.append(res.compute_s)
+        return res
+
+    engine.workers.execute = timed
+    try:
+        engine.generate(prompts, params)
+    finally:
+        engine.workers.execute = original
+    return walls[2:], computes[2:]  # drop warm-up steps
+
+
+def bench_latency(engine: Engine, batches: list[int], input_len: int, steps: int) -> dict:
+    rows = {}
+    for b in batches:
+        walls, computes = _decode_step_times(engine, b, input_len, steps)
+        rows[str(b)] = {"step_ms_mean": 1e3 * statistics.mean(walls),
+                        "step_ms_p50": 1e3 * statistics.median(walls),
+                        "compute_ms_mean": 1e3 * statistics.mean(computes)}
+    return rows
+
+
+def bench_overhead(config: EngineConfig, batch: int, input_len: int, steps: int, cpus_per_rank: float) -> dict:
+    """Decode step through the in-process group and through Ray rank actors."""
+    import ray
+
+    from cluster.engine import runner_options
+    from workers.ray_group import RayWorkerGroup
+
+    out = {}
+    if config.tp_size == 1:
+        eng = Engine(config)
+        walls, computes = _decode_step_times(eng, batch, input_len, steps)
+        out["in_process"] = _overhead_row(walls, computes)
+    ray.init(num_cpus=max(4, config.tp_size), include_dashboard=False, ignore_reinit_error=True)
+    group = RayWorkerGroup(runner_options(config), config.tp_size, cpus_per_rank=cpus_per_rank, name="bench")
+    try:
+        eng = Engine(config, workers=group)
+        walls, computes = _decode_step_times(eng, batch, input_len, steps)
+        out["ray_actors"] = _overhead_row(walls, computes)
+    finally:
+        group.shutdown()
+        ray.shutdown()
+    return out
+
+
+def _overhead_row(walls: list[float], computes: list[float]) -> dict:
+    over = [w - c for w, c in zip(walls, computes)]
+    return {"step_ms": 1e3 * statistics.mean(walls), "worker_compute_ms": 1e3 * statistics.mean(computes),
+            "overhead_ms": 1e3 * statistics.mean(over),
+            "overhead_pct": 100 * statistics.mean(over) / statistics.mean(walls)}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from cluster.cli import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    payload: dict = {"mode": args.mode, "model": config.model, "device": config.device, "tp": config.tp_size}
+    if args.mode == "offline":
+        res = bench_offline(Engine(config), args.num_prompts, args.input_len, args.output_len)
+        payload["result"] = res
+        _print_table(f"offline: {args.num_prompts} x ({args.input_len} in, {args.output_len} out)",
+                     [(k, v) for k, v in res.items()])
+    elif args.mode == "latency":
+        res = bench_latency(Engine(config), args.batch, args.input_len, args.steps)
+        payload["result"] = res
+        _print_table("decode step latency (ms)",
+                     [(f"batch {b} {k}", v) for b, row in res.items() for k, v in row.items()])
+    elif args.mode == "overhead":
+        res = bench_overhead(config, args.batch[-1], args.input_len, args.steps, args.cpus_per_rank)
+        payload["result"] = res
+        _print_table(f"per-step overhead at batch {args.batch[-1]} (ms)",
+                     [(f"{g} {k}", v) for g, row in res.items() for k, v in row.items()])
+    _write(args.out, payload)
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    from cluster.cli import add_engine_args
+
+    p = sub.add_parser("bench", help="benchmarks: offline throughput, decode latency, Ray overhead")
+    p.add_argument("mode", choices=["offline", "latency", "overhead"])
+    add_engine_args(p)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--cpus-per-rank", type=float, default=1.0)
+    p.add_argument("--out", default=None, help="write JSON here")
+    p.set_defaults(func=cmd_bench)
