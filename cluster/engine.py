@@ -274,6 +274,11 @@ class Engine:
                 logger.exception("engine step failed")
                 self.fail_all(f"engine step failed: {exc}")
 
+    @property
+    def alive(self) -> bool:
+        """The background loop is running (start() was called and shutdown() was not)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def shutdown(self) -> None:
         with self._lock:
             self._stop = True

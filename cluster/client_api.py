@@ -1,0 +1,268 @@
+"""What the HTTP server needs from the cluster behind it: the `ServingClient` protocol.
+
+In production the client is the Ray router (`cluster.router`); in tests and in the embedded
+single-process mode it is `LocalEngineClient`, an adapter over one in-process `Engine`.
+
+Contract of `generate_stream` (the server relies on each point):
+- Admission errors are raised before the first output: on the call itself or on the first
+  `__anext__` (an async generator runs no code until then). They are `SamplingParamsError` and
+  `RequestRejected` (400, with `.param`), `QueueFull` (503 + Retry-After) and `NoReplicaAvailable`
+  (503). The server validates `SamplingParams` itself first, so these are rare.
+- Outputs are increments (`RequestOutput.delta_*`); the last one has `finished=True`. A request
+  the replica failed finishes with `finish_reason="error"` and `error` set.
+- Each output may carry an attribute `replica` (str) naming the replica that served it; the
+  server labels latency metrics with it (`"local"` when absent).
+- Closing the iterator (`aclose()`, or cancelling the task iterating it) before the last output
+  aborts the request on its replica and frees its KV cache. The server closes it when the HTTP
+  client disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from cluster.request import RequestOutput
+from workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.engine import Engine
+    from cluster.metrics import ServerMetrics
+
+
+class NoReplicaAvailable(RuntimeError):
+    """No healthy replica can take the request now (the server answers 503)."""
+
+
+class GenerationFailed(RuntimeError):
+    """A request finished with finish_reason "error" (its replica failed it)."""
+
+
+@dataclass
+class HealthStatus:
+    ok: bool
+    detail: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class ServingClient(Protocol):
+    model_name: str
+    tokenizer: Any  # a Hugging Face tokenizer: chat template, token counting
+    max_context_len: int
+    vocab_size: int
+
+    def generate_stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        is_embedding: bool = False,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def health(self) -> HealthStatus: ...
+
+    async def aclose(self) -> None: ...
+
+
+class LocalEngineClient:
+    """A `ServingClient` over one in-process `Engine` whose loop runs in a background thread.
+
+    Starts the engine's loop (`engine.start()`, idempotent) and owns the engine: `aclose()`
+    shuts it down. With `metrics`, the replica's state (running/waiting requests, KV usage,
+    prefix-cache counters) is pushed after every engine step, as the router does for its replicas.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        model_name: str | None = None,
+        replica: str = "local",
+        metrics: ServerMetrics | None = None,
+    ):
+        self.engine = engine
+        self.model_name = model_name or engine.config.model_name
+        self.tokenizer = engine.tokenizer
+        self.max_context_len = engine.max_context_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.replica = replica
+        self._metrics = metrics
+        self._closed = False
+        if metrics is not None:
+            engine.step_listeners.append(self._on_step)
+            metrics.update_replica_stats(replica, self.stats())
+        engine.start()
+
+    def stats(self) -> dict:
+        """The replica-stats dict of `ServerMetrics.update_replica_stats`.
+
+        Read without the engine's lock: each value is one attribute read, so a concurrent
+        step can at worst make the numbers one step stale."""
+        sched = self.engine.scheduler
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "kv_usage": sched.kv_usage(),
+            "prefix_hit_tokens": sched.stats.prefix_hit_tokens,
+            "prefix_query_tokens": sched.stats.prefix_query_tokens,
+        }
+
+    def _on_step(self, engine: Engine, dt: float) -> None:  # runs on the engine thread
+        if self._metrics is not None:
+            self._metrics.update_replica_stats(self.replica, self.stats())
+
+    async def generate_stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        is_embedding: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        if self._closed:
+            raise NoReplicaAvailable("the engine is shut down")
+        stream = self.engine.generate_stream(prompt, params, rid=rid, is_embedding=is_embedding)
+        try:
+            async for out in stream:
+                out.replica = self.replica  # type: ignore[attr-defined]
+                yield out
+        finally:
+            # Closing the engine's generator before its last output aborts the request.
+            await stream.aclose()
+
+    def health(self) -> HealthStatus:
+        alive = self.engine.alive and not self._closed
+        return HealthStatus(ok=alive, detail={"replica": self.replica, "engine_loop": alive})
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._metrics is not None:
+            if self._on_step in self.engine.step_listeners:
+                self.engine.step_listeners.remove(self._on_step)
+            self._metrics.remove_replica(self.replica)
+        await asyncio.to_thread(self.engine.shutdown)
+
+
+@dataclass
+class ChoiceResult:
+    """One request's outputs, accumulated."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.delta_text
+        self.token_ids += out.delta_token_ids
+        self.logprobs += out.delta_logprobs
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.completion_tokens = out.completion_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+Job = tuple[str | list[int], SamplingParams]
+
+
+class FanOut:
+    """Requests admitted together (the n choices of one HTTP request): `open` admits all or none,
+    `outputs` merges their outputs tagged with the request's index, `aclose` aborts the unfinished.
+
+    Whoever holds a FanOut must `aclose` it (idempotent), whether or not it iterated `outputs`.
+    """
+
+    def __init__(self, firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]],
+                 on_finished: Callable[[RequestOutput], None]):
+        self.firsts, self.streams, self._on_finished = firsts, streams, on_finished
+        self.choices = [ChoiceResult() for _ in streams]
+        self._tasks: list[asyncio.Future] = []
+        self._closed = False
+
+    @classmethod
+    async def open(cls, client: ServingClient, jobs: list[Job], rid: str,
+                   on_finished: Callable[[RequestOutput], None] = lambda out: None) -> FanOut:
+        """Admit every job concurrently (request ids `{rid}-{i}`) and wait for each one's first
+        output. If any admission fails, or this is cancelled, the admitted ones are aborted and
+        the error propagates."""
+        streams: list[AsyncIterator[RequestOutput]] = []
+        tasks: list[asyncio.Future] = []
+
+        async def first(s: AsyncIterator[RequestOutput]) -> RequestOutput:
+            try:
+                return await anext(s)
+            except StopAsyncIteration:
+                raise GenerationFailed("the serving client's stream ended without output") from None
+
+        try:
+            for i, (prompt, params) in enumerate(jobs):
+                streams.append(client.generate_stream(prompt, params, rid=f"{rid}-{i}"))
+            tasks = [asyncio.ensure_future(first(s)) for s in streams]
+            firsts = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await _close_all(streams)
+            raise
+        return cls(list(firsts), streams, on_finished)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, output) in arrival order until every request finished; raises
+        GenerationFailed when one finishes with an error. Iterate at most once."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in self.streams[i]:
+                    queue.put_nowait((i, out))
+            except Exception as exc:
+                queue.put_nowait((i, exc))
+            finally:
+                queue.put_nowait((i, None))
+
+        for i, first in enumerate(self.firsts):
+            queue.put_nowait((i, first))
+        self._tasks = [asyncio.ensure_future(pump(i)) for i in range(len(self.streams))]
+        remaining = len(self.streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            self.choices[i].add(item)
+            if item.finished:
+                if item.finish_reason == "error":
+                    raise GenerationFailed(item.error or "the replica failed the request")
+                self._on_finished(item)
+            yield i, item
+
+    async def collect(self) -> list[ChoiceResult]:
+        async with contextlib.aclosing(self.outputs()) as outs:
+            async for _ in outs:
+                pass
+        return self.choices
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await _close_all(self.streams)
+
+
+async def _close_all(streams: list[AsyncIterator[RequestOutput]]) -> None:
+    for s in streams:
+        with contextlib.suppress(Exception):
+            await s.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,166 @@
+"""Prometheus metrics of the serving cluster (one `ServerMetrics` per HTTP server process).
+
+Who writes what:
+- the HTTP server: `observe_finished` (latencies and token counts of every finished request,
+  labelled by the replica that served it) and `record_error` (every 4xx/5xx it answers);
+- the router: `record_route` (each routing decision), `update_replica_stats` (what it polls from
+  each replica) and `remove_replica` (a replica left the cluster).
+
+The prefix-cache counters are cumulative on the replica side; they are exported by a custom
+collector from the latest polled values rather than by a prometheus `Counter` (which can only be
+incremented). A replica that restarts starts again from zero, which Prometheus' `rate()` reads
+as a counter reset.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds. TTFT spans a cached short prompt on a GPU (ms) to a long prefill behind a queue.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+# Seconds per token after the first: a few ms (GPU decode) to ~1 s (overloaded CPU replica).
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0)
+
+# Keys of the dict a replica reports (see `update_replica_stats`).
+STATS_KEYS = ("num_running", "num_waiting", "kv_usage", "prefix_hit_tokens", "prefix_query_tokens")
+
+
+class _PrefixCacheCollector(Collector):
+    """Exports the latest cumulative prefix-cache counts of each replica as counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hits: dict[str, float] = {}
+        self._queries: dict[str, float] = {}
+
+    def set(self, replica: str, hit_tokens: float, query_tokens: float) -> None:
+        with self._lock:
+            self._hits[replica] = float(hit_tokens)
+            self._queries[replica] = float(query_tokens)
+
+    def remove(self, replica: str) -> None:
+        with self._lock:
+            self._hits.pop(replica, None)
+            self._queries.pop(replica, None)
+
+    def collect(self) -> Iterator[Metric]:
+        hits = CounterMetricFamily(
+            "manta:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", labels=["replica"]
+        )
+        queries = CounterMetricFamily(
+            "manta:prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.",
+            labels=["replica"],
+        )
+        with self._lock:
+            for replica, v in self._hits.items():
+                hits.add_metric([replica], v)
+            for replica, v in self._queries.items():
+                queries.add_metric([replica], v)
+        yield hits
+        yield queries
+
+    def describe(self) -> Iterator[Metric]:
+        # Registering calls describe(); returning the families (empty) keeps name clashes checked.
+        return self.collect()
+
+
+class ServerMetrics:
+    """All `manta:*` metrics on their own registry (never the process-global default, so that
+    several servers or tests in one process do not clash)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.num_requests_running = Gauge(
+            "manta:num_requests_running", "Requests in the running batch.", ["replica"], registry=r
+        )
+        self.num_requests_waiting = Gauge(
+            "manta:num_requests_waiting", "Requests queued for admission.", ["replica"], registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "manta:kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1).", ["replica"], registry=r
+        )
+        self.ttft = Histogram(
+            "manta:time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            ["replica"], buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.tpot = Histogram(
+            "manta:time_per_output_token_seconds", "Mean time per generated token after the first.",
+            ["replica"], buckets=TPOT_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "manta:e2e_request_latency_seconds", "Time from arrival to the last token.",
+            ["replica"], buckets=E2E_BUCKETS, registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "manta:prompt_tokens", "Prompt tokens of finished requests.", ["replica"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "manta:generation_tokens", "Generated tokens of finished requests.", ["replica"], registry=r
+        )
+        self.router_requests = Counter(
+            "manta:router_requests", "Routing decisions.", ["policy", "replica"], registry=r
+        )
+        self.request_errors = Counter(
+            "manta:request_errors", "HTTP error responses, by status code.", ["code"], registry=r
+        )
+        self._prefix = _PrefixCacheCollector()
+        r.register(self._prefix)
+
+    # ---------------- written by the server ----------------
+    def observe_finished(self, replica: str, out: Any) -> None:
+        """Record one finished request (`out` is its final `RequestOutput`)."""
+        self.prompt_tokens.labels(replica).inc(max(0, out.prompt_tokens))
+        self.generation_tokens.labels(replica).inc(max(0, out.completion_tokens))
+        if out.ttft_s is not None and out.completion_tokens > 0:
+            self.ttft.labels(replica).observe(out.ttft_s)
+        if out.e2e_s is not None:
+            self.e2e.labels(replica).observe(out.e2e_s)
+            if out.ttft_s is not None and out.completion_tokens > 1:
+                tpot = (out.e2e_s - out.ttft_s) / (out.completion_tokens - 1)
+                self.tpot.labels(replica).observe(max(0.0, tpot))
+
+    def record_error(self, code: int) -> None:
+        self.request_errors.labels(str(code)).inc()
+
+    # ---------------- written by the router ----------------
+    def record_route(self, policy: str, replica: str) -> None:
+        self.router_requests.labels(policy, replica).inc()
+
+    def update_replica_stats(self, replica: str, stats: dict) -> None:
+        """Set a replica's polled state: num_running, num_waiting, kv_usage (0..1) and the
+        cumulative prefix_hit_tokens / prefix_query_tokens. Missing keys leave values as they are;
+        other keys (a replica's whole stats dict may be passed) are ignored."""
+        if "num_running" in stats:
+            self.num_requests_running.labels(replica).set(stats["num_running"])
+        if "num_waiting" in stats:
+            self.num_requests_waiting.labels(replica).set(stats["num_waiting"])
+        if "kv_usage" in stats:
+            self.kv_cache_usage.labels(replica).set(stats["kv_usage"])
+        if "prefix_hit_tokens" in stats or "prefix_query_tokens" in stats:
+            self._prefix.set(replica, stats.get("prefix_hit_tokens", 0), stats.get("prefix_query_tokens", 0))
+
+    def remove_replica(self, replica: str) -> None:
+        """Drop a departed replica's state series (gauges, polled counters, route counts).
+        Latency histograms and token counters keep their history: they are server-side totals."""
+        for g in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage):
+            g.remove_by_labels({"replica": replica})
+        self.router_requests.remove_by_labels({"replica": replica})
+        self._prefix.remove(replica)
+
+    # ---------------- read ----------------
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (the body of GET /metrics)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,428 @@
+"""The OpenAI HTTP API as pydantic v2 models, and their conversion to `SamplingParams`.
+
+Requests are validated strictly (no "0.5" for a float, no `true` for an int) and unknown fields
+are refused, like the OpenAI API does ("Unrecognized request argument"). Range checks of the
+sampling fields are left to `SamplingParams.validate`, whose errors name the parameter. Request
+fields that exist in the OpenAI API but that manta does not implement are refused with a 400 that
+names them (`check_supported`), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workers.messages import TokenLogprobs
+from workers.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
+
+MAX_N = 128
+
+# Used when the tokenizer has no chat template of its own (ChatML, as Qwen and many others use).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions (None: the default)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted, ignored
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Extensions (vLLM/SGLang names).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _check_common(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError("n", f"must be in [1, {MAX_N}], got {self.n}")
+        if self.logit_bias:
+            raise SamplingParamsError("logit_bias", "logit_bias is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise SamplingParamsError("stream_options", "stream_options is only allowed when stream is true")
+
+    def _params(self, max_tokens: int, logprobs: int | None, seed_offset: int) -> SamplingParams:
+        def pick(v: Any, default: Any) -> Any:
+            return default if v is None else v
+
+        stop: tuple[str, ...] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=pick(self.temperature, 1.0),
+            top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, -1),
+            min_p=pick(self.min_p, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            seed=None if self.seed is None else self.seed + seed_offset,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        self._check_common()
+        if self.echo:
+            raise SamplingParamsError("echo", "echo is not supported by this server")
+        if self.suffix:
+            raise SamplingParamsError("suffix", "suffix is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise SamplingParamsError("best_of", "best_of other than n is not supported by this server")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt (each gets n choices)."""
+        p = self.prompt
+        out: list[str | list[int]]
+        if isinstance(p, str):
+            out = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            out = [list(p)]  # type: ignore[arg-type]
+        else:
+            out = list(p)  # type: ignore[arg-type]
+        if not out or any(len(x) == 0 for x in out):
+            raise SamplingParamsError("prompt", "the prompt must not be empty")
+        return out
+
+    def sampling_params(self, seed_offset: int = 0) -> SamplingParams:
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        return self._params(max_tokens, self.logprobs, seed_offset)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # Refused when used (check_supported): present so that the 400 names them precisely.
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
+
+    def check_supported(self) -> None:
+        self._check_common()
+        if self.tools:
+            raise SamplingParamsError("tools", "tool calling is not supported by this server")
+        if self.tool_choice not in (None, "none"):
+            raise SamplingParamsError("tool_choice", "tool calling is not supported by this server")
+        if self.functions or self.function_call not in (None, "none"):
+            param = "functions" if self.functions else "function_call"
+            raise SamplingParamsError(param, "function calling is not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise SamplingParamsError("response_format", "only response_format type 'text' is supported")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise SamplingParamsError("top_logprobs", "top_logprobs requires logprobs to be true")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise SamplingParamsError(
+                    "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+                )
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_params(self, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._params(max_tokens, logprobs, seed_offset)
+
+    def chat_dicts(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+class GenerateRequest(_Strict):
+    """The native endpoint: `sampling_params` takes `SamplingParams` field names."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+    rid: str | None = None
+
+    def prompt(self) -> str | list[int]:
+        if (self.text is None) == (self.input_ids is None):
+            raise SamplingParamsError("text", "give exactly one of text and input_ids")
+        return self.text if self.text is not None else list(self.input_ids or [])
+
+    def params(self) -> SamplingParams:
+        known = set(SamplingParams.__dataclass_fields__) - {"extra"}
+        sp = dict(self.sampling_params)
+        for key in sp:
+            if key not in known:
+                raise SamplingParamsError(f"sampling_params.{key}", f"unknown sampling parameter {key!r}")
+        for key in ("stop", "stop_token_ids"):
+            v = sp.get(key)
+            if isinstance(v, str):
+                sp[key] = (v,)
+            elif isinstance(v, list):
+                sp[key] = tuple(v)
+        return SamplingParams(**sp)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of the chat prompt, ready for generation.
+
+    Templates usually emit the BOS token themselves, so the rendered text is encoded without
+    special tokens; the built-in fallback template does not, so it gets the tokenizer's own."""
+    template = getattr(tokenizer, "chat_template", None)
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False,
+            chat_template=None if template else DEFAULT_CHAT_TEMPLATE,
+        )
+    except Exception as exc:  # jinja errors: raise_exception() in a template, bad role order
+        raise SamplingParamsError("messages", f"the chat template refused these messages: {exc}") from exc
+    return list(tokenizer(text, add_special_tokens=not template).input_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0
+
+
+class Usage(_Out):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(_Out):
+    # Absent rather than null when unset: the role comes only in a choice's first chunk.
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "manta"
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Out):
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs in the two OpenAI layouts
+# ---------------------------------------------------------------------------------------------
+
+Decode = Callable[[int], str]
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[TokenLogprobs | None], decode: Decode, offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """Completions layout for new tokens; `offset` is the text offset of the first one.
+    Returns the logprobs and the offset after the last token."""
+    out = CompletionLogprobs()
+    for tok, lp in zip(token_ids, logprobs):
+        s = decode(tok)
+        out.tokens.append(s)
+        out.text_offset.append(offset)
+        offset += len(s)
+        if lp is None:
+            out.token_logprobs.append(0.0)
+            out.top_logprobs.append({})
+            continue
+        out.token_logprobs.append(lp.token_logprob)
+        top = {decode(t): v for t, v in lp.top}
+        top.setdefault(s, lp.token_logprob)
+        out.top_logprobs.append(top)
+    return out, offset
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | None], decode: Decode) -> ChatLogprobs:
+    content = []
+    for tok, lp in zip(token_ids, logprobs):
+        s = decode(tok)
+        top = [] if lp is None else [
+            TopLogprob(token=decode(t), logprob=v, bytes=list(decode(t).encode())) for t, v in lp.top
+        ]
+        content.append(ChatTokenLogprob(token=s, logprob=0.0 if lp is None else lp.token_logprob,
+                                        bytes=list(s.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)

@@ -1,0 +1,497 @@
+"""The OpenAI-compatible HTTP server (FastAPI) in front of a `ServingClient`.
+
+One request's path: parse and validate the JSON body (`cluster.protocol`), tokenize (chat
+template for chat), build one `SamplingParams` per choice (n > 1 fans out, seeded seed + i) and
+validate it, admit every choice (`_open`: all admission errors surface here, before any byte of
+the response is sent, so they become proper 4xx/5xx), then merge the choices' outputs into one
+JSON body or one SSE stream.
+
+Cancellation: a client that disconnects aborts its requests. Streaming responses watch for
+`http.disconnect` beside the stream (`_SSEResponse`); non-streaming ones run under
+`_until_disconnect`. Either way the client's iterators are closed, which aborts on the replica.
+
+Errors: every 4xx/5xx carries the OpenAI body `{"error": {message, type, param, code}}` and is
+counted in `manta:request_errors_total{code}`. An error after a stream has started is sent as
+one `data: {"error": ...}` event before `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster import protocol as P
+from cluster.client_api import ChoiceResult, FanOut, GenerationFailed, NoReplicaAvailable, ServingClient
+from cluster.metrics import CONTENT_TYPE, ServerMetrics
+from cluster.request import RequestOutput
+from cluster.scheduler import QueueFull, RequestRejected
+from workers.sampling_params import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                                 code=self.code)).model_dump()
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before its non-streaming answer was ready."""
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """The HTTP error of an exception (unexpected ones become a 500 that leaks nothing)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, SamplingParamsError | RequestRejected):
+        code = "context_length_exceeded" if "context" in str(exc) else None
+        return APIError(400, str(exc), param=exc.param, code=code)
+    if isinstance(exc, QueueFull):
+        return APIError(503, f"the server is overloaded: {exc}", "server_overloaded", code="queue_full",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, NoReplicaAvailable):
+        return APIError(503, f"no replica is available: {exc}", "service_unavailable", code="no_replica")
+    if isinstance(exc, GenerationFailed):
+        return APIError(500, f"generation failed: {exc}", "server_error")
+    if isinstance(exc, ValidationError):
+        # Of a union's failed branches, the deepest error is the most specific one.
+        err = max(exc.errors(), key=lambda e: len(e.get("loc") or ()))
+        loc = err.get("loc") or ()
+        param = str(loc[0]) if loc else None
+        if err["type"] == "extra_forbidden":
+            return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+        where = ".".join(str(x) for x in loc)
+        return APIError(400, f"Invalid value for '{param}' (at {where}): {err['msg']}", param=param)
+    return APIError(500, "internal server error", "server_error")
+
+
+# Exceptions that are answers (4xx/5xx with a message), not bugs.
+_EXPECTED = (APIError, SamplingParamsError, RequestRejected, QueueFull, NoReplicaAvailable, ValidationError,
+             GenerationFailed, _ClientGone)
+
+
+def _sse(obj: BaseModel | dict) -> str:
+    data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it (and raising _ClientGone) if the client goes away first."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise _ClientGone()
+    finally:
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+class _SSEResponse(StreamingResponse):
+    """Streams SSE while watching for the client's disconnect; always closes the body iterator
+    and runs `on_close` (which aborts unfinished requests), however the response ends."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        watch = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (stream, watch):
+                t.cancel()
+            await asyncio.gather(stream, watch, return_exceptions=True)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._on_close()
+
+
+def _usage(choices: list[ChoiceResult], n: int) -> P.Usage:
+    """Prompt tokens count once per prompt (choices [k*n, (k+1)*n) share prompt k)."""
+    firsts = choices[::n]
+    return P.Usage.of(sum(c.prompt_tokens for c in firsts), sum(c.completion_tokens for c in choices),
+                      sum(c.cached_tokens for c in firsts))
+
+
+class _Serving:
+    def __init__(self, client: ServingClient, metrics: ServerMetrics):
+        self.client, self.metrics = client, metrics
+        self.created = int(time.time())
+        self.decode = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
+
+    def _decode_one(self, tok: int) -> str:
+        return self.client.tokenizer.decode([tok], skip_special_tokens=False)
+
+    # ---------------- request preparation ----------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.client.model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                           f"'{self.client.model_name}'", param="model", code="model_not_found")
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.client.tokenizer(prompt).input_ids)
+        vocab = self.client.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    def check_context(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens",
+                      prompt_param: str = "prompt") -> None:
+        limit = self.client.max_context_len
+        if n_prompt >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
+                           f"has {n_prompt} tokens (at least one token must be generated)",
+                           param=prompt_param, code="context_length_exceeded")
+        if max_tokens is not None and n_prompt + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; you requested "
+                           f"{n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} to generate)",
+                           param=param, code="context_length_exceeded")
+
+    async def open(self, request: Request, jobs: list[tuple[list[int], SamplingParams]], rid: str) -> FanOut:
+        def finished(out: RequestOutput) -> None:
+            self.metrics.observe_finished(getattr(out, "replica", "local"), out)
+
+        return await _until_disconnect(request, FanOut.open(self.client, list(jobs), rid, finished))
+
+    async def answer(self, request: Request, fan: FanOut, stream: bool,
+                     events: Callable[[FanOut], AsyncIterator[str]],
+                     build: Callable[[list[ChoiceResult]], BaseModel | dict]) -> Response:
+        """Stream `events(fan)` as SSE, or collect the choices and return `build(choices)`."""
+        if stream:
+            return _SSEResponse(self._guarded(events(fan)), fan.aclose)
+        try:
+            choices = await _until_disconnect(request, fan.collect())
+        finally:
+            await fan.aclose()
+        body = build(choices)
+        return Response(body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body),
+                        media_type="application/json")
+
+    async def _guarded(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """An error after the stream started is one error event, then [DONE]."""
+        try:
+            async with contextlib.aclosing(events) as evs:  # type: ignore[type-var]
+                async for ev in evs:
+                    yield ev
+        except Exception as exc:
+            err = as_api_error(exc)
+            if err.status >= 500 and not isinstance(exc, APIError):
+                logger.exception("stream failed")
+            self.metrics.record_error(err.status)
+            yield _sse(err.body())
+        yield SSE_DONE
+
+    # ---------------- /v1/completions ----------------
+    async def completions(self, request: Request, body: Any) -> Response:
+        req = _parse(P.CompletionRequest, body)
+        req.check_supported()
+        self.check_model(req.model)
+        jobs = []
+        for ids in map(self.prompt_ids, req.prompts()):
+            for j in range(req.n):
+                params = req.sampling_params(seed_offset=j).validate(self.client.vocab_size)
+                self.check_context(len(ids), params.max_tokens)
+                jobs.append((ids, params))
+        cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.client.model_name
+        want_lp = req.logprobs is not None
+        fan = await self.open(request, jobs, cid)
+
+        async def events(fan: FanOut) -> AsyncIterator[str]:
+            offsets = [0] * len(jobs)
+            async for i, out in fan.outputs():
+                if not (out.delta_text or out.delta_token_ids or out.finished):
+                    continue
+                lp = None
+                if want_lp:
+                    lp, offsets[i] = P.completion_logprobs(out.delta_token_ids, out.delta_logprobs,
+                                                           self.decode, offsets[i])
+                choice = P.CompletionChoice(index=i, text=out.delta_text, logprobs=lp,
+                                            finish_reason=out.finish_reason if out.finished else None)
+                yield _sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[choice]))
+            if req.include_usage:
+                yield _sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[],
+                                             usage=_usage(fan.choices, req.n)))
+
+        def build(choices: list[ChoiceResult]) -> P.CompletionResponse:
+            out = []
+            for i, c in enumerate(choices):
+                lp = P.completion_logprobs(c.token_ids, c.logprobs, self.decode, 0)[0] if want_lp else None
+                out.append(P.CompletionChoice(index=i, text=c.text, logprobs=lp, finish_reason=c.finish_reason))
+            return P.CompletionResponse(id=cid, created=created, model=model, choices=out,
+                                        usage=_usage(choices, req.n))
+
+        return await self.answer(request, fan, req.stream, events, build)
+
+    # ---------------- /v1/chat/completions ----------------
+    async def chat(self, request: Request, body: Any) -> Response:
+        req = _parse(P.ChatCompletionRequest, body)
+        req.check_supported()
+        self.check_model(req.model)
+        ids = P.render_chat(self.client.tokenizer, req.chat_dicts())
+        requested = req.requested_max_tokens()
+        self.check_context(len(ids), None, prompt_param="messages")
+        max_tokens = requested if requested is not None else self.client.max_context_len - len(ids)
+        jobs = []
+        for j in range(req.n):
+            try:
+                params = req.sampling_params(max_tokens, seed_offset=j).validate(self.client.vocab_size)
+            except SamplingParamsError as exc:
+                renamed = {"max_tokens": req.max_tokens_param, "logprobs": "top_logprobs"}.get(exc.param)
+                if renamed is None:
+                    raise
+                raise SamplingParamsError(renamed, str(exc).split(": ", 1)[-1]) from None
+            jobs.append((ids, params))
+        self.check_context(len(ids), max_tokens, req.max_tokens_param, "messages")
+        cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.client.model_name
+        fan = await self.open(request, jobs, cid)
+
+        def chunk(choices: list[P.ChatChunkChoice], usage: P.Usage | None = None) -> str:
+            return _sse(P.ChatCompletionChunk(id=cid, created=created, model=model, choices=choices, usage=usage))
+
+        async def events(fan: FanOut) -> AsyncIterator[str]:
+            for i in range(len(jobs)):
+                yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))])
+            async for i, out in fan.outputs():
+                if not (out.delta_text or out.delta_token_ids or out.finished):
+                    continue
+                lp = P.chat_logprobs(out.delta_token_ids, out.delta_logprobs, self.decode) if req.logprobs else None
+                yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(content=out.delta_text), logprobs=lp,
+                                               finish_reason=out.finish_reason if out.finished else None)])
+            if req.include_usage:
+                yield chunk([], _usage(fan.choices, req.n))
+
+        def build(choices: list[ChoiceResult]) -> P.ChatCompletionResponse:
+            out = [P.ChatChoice(index=i, message=P.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                                logprobs=P.chat_logprobs(c.token_ids, c.logprobs, self.decode) if req.logprobs else None)
+                   for i, c in enumerate(choices)]
+            return P.ChatCompletionResponse(id=cid, created=created, model=model, choices=out,
+                                            usage=_usage(choices, req.n))
+
+        return await self.answer(request, fan, req.stream, events, build)
+
+    # ---------------- /generate (native) ----------------
+    async def generate(self, request: Request, body: Any) -> Response:
+        req = _parse(P.GenerateRequest, body)
+        try:
+            params = req.params().validate(self.client.vocab_size)
+        except SamplingParamsError as exc:
+            if exc.param.startswith("sampling_params."):
+                raise
+            raise SamplingParamsError(f"sampling_params.{exc.param}", str(exc).split(": ", 1)[-1]) from None
+        except TypeError as exc:  # a sampling_params value of a type SamplingParams cannot take
+            raise APIError(400, f"invalid sampling_params: {exc}", param="sampling_params") from None
+        ids = self.prompt_ids(req.prompt())
+        self.check_context(len(ids), params.max_tokens, "sampling_params.max_tokens")
+        rid = req.rid or f"gen-{uuid.uuid4().hex}"
+        fan = await self.open(request, [(ids, params)], rid)
+
+        def meta(c: ChoiceResult, finish_reason: str | None) -> dict:
+            m = {"id": rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+                 "cached_tokens": c.cached_tokens, "finish_reason": finish_reason}
+            if params.logprobs is not None:
+                m["output_token_logprobs"] = [[lp.token_logprob if lp else None, t]
+                                              for t, lp in zip(c.token_ids, c.logprobs)]
+            return m
+
+        async def events(fan: FanOut) -> AsyncIterator[str]:
+            async for _, out in fan.outputs():
+                if out.delta_text or out.delta_token_ids or out.finished:
+                    yield _sse({"text": out.delta_text, "output_ids": out.delta_token_ids,
+                                "meta_info": meta(fan.choices[0], out.finish_reason if out.finished else None)})
+
+        def build(choices: list[ChoiceResult]) -> dict:
+            c = choices[0]
+            return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta(c, c.finish_reason)}
+
+        return await self.answer(request, fan, req.stream, events, build)
+
+
+def _parse(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return model.model_validate(body)  # ValidationError -> 400 naming the field (as_api_error)
+
+
+async def _read_json(request: Request, max_bytes: int) -> Any:
+    too_big = APIError(413, f"the request body is larger than {max_bytes} bytes", param=None,
+                       code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise too_big
+    buf, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_big
+        buf.append(chunk)
+    try:
+        return json.loads(b"".join(buf))
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None = None, *,
+              metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The HTTP app. With `api_key`, every route but /health (and /metrics when `metrics_public`)
+    needs `Authorization: Bearer <api_key>`. The app does not close `client`: its owner does."""
+    app = FastAPI(title="manta", docs_url=None, redoc_url=None, openapi_url=None)
+    serving = _Serving(client, metrics)
+
+    def error_response(err: APIError) -> Response:
+        metrics.record_error(err.status)
+        return Response(json.dumps(err.body()), status_code=err.status, headers=err.headers,
+                        media_type="application/json")
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        # Unexpected exceptions of the POST routes were logged by `handle`; any others reach
+        # here through Starlette's ServerErrorMiddleware, which logs them after this answer.
+        return error_response(as_api_error(exc))
+
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(APIError(exc.status_code, str(exc.detail), kind, headers=exc.headers))
+
+    async def on_gone(request: Request, exc: _ClientGone) -> Response:
+        metrics.record_error(499)  # nginx's "client closed request"; nobody reads the body
+        return Response(status_code=499)
+
+    for exc_type in (*_EXPECTED, RequestValidationError, Exception):
+        app.add_exception_handler(exc_type, on_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(_ClientGone, on_gone)  # after the loop: replaces on_error
+
+    async def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def handle(endpoint: Callable[[Request, Any], Awaitable[Response]], request: Request) -> Response:
+        try:
+            return await endpoint(request, await _read_json(request, max_body_bytes))
+        except _EXPECTED:
+            raise
+        except Exception as exc:
+            logger.exception("unexpected error on %s", request.url.path)
+            raise APIError(500, "internal server error", "server_error") from exc
+
+    guarded = APIRouter(dependencies=[Depends(require_key)])
+    metrics_router = APIRouter() if metrics_public else guarded
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = client.health()
+        if not status.ok:
+            raise APIError(503, f"unhealthy: {json.dumps(status.detail, default=str)}",
+                           "service_unavailable", code="unhealthy")
+        return Response(json.dumps({"status": "ok"}), media_type="application/json")
+
+    @metrics_router.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    def card() -> P.ModelCard:
+        return P.ModelCard(id=client.model_name, created=serving.created, root=client.model_name,
+                           max_model_len=client.max_context_len)
+
+    @guarded.get("/v1/models")
+    async def list_models() -> Response:
+        return Response(P.ModelList(data=[card()]).model_dump_json(), media_type="application/json")
+
+    @guarded.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> Response:
+        serving.check_model(model)
+        return Response(card().model_dump_json(), media_type="application/json")
+
+    @guarded.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(serving.completions, request)
+
+    @guarded.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(serving.chat, request)
+
+    @guarded.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await handle(serving.generate, request)
+
+    app.include_router(guarded)
+    if metrics_public:
+        app.include_router(metrics_router)
+    return app
+
+
+def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve `app` in this thread until SIGINT/SIGTERM."""
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+class BackgroundServer:
+    """`app` served by uvicorn in a daemon thread (tests, or a server inside a Ray actor).
+    Port 0 picks a free port; the socket is bound before the constructor returns."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.host, self.port = host, sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                        name="manta-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
