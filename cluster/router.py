@@ -125,6 +125,8 @@ class Router:
     async def generate_stream(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None,
                               is_embedding: bool = False) -> AsyncIterator[RequestOutput]:
         params.validate(self.vocab_size)
+        if self._poller is None:  # the stats poller lives on the serving event loop
+            await self.start()
         tokens = self._tokens(prompt)
         rid = rid or f"req-{uuid.uuid4().hex}"
         if self.options.max_inflight and self._inflight >= self.options.max_inflight:

@@ -1,0 +1,126 @@
+"""End to end: Ray replicas × TP ranks behind the router and the HTTP server, driven by the real
+`openai` client; and `manta serve` itself as a process, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+
+from cluster.config import EngineConfig
+from cluster.engine import Engine
+from cluster.launch import ClusterOptions, ServingCluster
+from cluster.metrics import ServerMetrics
+from cluster.router import RouterOptions
+from cluster.server import BackgroundServer, build_app
+from tests.fixtures import tiny_model_dir
+from workers.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NUM_REQUESTS = 64
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, namespace="manta-e2e")
+    metrics = ServerMetrics()
+    cluster = ServingCluster(
+        ClusterOptions(engine=EngineConfig(model=str(d), tp_size=2, page_size=4), replicas=2,
+                       router=RouterOptions(policy="least_load", stats_interval_s=0.2)),
+        metrics,
+    )
+    router = cluster.start()
+    server = BackgroundServer(build_app(router, metrics))
+    yield d, server, cluster
+    server.stop()
+    cluster.shutdown()
+    ray.shutdown()
+
+
+def test_64_concurrent_requests_equal_single_request_greedy(served):
+    d, server, cluster = served
+    prompts = [f"Request {i}: the answer to question {i * 7 % 13} is" for i in range(NUM_REQUESTS)]
+    expected = Engine(EngineConfig(model=str(d))).generate(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    )
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+        async def one(i: int) -> str:
+            kw = dict(model=os.path.basename(str(d)), prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0,
+                      extra_body={"ignore_eos": True})
+            if i % 2:
+                stream = await client.completions.create(stream=True, **kw)
+                return "".join([c.choices[0].text async for c in stream if c.choices])
+            return (await client.completions.create(**kw)).choices[0].text
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(NUM_REQUESTS)))
+        finally:
+            await client.close()
+
+    texts = asyncio.run(run())
+    assert texts == [r.text for r in expected]
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for replica in ("replica-0", "replica-1"):
+        assert f'manta:router_requests_total{{policy="least_load",replica="{replica}"}}' in metrics
+    assert "manta:time_to_first_token_seconds_bucket" in metrics
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_manta_serve_process_starts_answers_and_stops_cleanly(tmp_path):
+    if ray.is_initialized():
+        ray.shutdown()
+    port = _free_port()
+    env = {**os.environ, "MANTA_CACHE_DIR": str(tmp_path / "cache"), "RAY_ADDRESS": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=5)
+        assert out.choices[0].message.content is not None and out.usage.completion_tokens >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    log = proc.stdout.read()
+    assert rc == 0, log
+    assert "placement" in log or "replica replica-0 ready" in log
+    # No orphans: no Ray worker process of ours survives the server.
+    time.sleep(1)
+    leftover = subprocess.run(["pgrep", "-f", "ray::Replica|ray::RankWorker"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""
