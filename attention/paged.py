@@ -35,6 +35,7 @@ class PagedAttentionBackend(AttentionBackend):
         self.skip_kv_cache = skip_kv_cache
         self.metadata: AttentionMetadata | None = None
         self._graph_max_bs = 0
+        self._static: AttentionMetadata | None = None
 
     # ---- metadata ----
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -46,14 +47,63 @@ class PagedAttentionBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self._graph_max_bs = max_bs
+        self._static: AttentionMetadata | None = None  # allocated at the first capture
+
+    def _alloc_static(self, forward_batch: ForwardBatch) -> AttentionMetadata:
+        width = forward_batch.req_to_token_pool.max_context_len
+        dev, n = forward_batch.seq_lens.device, self._graph_max_bs
+        i32 = dict(dtype=torch.int32, device=dev)
+        return AttentionMetadata(
+            cache_seqlens_int32=torch.ones(n, **i32),
+            cu_seqlens_q=torch.arange(n + 1, **i32),
+            cu_seqlens_k=torch.zeros(n + 1, **i32),
+            max_seqlen_q=1,
+            max_seqlen_k=width,
+            token_table=torch.zeros(n, width, **i32),
+            page_table=torch.zeros(n, (width + self.page_size - 1) // self.page_size, **i32),
+            extend_seq_lens_cpu=[1] * n,
+            cache_seqlens_cpu=[width] * n,
+        )
+
+    def _graph_view(self, bs: int) -> AttentionMetadata:
+        st = self._static
+        assert st is not None
+        return AttentionMetadata(
+            cache_seqlens_int32=st.cache_seqlens_int32[:bs],
+            cu_seqlens_q=st.cu_seqlens_q[: bs + 1],
+            cu_seqlens_k=st.cu_seqlens_k[: bs + 1],
+            max_seqlen_q=1,
+            max_seqlen_k=st.max_seqlen_k,  # static: kernels mask by cache_seqlens_int32
+            token_table=st.token_table[:bs],
+            page_table=st.page_table[:bs],
+            extend_seq_lens_cpu=[1] * bs,
+            cache_seqlens_cpu=[st.max_seqlen_k] * bs,
+        )
+
+    def _fill_static(self, bs: int, forward_batch: ForwardBatch) -> None:
+        """Build this step's metadata with the one builder and copy it into the buffers the
+        captured kernels read."""
+        meta = build_attention_metadata(forward_batch, self.page_size)
+        st = self._static
+        assert st is not None
+        st.cache_seqlens_int32[:bs].copy_(meta.cache_seqlens_int32)
+        st.cu_seqlens_q[: bs + 1].copy_(meta.cu_seqlens_q)
+        st.cu_seqlens_k[: bs + 1].copy_(meta.cu_seqlens_k)
+        cols = meta.token_table.shape[1]
+        st.token_table[:bs, :cols].copy_(meta.token_table)
+        st.page_table[:bs, : meta.page_table.shape[1]].copy_(meta.page_table)
 
     def init_forward_metadata_capture_cuda_graph(
         self, bs: int, num_tokens: int, forward_batch: ForwardBatch
     ) -> None:
-        self.metadata = build_attention_metadata(forward_batch, self.page_size)
+        if self._static is None:
+            self._static = self._alloc_static(forward_batch)
+        self._fill_static(bs, forward_batch)
+        self.metadata = self._graph_view(bs)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch: ForwardBatch) -> None:
-        self.metadata = build_attention_metadata(forward_batch, self.page_size)
+        self._fill_static(bs, forward_batch)
+        self.metadata = self._graph_view(bs)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1

@@ -23,8 +23,12 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 25
 
 
 class CudaGraphRunner:
-    def __init__(self, runner, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, pad_row: int = 0):
+    def __init__(self, runner, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, pad_row: int = 0,
+                 use_graphs: bool = True):
+        """use_graphs=False runs the same static-buffer path eagerly (CPU tests of padding and
+        replay metadata; no torch.cuda.CUDAGraph involved)."""
         self.runner = runner
+        self.use_graphs = use_graphs
         self.max_bs = max(b for b in batch_sizes if b <= runner.opts.max_running_requests)
         self.batch_sizes = sorted(b for b in batch_sizes if b <= self.max_bs)
         self.pad_row = pad_row
@@ -40,6 +44,9 @@ class CudaGraphRunner:
         backend = runner.attn_backend
         backend.init_cuda_graph_state(self.max_bs, self.max_bs)
         self.fill = backend.get_cuda_graph_seq_len_fill_value()
+        if not use_graphs:  # eager replay needs the static metadata buffers to exist
+            backend.init_forward_metadata_capture_cuda_graph(self.max_bs, self.max_bs,
+                                                             self._static_batch(self.max_bs))
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         r = self.runner
@@ -60,6 +67,8 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         r = self.runner
+        if not self.use_graphs:
+            return
         stream = torch.cuda.Stream()
         for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool
             fb = self._static_batch(bs)
@@ -101,6 +110,9 @@ class CudaGraphRunner:
             self._static_batch(padded),
             seq_lens_cpu=torch.cat([fb.seq_lens_cpu, pad_cpu]),
         )
-        self.runner.attn_backend.init_forward_metadata_replay_cuda_graph(padded, static)
+        r = self.runner
+        r.attn_backend.init_forward_metadata_replay_cuda_graph(padded, static)
+        if not self.use_graphs:
+            return r.model(static.input_ids, static.positions, static)[:bs]
         self.graphs[padded].replay()
         return self.outputs[padded][:bs]

@@ -137,6 +137,28 @@ class ModelConfig:
             hf_config=hf_config,
         )
 
+    # ---- MLA (DeepSeek-V2/V3) head shapes; only meaningful when use_mla ----
+    @property
+    def kv_lora_rank(self) -> int:
+        return int(self.hf_config.kv_lora_rank)
+
+    @property
+    def qk_rope_head_dim(self) -> int:
+        return int(self.hf_config.qk_rope_head_dim)
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        return int(self.hf_config.qk_nope_head_dim)
+
+    @property
+    def v_head_dim(self) -> int:
+        return int(self.hf_config.v_head_dim)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head of the MHA form: nope + rope."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
     def per_rank_heads(self, tp_size: int) -> int:
         """Query heads on each rank (tp must divide num_heads)."""
         return divide(self.num_heads, tp_size)

@@ -17,6 +17,7 @@ from attention.base import AttentionBackend
 from attention.flash import FlashAttentionBackend
 from attention.paged import should_skip_kv_cache
 from attention.reference import TorchReferenceBackend
+from workers.cuda_graph import CudaGraphRunner
 from workers.forward_batch import ForwardBatch, ForwardMode
 from workers.loader import load_model
 from workers.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
@@ -82,7 +83,9 @@ class ModelRunner:
         self.max_context_len = min(opts.max_context_len or self.model_config.max_context_len,
                                    self.model_config.max_context_len)
         self.kv_pool = self._make_kv_pool()
-        self.req_to_token_pool = ReqToTokenPool(opts.max_running_requests, self.max_context_len, self.device)
+        # One extra row (all zeros: the reserved page 0) for padded CUDA-graph batch entries.
+        self.pad_row = opts.max_running_requests
+        self.req_to_token_pool = ReqToTokenPool(opts.max_running_requests + 1, self.max_context_len, self.device)
         self.attn_backend = make_attention_backend(opts, self.model_config.use_mla, self.device)
         self.sampler = (
             Sampler(self.model_config.vocab_size, self.device, eos_token_ids=set(self.model_config.eos_token_ids))
@@ -90,6 +93,10 @@ class ModelRunner:
             else None
         )
         self.states: dict[str, RequestSamplingState] = {}
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not opts.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
+            self.graph_runner = CudaGraphRunner(self, pad_row=self.pad_row)
+            self.graph_runner.capture()
         self.embedding_rids: set[str] = set()
 
     # ---------------- memory ----------------
@@ -192,6 +199,8 @@ class ModelRunner:
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of every new token."""
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb.input_ids, fb.positions, fb)
 

@@ -1,0 +1,264 @@
+"""Paged decode attention for MHA/GQA/MQA in Triton, split over the keys (flash-decoding).
+
+Stage 1 (grid B x Hkv x num_splits): one program takes one request, one KV head and one
+contiguous slice of that request's keys; it loads each K/V block once for all the query heads of
+the KV head (GQA), runs an online softmax and writes a partial (output, log-sum-exp) per head.
+Stage 2 (grid B x H) merges the partials of a request's splits by their log-sum-exps.
+
+CUDA-graph safety: the grid depends only on B, Hkv and `num_splits`, all known on the host
+without reading device memory; each program reads its request's length from `cache_seqlens`
+and derives its slice from it, so a replay with other lengths and page tables is correct for
+any `num_splits` (the split count only changes how the work is spread). Programs whose slice is
+empty write nothing, and stage 2 reads only the slices that exist.
+
+The log-sum-exps are kept in base 2 (scores are pre-multiplied by log2(e)) and never leave
+this module.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Tokens per K/V block of stage 1; a split always covers whole blocks.
+DECODE_BLOCK_N = 64
+# Fewest tokens worth a split of their own, and the most splits any request is cut into.
+MIN_TOKENS_PER_SPLIT = 64
+MAX_SPLITS = 32
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: pretend to be an H100
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(programs_per_split: int, max_context: int, device: torch.device) -> int:
+    """Splits per request so that about two waves of programs fill the GPU, never cutting the
+    longest possible context into slices shorter than MIN_TOKENS_PER_SPLIT.
+
+    Reads no device memory: `max_context` is a host-side bound (e.g. page_table width * page
+    size, static under CUDA graphs), so the result is fixed for a captured graph."""
+    target = 2 * _num_sms(device)
+    want = triton.cdiv(target, max(programs_per_split, 1))
+    cap = max(1, triton.cdiv(max(max_context, 1), MIN_TOKENS_PER_SPLIT))
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 caches get true float32 products (tf32 would cost ~1e-3 relative error)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def split_bounds(seq_len, split_id, num_splits, BLOCK_N: tl.constexpr):
+    """Slice [start, end) of a request's keys taken by `split_id`; slices are whole blocks of
+    BLOCK_N tokens, so the last splits of a short request are empty (start >= end)."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(per_split, BLOCK_N)
+    start = split_id * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    return start, end, per_split
+
+
+@triton.jit
+def _decode_stage1(
+    Q, K, V, PageTable, SeqLens, MidO, MidLse,
+    sm_scale_log2, num_splits,
+    stride_qb, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_pb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    start, end, _ = split_bounds(seq_len, split, num_splits, BLOCK_N)
+    if start < end:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        mask_h = offs_h < GROUP
+        mask_d = offs_d < HEAD_DIM
+        mask_dv = offs_dv < V_DIM
+        heads = kvh * GROUP + offs_h
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        page_row = PageTable + b * stride_pb
+        for t0 in range(start, end, BLOCK_N):
+            offs_n = t0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+            slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+            k = tl.load(
+                K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            # Every block holds at least one key (t0 < end), so m_new is finite.
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+        o_ptrs = MidO + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
+        tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_dv[None, :])
+        tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=mask_h)
+
+
+@triton.jit
+def merge_splits_kernel(
+    MidO, MidLse, SeqLens, Out,
+    num_splits,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    stride_outb, stride_outh,
+    V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Stage 2, grid (B, H): out = sum_s 2^(lse_s - lse) * o_s over the request's non-empty
+    splits (the same `split_bounds` as stage 1 says which exist). A request of length 0 gets 0."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b)
+    _, _, per_split = split_bounds(seq_len, 0, num_splits, BLOCK_N)
+    n_active = tl.cdiv(seq_len, per_split)
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_row = MidLse + b * stride_lb + h * stride_lh
+    lse = tl.load(lse_row + offs_s, mask=offs_s < n_active, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(n_active > 0, m, 0.0)
+    denom = tl.sum(tl.exp2(lse - m), 0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < V_DIM
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    o_row = MidO + b * stride_ob + h * stride_oh
+    for s in range(0, n_active):
+        w = tl.exp2(tl.load(lse_row + s) - m)
+        acc += w * tl.load(o_row + s * stride_os + offs_dv, mask=mask_dv, other=0.0)
+    out = tl.where(denom > 0, acc / denom, 0.0)
+    tl.store(Out + b * stride_outb + h * stride_outh + offs_dv, out.to(Out.dtype.element_ty), mask=mask_dv)
+
+
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, cache_seqlens: torch.Tensor,
+                 out: torch.Tensor, block_n: int) -> None:
+    """Stage 2 shared with the MLA kernel. mid_o: [B, H, S, Dv] f32; mid_lse: [B, H, S] f32
+    (base 2); out: [B, H, Dv]; `block_n` must be the stage-1 block the splits were cut with."""
+    batch, heads, num_splits, v_dim = mid_o.shape
+    merge_splits_kernel[(batch, heads)](
+        mid_o, mid_lse, cache_seqlens, out,
+        num_splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        V_DIM=v_dim,
+        BLOCK_DV=triton.next_power_of_2(v_dim),
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_N=block_n,
+        num_warps=4 if v_dim >= 256 else 2,
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    scaling: float,
+    page_size: int,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query per request over its paged K/V.
+
+    q: [B, H, D]; k_cache: [slots, Hkv, D]; v_cache: [slots, Hkv, Dv] (slot = page * page_size
+    + offset; last dim contiguous); page_table: [B, max_pages] int32/int64 page ids;
+    cache_seqlens: [B] int32 keys per request (device). H must be a multiple of Hkv; query
+    head j reads KV head j // (H // Hkv). Returns `out` (or a new tensor): [B, H, Dv] in q's
+    dtype. num_splits=None picks a count from B, Hkv and page_table's width (host values only:
+    pass a fixed count when capturing CUDA graphs whose page table width may vary)."""
+    batch, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    v_dim = v_cache.shape[-1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_decode needs K/V caches with a contiguous last dim")
+    group = heads // kv_heads
+    if out is None:
+        out = q.new_empty(batch, heads, v_dim)
+    if batch == 0:
+        return out
+    if q.dtype != k_cache.dtype:
+        q = q.to(k_cache.dtype)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if num_splits is None:
+        num_splits = choose_num_splits(batch * kv_heads, page_table.shape[1] * page_size, q.device)
+    mid_o = torch.empty(batch, heads, num_splits, v_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(v_dim))
+    _decode_stage1[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, page_table, cache_seqlens, mid_o, mid_lse,
+        scaling * LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        page_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, PAGE_SIZE=page_size,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=DECODE_BLOCK_N,
+        DOT_PREC=dot_precision(k_cache.dtype),
+        num_warps=4, num_stages=2,
+    )
+    merge_splits(mid_o, mid_lse, cache_seqlens, out, DECODE_BLOCK_N)
+    return out
+
+
+def token_table_to_page_table(token_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[B, max_tokens] slot per token -> [B, ceil(max_tokens / P)] page ids (as the metadata
+    builder does; no copy for page_size 1). Graph-safe: no host sync."""
+    if page_size == 1:
+        return token_table
+    return token_table[:, ::page_size] // page_size
+
+
+__all__ = [
+    "paged_decode",
+    "merge_splits",
+    "choose_num_splits",
+    "token_table_to_page_table",
+    "split_bounds",
+    "dot_precision",
+    "LOG2E",
+    "DECODE_BLOCK_N",
+]

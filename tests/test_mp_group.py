@@ -1,0 +1,24 @@
+"""TP=2 without Ray (torch multiprocessing + gloo): the same rank code, equal greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import EngineConfig
+from cluster.engine import Engine
+from tests.fixtures import tiny_model_dir
+from tests.test_engine import PROMPTS, greedy, run_staggered
+
+pytestmark = pytest.mark.slow
+
+
+def test_multiprocess_tp2_equals_tp1(tmp_path_factory):
+    d = tiny_model_dir(tmp_path_factory, "qwen2")
+    tp2 = Engine(EngineConfig(model=str(d), tp_size=2, page_size=4))
+    try:
+        assert type(tp2.workers).__name__ == "MultiprocessWorkerGroup"
+        got = run_staggered(tp2, PROMPTS, greedy())
+    finally:
+        tp2.shutdown()
+    want = Engine(EngineConfig(model=str(d), page_size=4)).generate(PROMPTS, greedy())
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]

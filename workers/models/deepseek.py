@@ -1,0 +1,494 @@
+"""DeepSeek-V2 / DeepSeek-V3 (MLA attention, dense or MoE MLP) — one parametrised model.
+
+Family differences (`DeepseekFamily`), as transformers defines them:
+- RoPE: on the qk_rope_head_dim part only. V2 rotates interleaved pairs (x0, x1), (x2, x3), ...
+  (complex multiplication, in float32); V3 does the same when `rope_interleave` (the default),
+  else rotate-half. The interleaved result is stored de-interleaved ([rotated evens, rotated
+  odds], as V3's transformers code does; V2's transformers code keeps the pairs interleaved).
+  q_pe and k_pe get the same permutation, and k_pe only ever meets q_pe in a dot product, so
+  the scores are identical; the cached k_pe uses this layout.
+- Router: V2 takes softmax scores, top-k greedy or group_limited_greedy (best groups by their
+  max score), weights times routed_scaling_factor; V3 takes sigmoid scores, chooses with
+  `scores + e_score_correction_bias` inside the topk_group best groups (a group scores the sum
+  of its top-2), weights are the unbiased scores, normalised when norm_topk_prob, times
+  routed_scaling_factor. transformers' V2 ignores norm_topk_prob (the reference code instead
+  normalises and drops the scaling): such a V2 config is refused rather than guessed.
+- MLP bias: V2 follows `mlp_bias` (dense and shared experts); V3 has none.
+Layer i is MoE when n_routed_experts is set, i >= first_k_dense_replace and i % moe_layer_freq
+== 0 (transformers ignores moe_layer_freq; every published checkpoint has 1).
+The softmax scale is qk_head_dim^-0.5, times yarn_mscale(factor, mscale_all_dim)^2 for a scaled
+RoPE with mscale_all_dim (the cos/sin carry mscale / mscale_all_dim, as in transformers).
+
+Attention: see `attention.mla` for the split of work with the backend. The model decides the
+form by the forward mode: DECODE runs the absorbed form (q_nope through W_UK into latent space,
+output through W_UV), every other mode the MHA form (the backend decompresses with `expand_kv`).
+
+Tensor parallelism: q_proj / q_b_proj / kv_b_proj are column-parallel by heads, o_proj is
+row-parallel; q_a_proj, kv_a_proj_with_mqa and their norms are replicated, so every rank
+computes (and caches) the same latent. Each routed expert's gate/up are column-parallel and its
+down row-parallel (the expert intermediate is split over ranks); the router is replicated. An
+MoE layer all-reduces once: routed and shared-expert partial sums together. Checkpoint layers
+past num_hidden_layers (V3's multi-token-prediction layers) are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.mla import MLAAttentionLayer
+from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    TensorSlice,
+    check_shape,
+    make_param,
+)
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RopeConfig, RotaryEmbedding
+from workers.parallel import TPGroup, divide, shard_range
+
+if TYPE_CHECKING:
+    from workers.forward_batch import ForwardBatch
+    from workers.loader import CheckpointReader
+    from workers.model_config import ModelConfig
+
+# q_a_layernorm and kv_a_layernorm use the RMSNorm default eps in transformers and the reference
+# code, not config.rms_norm_eps.
+LORA_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class DeepseekFamily:
+    version: int  # 2 or 3
+    rope_interleave: bool
+    rope_fp32: bool  # V2 rotates in float32 and casts back; V3 in the activation dtype
+    mlp_bias: bool
+    topk_method: str  # greedy | group_limited_greedy (V2) | noaux_tc (V3)
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    n_group: int
+    topk_group: int
+
+
+def deepseek_family(config: ModelConfig) -> DeepseekFamily:
+    hf = config.hf_config
+    if config.architecture not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        raise ValueError(f"{config.architecture!r} is not a DeepSeek MLA architecture")
+    v2 = config.architecture == "DeepseekV2ForCausalLM"
+    method = (getattr(hf, "topk_method", None) or "greedy") if v2 else "noaux_tc"
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise NotImplementedError(f"DeepSeek-V2 topk_method {method!r} is not supported")
+    if v2 and getattr(hf, "norm_topk_prob", False) and (getattr(hf, "num_experts_per_tok", 1) or 1) > 1:
+        raise NotImplementedError(
+            "DeepSeek-V2 with norm_topk_prob=True: transformers and the reference code disagree"
+        )
+    return DeepseekFamily(
+        version=2 if v2 else 3,
+        rope_interleave=v2 or bool(getattr(hf, "rope_interleave", True)),
+        rope_fp32=v2,
+        mlp_bias=v2 and bool(getattr(hf, "mlp_bias", False)),
+        topk_method=method,
+        norm_topk_prob=not v2 and bool(hf.norm_topk_prob),
+        routed_scaling_factor=float(hf.routed_scaling_factor),
+        n_group=int(hf.n_group or 1),
+        topk_group=int(hf.topk_group or 1),
+    )
+
+
+def _check_supported(config: ModelConfig, family: DeepseekFamily, tp: TPGroup) -> None:
+    hf = config.hf_config
+    if getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):
+        raise NotImplementedError(f"activation {hf.hidden_act!r} is not supported (only silu)")
+    sizes = [("attention heads", config.num_heads), ("intermediate size", hf.intermediate_size)]
+    if getattr(hf, "n_routed_experts", None):
+        sizes.append(("moe intermediate size", hf.moe_intermediate_size))
+        if hf.n_routed_experts % family.n_group:
+            raise ValueError(f"n_group={family.n_group} does not divide {hf.n_routed_experts} experts")
+    for what, n in sizes:
+        if n % tp.size:
+            raise ValueError(f"tp={tp.size} does not divide the {what} ({n})")
+
+
+def is_moe_layer(hf: Any, layer_id: int) -> bool:
+    return (
+        bool(getattr(hf, "n_routed_experts", None))
+        and layer_id >= (hf.first_k_dense_replace or 0)
+        and layer_id % (getattr(hf, "moe_layer_freq", 1) or 1) == 0
+    )
+
+
+def softmax_scale(config: ModelConfig, rope: RopeConfig) -> float:
+    """qk_head_dim^-0.5, times yarn_mscale(factor, mscale_all_dim)^2 for a scaled RoPE."""
+    scale = config.qk_head_dim**-0.5
+    if rope.rope_type != "default" and rope.mscale_all_dim and rope.factor and rope.factor > 1:
+        m = 0.1 * float(rope.mscale_all_dim) * math.log(rope.factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear layer every rank holds whole (the low-rank down projections of MLA)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device):
+        super().__init__()
+        self.weight = make_param((out_features, in_features), dtype, device)
+        self.bias = make_param((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _rope(rotary: RotaryEmbedding, family: DeepseekFamily, positions, q, k):
+    """q: [T, H, R], k: [T, 1, R] -> rotated q, k (see the module docstring for the layout)."""
+    if not family.rope_interleave:
+        return rotary.apply(positions, q, k)
+    dtype = torch.float32 if family.rope_fp32 else q.dtype
+    cos = rotary.cos_cache[positions].unsqueeze(1).to(dtype)
+    sin = rotary.sin_cache[positions].unsqueeze(1).to(dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(q).to(q.dtype), rotate(k).to(k.dtype)
+
+
+class DeepseekAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup, scaling: float, dtype, device):
+        super().__init__()
+        hf = config.hf_config
+        hidden, heads = config.hidden_size, config.num_heads
+        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.lora, self.v_dim = config.kv_lora_rank, config.v_head_dim
+        self.heads = divide(heads, tp.size)
+        qk = self.nope + self.rope
+        bias = bool(getattr(hf, "attention_bias", False))
+        self.q_lora_rank = getattr(hf, "q_lora_rank", None)
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk, False, tp, dtype, device)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias, dtype, device)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS, dtype, device)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk, False, tp, dtype, device)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.lora + self.rope, bias, dtype, device)
+        self.kv_a_layernorm = RMSNorm(self.lora, LORA_NORM_EPS, dtype, device)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.lora, heads * (self.nope + self.v_dim), False, tp, dtype, device
+        )
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, dtype, device)
+        self.attn = MLAAttentionLayer(
+            layer_id=layer_id,
+            num_heads=self.heads,
+            num_kv_heads=1,
+            head_dim=qk,
+            scaling=scaling,
+            v_head_dim=self.v_dim,
+            kv_lora_rank=self.lora,
+            qk_rope_head_dim=self.rope,
+            expand_kv=self.expand_kv,
+        )
+
+    def _w_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, N, C], W_UV [H, V, C]) of this rank's heads: views of kv_b_proj.weight."""
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.lora)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def expand_kv(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache entries [n, C + R] -> k [n, H, N + R] (k_pe shared by the heads), v [n, H, V]."""
+        n = entries.shape[0]
+        kv = self.kv_b_proj(entries[:, : self.lora]).view(n, self.heads, self.nope + self.v_dim)
+        k_pe = entries[:, None, self.lora :].expand(n, self.heads, self.rope)
+        return torch.cat((kv[..., : self.nope], k_pe), dim=-1), kv[..., self.nope :]
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        fb: ForwardBatch,
+        rotary: RotaryEmbedding,
+        family: DeepseekFamily,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(t, self.heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.lora, self.rope], dim=-1)
+        q_pe, k_pe = _rope(rotary, family, positions, q_pe, k_pe.unsqueeze(1))
+        entry = torch.cat((self.kv_a_layernorm(latent).unsqueeze(1), k_pe), dim=-1)  # [T, 1, C + R]
+        backend = fb.attn_backend
+        assert backend is not None
+        if fb.forward_mode.is_decode():
+            w_uk, w_uv = self._w_kv_b()
+            q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+            out = backend.forward(torch.cat((q_lat, q_pe), dim=-1), entry, None, self.attn, fb)
+            out = torch.einsum("thc,hvc->thv", out.view(t, self.heads, self.lora), w_uv)
+        else:
+            out = backend.forward(torch.cat((q_nope, q_pe), dim=-1), entry, None, self.attn, fb)
+        return self.o_proj(out.reshape(t, self.heads * self.v_dim))
+
+
+class DeepseekMLP(nn.Module):
+    """Dense MLP (and the shared experts). `forward(x, reduce=False)` returns this rank's partial
+    sum without the down bias, for the MoE's single all-reduce."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, tp: TPGroup, dtype, device):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp, dtype, device)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp, dtype, device)
+        self.local_inter = inter // tp.size
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.local_inter, dim=-1)
+        h = F.silu(gate) * up
+        return self.down_proj(h) if reduce else F.linear(h, self.down_proj.weight)
+
+
+class DeepseekExperts(nn.Module):
+    """Routed experts as stacked weights: w13 [E, 2 * I/tp, hidden] (this rank's gate rows, then
+    up rows, of each expert), w2 [E, hidden, I/tp]. Shard ids: (expert, 0 | 1) for gate/up and
+    expert for down."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPGroup, dtype, device):
+        super().__init__()
+        self.inter = inter
+        self.start, self.end = shard_range(inter, tp.rank, tp.size)
+        local = self.end - self.start
+        self.w13 = make_param(
+            (num_experts, 2 * local, hidden),
+            dtype,
+            device,
+            self._load_w13,
+            tuple((e, j) for e in range(num_experts) for j in (0, 1)),
+        )
+        self.w2 = make_param(
+            (num_experts, hidden, local), dtype, device, self._load_w2, tuple(range(num_experts))
+        )
+
+    def _load_w13(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
+        e, j = shard_id
+        local = self.end - self.start
+        check_shape(f"expert {e} gate/up", src, [self.inter, param.shape[2]])
+        with torch.no_grad():
+            param.data[e, j * local : (j + 1) * local].copy_(src[self.start : self.end].to(param.dtype))
+
+    def _load_w2(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
+        check_shape(f"expert {shard_id} down", src, [param.shape[1], self.inter])
+        with torch.no_grad():
+            param.data[shard_id].copy_(src[:, self.start : self.end].to(param.dtype))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], weights [T, k] float32, ids [T, k] -> this rank's partial sum [T, hidden].
+        A loop over the experts hit, in ascending order (as transformers sums them)."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            tok, pos = torch.where(ids == e)
+            gate, up = F.linear(x[tok], self.w13[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.w2[e]) * weights[tok, pos, None]
+            out.index_add_(0, tok, h.to(out.dtype))
+        return out
+
+
+class DeepseekRouter(nn.Module):
+    """Replicated router: `weight` [E, hidden] and (V3) `e_score_correction_bias` [E] (float32)."""
+
+    def __init__(self, hf: Any, family: DeepseekFamily, dtype, device):
+        super().__init__()
+        self.family = family
+        self.num_experts = hf.n_routed_experts
+        self.top_k = hf.num_experts_per_tok
+        self.weight = make_param((self.num_experts, hf.hidden_size), dtype, device)
+        if family.version == 3:
+            self.e_score_correction_bias = make_param((self.num_experts,), torch.float32, device)
+
+    def _group_mask(self, choice: torch.Tensor, group_scores: torch.Tensor) -> torch.Tensor:
+        f = self.family
+        groups = torch.topk(group_scores, k=f.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
+        return mask.unsqueeze(-1).expand(-1, f.n_group, self.num_experts // f.n_group).reshape(choice.shape)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
+        f = self.family
+        logits = F.linear(x.float(), self.weight.float())
+        per_group = self.num_experts // f.n_group
+        if f.version == 2:
+            scores = logits.softmax(dim=-1)
+            if f.topk_method == "group_limited_greedy":
+                group_scores = scores.view(-1, f.n_group, per_group).max(dim=-1).values
+                scores = scores.masked_fill(~self._group_mask(scores, group_scores), 0.0)
+            weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            group_scores = choice.view(-1, f.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+            choice = choice.masked_fill(~self._group_mask(choice, group_scores), float("-inf"))
+            ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+        if f.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * f.routed_scaling_factor, ids
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config: ModelConfig, family: DeepseekFamily, tp: TPGroup, dtype, device):
+        super().__init__()
+        hf = config.hf_config
+        self.tp = tp
+        inter = hf.moe_intermediate_size
+        self.gate = DeepseekRouter(hf, family, dtype, device)
+        self.experts = DeepseekExperts(hf.n_routed_experts, config.hidden_size, inter, tp, dtype, device)
+        n_shared = getattr(hf, "n_shared_experts", None) or 0
+        self.shared_experts = (
+            DeepseekMLP(config.hidden_size, inter * n_shared, family.mlp_bias, tp, dtype, device)
+            if n_shared
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, reduce=False)
+        out = self.tp.all_reduce(out)
+        bias = self.shared_experts.down_proj.bias if self.shared_experts is not None else None
+        return out if bias is None else out + bias
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        family: DeepseekFamily,
+        layer_id: int,
+        tp: TPGroup,
+        scaling: float,
+        dtype,
+        device,
+    ):
+        super().__init__()
+        hf = config.hf_config
+        eps = hf.rms_norm_eps
+        self.self_attn = DeepseekAttention(config, layer_id, tp, scaling, dtype, device)
+        self.mlp: nn.Module
+        if is_moe_layer(hf, layer_id):
+            self.mlp = DeepseekMoE(config, family, tp, dtype, device)
+        else:
+            self.mlp = DeepseekMLP(
+                config.hidden_size, hf.intermediate_size, family.mlp_bias, tp, dtype, device
+            )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+
+    def forward(self, positions, x, fb: ForwardBatch, rotary: RotaryEmbedding, family: DeepseekFamily):
+        x = x + self.self_attn(positions, self.input_layernorm(x), fb, rotary, family)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(
+        self, config: ModelConfig, family: DeepseekFamily, tp: TPGroup, scaling: float, dtype, device
+    ):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype, device)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, family, i, tp, scaling, dtype, device)
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.hf_config.rms_norm_eps, dtype, device)
+
+
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$|rotary_emb\.cos_cached$|rotary_emb\.sin_cached$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+# (checkpoint name part, parameter name part, shard id) of the fused gate/up parameters.
+_FUSED = (
+    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
+    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+    (".shared_experts.gate_proj.", ".shared_experts.gate_up_proj.", 0),
+    (".shared_experts.up_proj.", ".shared_experts.gate_up_proj.", 1),
+)
+
+
+def _param_target(name: str) -> tuple[str, Any]:
+    """(parameter name, shard id) that checkpoint tensor `name` loads into."""
+    m = _EXPERT.match(name)
+    if m:
+        prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        if proj == "down":
+            return f"{prefix}.w2", e
+        return f"{prefix}.w13", (e, 0 if proj == "gate" else 1)
+    for ckpt_part, param_part, sid in _FUSED:
+        if ckpt_part in name:
+            return name.replace(ckpt_part, param_part), sid
+    return name, None
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    """DeepSeek-V2 and -V3 (the family is read from the config's architecture)."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, device: torch.device | str, dtype: torch.dtype):
+        super().__init__()
+        self.family = deepseek_family(config)
+        _check_supported(config, self.family, tp)
+        self.config = config
+        self.tp = tp
+        rope = RopeConfig.from_hf(config.hf_config, config.qk_rope_head_dim)
+        self.rotary_emb = RotaryEmbedding(rope, config.max_context_len, device)
+        self.model = DeepseekModel(config, self.family, tp, softmax_scale(config, rope), dtype, device)
+        tie = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype, device, tie_to=tie)
+
+    @property
+    def attention_layers(self) -> list[MLAAttentionLayer]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, hidden] (every rank)."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(positions, x, forward_batch, self.rotary_emb, self.family)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> [N, vocab] float32, the full vocabulary on every rank."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, reader: CheckpointReader) -> set[tuple[str, Any]]:
+        """Copy this rank's slices from the checkpoint; returns the (parameter, shard id) pairs
+        loaded. Unknown tensors are an error; RoPE tables, a tied lm_head and layers past
+        num_hidden_layers (multi-token prediction) are skipped."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, Any]] = set()
+        for name in reader.names():
+            layer = _LAYER.match(name)
+            if _IGNORED.search(name) or (layer and int(layer.group(1)) >= self.config.num_layers):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard_id = _param_target(name)
+            if target not in params:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} matches no parameter of {self.config.architecture}"
+                )
+            param = params[target]
+            param.weight_loader(param, reader.get_slice(name), shard_id)
+            loaded.add((target, shard_id))
+        return loaded
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """Same model; the family (router, RoPE layout) comes from the architecture name."""
