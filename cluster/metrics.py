@@ -116,6 +116,14 @@ class ServerMetrics:
         self.request_errors = Counter(
             "manta:request_errors", "HTTP error responses, by status code.", ["code"], registry=r
         )
+        self.replica_healthy = Gauge(
+            "manta:replica_healthy", "1 while the router routes to the replica, 0 while it is unhealthy.",
+            ["replica"], registry=r,
+        )
+        self.replica_restarts = Gauge(
+            "manta:replica_restarts", "Times the replica rebuilt its TP group after losing a rank.",
+            ["replica"], registry=r,
+        )
         self._prefix = _PrefixCacheCollector()
         r.register(self._prefix)
 
@@ -149,13 +157,18 @@ class ServerMetrics:
             self.num_requests_waiting.labels(replica).set(stats["num_waiting"])
         if "kv_usage" in stats:
             self.kv_cache_usage.labels(replica).set(stats["kv_usage"])
+        if "healthy" in stats:
+            self.replica_healthy.labels(replica).set(1.0 if stats["healthy"] else 0.0)
+        if "restarts" in stats:
+            self.replica_restarts.labels(replica).set(stats["restarts"])
         if "prefix_hit_tokens" in stats or "prefix_query_tokens" in stats:
             self._prefix.set(replica, stats.get("prefix_hit_tokens", 0), stats.get("prefix_query_tokens", 0))
 
     def remove_replica(self, replica: str) -> None:
         """Drop a departed replica's state series (gauges, polled counters, route counts).
         Latency histograms and token counters keep their history: they are server-side totals."""
-        for g in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage):
+        for g in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
+                  self.replica_healthy, self.replica_restarts):
             g.remove_by_labels({"replica": replica})
         self.router_requests.remove_by_labels({"replica": replica})
         self._prefix.remove(replica)

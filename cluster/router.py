@@ -200,6 +200,8 @@ class Router:
         if handle.healthy:
             logger.warning("router: replica %s unhealthy: %s", handle.name, reason)
         handle.healthy, handle.reason = False, reason
+        if self.metrics is not None:
+            self.metrics.update_replica_stats(handle.name, {"healthy": False})
 
     # ---------------- health ----------------
     def health(self) -> HealthStatus:

@@ -11,6 +11,7 @@ import ray
 from cluster.config import EngineConfig
 from cluster.engine import Engine
 from cluster.launch import ClusterOptions, ServingCluster
+from cluster.metrics import ServerMetrics
 from cluster.router import RouterOptions
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import PROMPTS, greedy, hf_greedy, run_staggered
@@ -51,8 +52,10 @@ async def _collect(router, prompt, max_tokens):
 
 def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
     d = tiny_model_dir(tmp_path_factory, "llama")
+    metrics = ServerMetrics()
     cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d)), replicas=2,
-                                            router=RouterOptions(policy="round_robin", stats_interval_s=0.2)))
+                                            router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),
+                             metrics)
     router = cluster.start()
     try:
         async def scenario():
@@ -67,13 +70,16 @@ def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
             while router.replicas["replica-0"].healthy and time.monotonic() - t0 < 10:
                 await asyncio.sleep(0.05)
             noticed_s = time.monotonic() - t0
+            exported = metrics.render().decode()
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
             # Later requests succeed (on the healthy replica, or on the restarted one).
             later = [await _collect(router, p, 5) for p in PROMPTS]
-            return noticed_s, results, later
+            return noticed_s, exported, results, later
 
-        noticed_s, results, later = asyncio.run(scenario())
+        noticed_s, exported, results, later = asyncio.run(scenario())
         assert noticed_s < 10
+        assert 'manta:replica_healthy{replica="replica-0"} 0.0' in exported
+        assert 'manta:replica_healthy{replica="replica-1"} 1.0' in exported
         finals = [outs[-1] for outs in results]
         assert all(f.finished for f in finals)  # nothing hangs
         errored = [f for f in finals if f.finish_reason == "error"]
