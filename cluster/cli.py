@@ -70,8 +70,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.sampling_seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
     )
+    from cluster.scheduler import RequestRejected
+    from workers.sampling_params import SamplingParamsError
+
     try:
         results = engine.generate(args.prompt, params)
+    except (SamplingParamsError, RequestRejected) as exc:
+        print(f"manta generate: invalid request: {exc}", file=sys.stderr)
+        return 2
     finally:
         engine.shutdown()
     for r in results:
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     rc = args.func(args)
-    return int(rc or 0)
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":

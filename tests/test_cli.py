@@ -1,0 +1,33 @@
+"""The `manta` command line: make-model then generate, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_make_model_then_generate_json(tmp_path):
+    out = tmp_path / "m"
+    made = run("make-model", str(out), "--arch", "qwen3", "--layers", "1")
+    assert made.returncode == 0, made.stderr
+    assert (out / "config.json").exists()
+    gen = run("generate", "--model", str(out), "--prompt", "Hello there", "--prompt", "Hi",
+              "--max-tokens", "5", "--temperature", "0", "--json", "--ignore-eos")
+    assert gen.returncode == 0, gen.stderr
+    rows = [json.loads(line) for line in gen.stdout.strip().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert set(row) == {"text", "token_ids", "finish_reason"}
+        assert len(row["token_ids"]) == 5 and row["finish_reason"] == "length"
+
+
+def test_generate_rejects_bad_parameter_with_its_name(tmp_path):
+    out = tmp_path / "m"
+    assert run("make-model", str(out), "--arch", "llama", "--layers", "1").returncode == 0
+    gen = run("generate", "--model", str(out), "--prompt", "x", "--top-p", "1.5")
+    assert gen.returncode != 0 and "top_p" in gen.stderr
