@@ -3,6 +3,7 @@
 - offline:  N prompts of fixed input/output lengths (ignore_eos) through the engine loop;
             output tokens/s and total tokens/s.
 - latency:  decode step time at batch 1 and batch B.
+- serve:    Poisson arrivals against a server (or the in-process engine): TTFT/TPOT/ITL.
 - overhead: per-step cost of driving the TP group (in-process vs Ray actors), i.e. the
             driver's step time minus the worker's own compute time.
 """
@@ -84,12 +85,23 @@ def _decode_step_times(engine: Engine, batch: int, input_len: int, steps: int) -
 
 
 def bench_latency(engine: Engine, batches: list[int], input_len: int, steps: int) -> dict:
-    rows = {}
+    """Decode step time per batch size, beside the roofline (in-process worker groups only)."""
+    from cluster.bench_roofline import decode_roofline_ms, measure_copy_bandwidth
+
+    runner = getattr(engine.workers, "runner", None)
+    bandwidth = measure_copy_bandwidth(runner.device) if runner is not None else None
+    rows: dict = {"copy_bandwidth_GBps": bandwidth / 1e9 if bandwidth else None}
     for b in batches:
         walls, computes = _decode_step_times(engine, b, input_len, steps)
-        rows[str(b)] = {"step_ms_mean": 1e3 * statistics.mean(walls),
-                        "step_ms_p50": 1e3 * statistics.median(walls),
-                        "compute_ms_mean": 1e3 * statistics.mean(computes)}
+        row = {"step_ms_mean": 1e3 * statistics.mean(walls),
+               "step_ms_p50": 1e3 * statistics.median(walls),
+               "compute_ms_mean": 1e3 * statistics.mean(computes)}
+        if runner is not None:
+            context = input_len + steps // 2
+            roof = decode_roofline_ms(runner.model, runner.kv_pool.bytes_per_token(), b, context, bandwidth)
+            row["roofline_ms"] = roof
+            row["fraction_of_roofline"] = roof / row["step_ms_p50"]
+        rows[str(b)] = row
     return rows
 
 
@@ -130,15 +142,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     payload: dict = {"mode": args.mode, "model": config.model, "device": config.device, "tp": config.tp_size}
     if args.mode == "offline":
-        res = bench_offline(Engine(config), args.num_prompts, args.input_len, args.output_len)
+        engine = Engine(config)
+        res = {"manta": bench_offline(engine, args.num_prompts, args.input_len, args.output_len)}
+        if args.compare_transformers:
+            from cluster.bench_serve import run_transformers_offline
+
+            engine.shutdown()
+            del engine
+            prompts = _random_prompts(args.num_prompts, args.input_len, 1000, 0)
+            res["transformers"] = run_transformers_offline(config.model, prompts, args.output_len,
+                                                           config.device, config.dtype)
+            res["speedup"] = res["manta"]["output_tokens_per_s"] / res["transformers"]["output_tokens_per_s"]
         payload["result"] = res
         _print_table(f"offline: {args.num_prompts} x ({args.input_len} in, {args.output_len} out)",
-                     [(k, v) for k, v in res.items()])
+                     [(f"{g} {k}", v) for g, row in res.items() if isinstance(row, dict) for k, v in row.items()]
+                     + ([("speedup vs transformers", res["speedup"])] if "speedup" in res else []))
+    elif args.mode == "serve":
+        import asyncio
+
+        from cluster.bench_serve import run_http, run_in_process
+
+        if args.url:
+            from transformers import AutoConfig
+
+            vocab = AutoConfig.from_pretrained(config.model).vocab_size
+            prompts = _random_prompts(args.num_prompts, args.input_len, vocab, 0)
+            res = asyncio.run(run_http(args.url, config.model_name, prompts, args.output_len, args.request_rate))
+        else:
+            engine = Engine(config)
+            prompts = _random_prompts(args.num_prompts, args.input_len, engine.model_config.vocab_size, 0)
+            bench_offline(engine, 2, args.input_len, 4)  # warm-up
+            res = asyncio.run(run_in_process(engine, prompts, args.output_len, args.request_rate))
+            engine.shutdown()
+        payload["result"] = res
+        _print_table(f"serve: {args.num_prompts} x ({args.input_len} in, {args.output_len} out) at "
+                     f"{args.request_rate} req/s ({'HTTP ' + args.url if args.url else 'in-process engine'})",
+                     list(res.items()))
     elif args.mode == "latency":
         res = bench_latency(Engine(config), args.batch, args.input_len, args.steps)
         payload["result"] = res
         _print_table("decode step latency (ms)",
-                     [(f"batch {b} {k}", v) for b, row in res.items() for k, v in row.items()])
+                     [(f"batch {b} {k}", v) for b, row in res.items() if isinstance(row, dict)
+                      for k, v in row.items()] + [("copy bandwidth GB/s", res["copy_bandwidth_GBps"] or 0.0)])
     elif args.mode == "overhead":
         res = bench_overhead(config, args.batch[-1], args.input_len, args.steps, args.cpus_per_rank)
         payload["result"] = res
@@ -152,7 +197,7 @@ def add_bench_parser(sub) -> None:
     from cluster.cli import add_engine_args
 
     p = sub.add_parser("bench", help="benchmarks: offline throughput, decode latency, Ray overhead")
-    p.add_argument("mode", choices=["offline", "latency", "overhead"])
+    p.add_argument("mode", choices=["offline", "latency", "overhead", "serve"])
     add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
@@ -161,4 +206,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--cpus-per-rank", type=float, default=1.0)
     p.add_argument("--out", default=None, help="write JSON here")
+    p.add_argument("--compare-transformers", action="store_true",
+                   help="offline: run the same workload through transformers' generate_batch")
+    p.add_argument("--request-rate", type=float, default=16.0, help="serve: Poisson arrivals per second")
+    p.add_argument("--url", default=None, help="serve: a running server (else the in-process engine)")
     p.set_defaults(func=cmd_bench)

@@ -1,0 +1,135 @@
+"""Serving benchmark: requests arrive by a Poisson process; TTFT, TPOT, ITL and throughput.
+
+Two targets: a running HTTP server (`--url`, OpenAI streaming completions), or the in-process
+engine loop with the same arrival process (`--in-process`, for machines without the server's
+dependencies). Also the `transformers` continuous-batching baseline for the offline workload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestTiming:
+    start: float
+    token_times: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.tokens < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (self.tokens - 1)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def summarize(timings: list[RequestTiming], wall: float) -> dict:
+    ok = [t for t in timings if t.error is None and t.token_times]
+    itl = [b - a for t in ok for a, b in zip(t.token_times, t.token_times[1:])]
+    tpots = [t.tpot for t in ok if t.tpot is not None]
+    ttfts = [t.ttft for t in ok]
+    out_tokens = sum(t.tokens for t in ok)
+    res = {"requests": len(timings), "errors": len(timings) - len(ok), "seconds": wall,
+           "output_tokens_per_s": out_tokens / wall, "request_rate_achieved": len(ok) / wall}
+    for name, xs in (("ttft_ms", ttfts), ("tpot_ms", tpots), ("itl_ms", itl)):
+        res[f"{name}_mean"] = 1e3 * statistics.mean(xs) if xs else float("nan")
+        res[f"{name}_p50"] = 1e3 * _pct(xs, 0.5)
+        res[f"{name}_p99"] = 1e3 * _pct(xs, 0.99)
+    return res
+
+
+async def _arrivals(n: int, rate: float, seed: int):
+    rng = random.Random(seed)
+    for i in range(n):
+        yield i
+        if rate > 0:
+            await asyncio.sleep(rng.expovariate(rate))
+
+
+async def run_in_process(engine, prompts: list[list[int]], output_len: int, rate: float, seed: int = 0) -> dict:
+    from workers.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    engine.start()
+
+    async def one(i: int) -> RequestTiming:
+        t = RequestTiming(time.perf_counter())
+        async for out in engine.generate_stream(prompts[i], params):
+            now = time.perf_counter()
+            for _ in out.delta_token_ids:
+                t.token_times.append(now)
+            t.tokens += len(out.delta_token_ids)
+            if out.error:
+                t.error = out.error
+        return t
+
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(one(i)) async for i in _arrivals(len(prompts), rate, seed)]
+    timings = await asyncio.gather(*tasks)
+    return summarize(list(timings), time.perf_counter() - t0)
+
+
+async def run_http(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,
+                   seed: int = 0, api_key: str = "none") -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=None,
+                                 headers={"Authorization": f"Bearer {api_key}"}) as client:
+        async def one(i: int) -> RequestTiming:
+            t = RequestTiming(time.perf_counter())
+            body = {"model": model, "prompt": prompts[i], "max_tokens": output_len, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            try:
+                async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    if resp.status_code != 200:
+                        t.error = f"HTTP {resp.status_code}"
+                        return t
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("choices") and chunk["choices"][0].get("text"):
+                            t.token_times.append(time.perf_counter())
+                            t.tokens += 1
+            except httpx.HTTPError as exc:
+                t.error = type(exc).__name__
+            # A streamed chunk may carry several tokens; count from usage-free text events.
+            return t
+
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(one(i)) async for i in _arrivals(len(prompts), rate, seed)]
+        timings = await asyncio.gather(*tasks)
+        return summarize(list(timings), time.perf_counter() - t0)
+
+
+def run_transformers_offline(model_dir: str, prompts: list[list[int]], output_len: int, device: str,
+                             dtype: str | None) -> dict:
+    """The same offline workload through transformers' continuous batching (generate_batch)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch_dtype = getattr(torch, dtype) if dtype else "auto"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
+    gen = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate_batch(inputs=prompts[:2], generation_config=gen)  # warm-up
+    t0 = time.perf_counter()
+    outputs = model.generate_batch(inputs=prompts, generation_config=gen)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    del model
+    return {"seconds": dt, "output_tokens": tokens, "output_tokens_per_s": tokens / dt}
