@@ -80,7 +80,7 @@ def test_ragged_self_table_attends_raw_kv():
     v = torch.randn(9, 2, 8, generator=g)
     table = torch_ops.ragged_self_table(cu, lens)
     out = torch_ops.paged_attention_ref(q, k, v, table, lens, lens, 0.35)
-    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         single = torch_ops.paged_attention_ref(
             q[s:e], k[s:e], v[s:e], torch.arange(e - s)[None], [e - s], [e - s], 0.35
         )

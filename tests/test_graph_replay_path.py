@@ -22,7 +22,7 @@ def test_static_buffer_replay_equals_eager(tmp_path_factory):
         replayed = []
         original = runner.graph_runner.replay
 
-        def spy(fb, original=original):
+        def spy(fb, original=original, replayed=replayed):
             replayed.append(fb.batch_size)
             return original(fb)
 

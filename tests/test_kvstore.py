@@ -1,0 +1,406 @@
+"""The shared KV store: page keys, the NIXL store actor, the per-rank client.
+
+Real NIXL agents (UCX between the client and the store processes, POSIX for the file tier) on a
+real local Ray instance. TP ranks are two Ray actors, so MLA's "rank 0 alone writes" and MHA's
+"two keys per page per rank" are checked against what the store actually received.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from kvstore import keys as K
+from kvstore.bench import bench_store
+from kvstore.client import KVStoreClient, StoreProbe, pool_page_bytes
+from kvstore.store import HEADER_BYTES, SUFFIX, get_or_create_store
+from workers.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+NS = "manta-kvstore-test"
+PAGE = 4  # tokens per page
+MHA = dict(num_layers=2, num_kv_heads=2, head_dim=8)  # one rank's shard
+MLA = dict(num_layers=2, kv_lora_rank=12, qk_rope_head_dim=4)
+
+
+def mha_pool(num_pages=8, dtype=torch.float32) -> MHATokenToKVPool:
+    return MHATokenToKVPool(num_pages, PAGE, MHA["num_layers"], MHA["num_kv_heads"], MHA["head_dim"], dtype, "cpu")
+
+
+def mla_pool(num_pages=8, dtype=torch.float32) -> MLATokenToKVPool:
+    return MLATokenToKVPool(num_pages, PAGE, MLA["num_layers"], MLA["kv_lora_rank"], MLA["qk_rope_head_dim"],
+                            dtype, "cpu")
+
+
+def fill(pool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    bufs = pool.kv_buffer if pool.use_mla else pool.k_buffer + pool.v_buffer
+    for b in bufs:
+        b.copy_(torch.randn(b.shape, generator=g).to(b.dtype))
+
+
+def page_bytes_of(pool, page: int) -> list[bytes]:
+    sl = slice(page * PAGE, (page + 1) * PAGE)
+    bufs = pool.kv_buffer if pool.use_mla else pool.k_buffer + pool.v_buffer
+    return [b[sl].contiguous().view(torch.uint8).numpy().tobytes() for b in bufs]
+
+
+def fingerprint(layout: str, tp: int = 1) -> str:
+    return K.model_fingerprint({"model_type": "test", "layout": layout}, "float32", PAGE, tp, layout)
+
+
+def tokens(n_pages: int, salt: int = 0) -> list[int]:
+    return [salt * 100_000 + i for i in range(n_pages * PAGE)]
+
+
+def new_store(root: Path, **kw):
+    name = f"kvstore-{uuid.uuid4().hex[:8]}"
+    kw.setdefault("flush_interval_s", None)
+    store = get_or_create_store(str(root), name=name, namespace=NS, **kw)
+    ray.get(store.info.remote())
+    return store, name
+
+
+def client(store, name, layout, rank=0, tp=1, page_bytes=4096, **kw) -> KVStoreClient:
+    return KVStoreClient(store, layout, rank, tp, page_bytes, fingerprint(layout, tp), staging_pages=8,
+                         store_name=name, namespace=NS, retry_interval_s=0.0, **kw)
+
+
+@ray.remote(num_cpus=0)
+class RankActor:
+    """One TP rank's storage side: a pool and a client in their own process."""
+
+    def setup(self, store_name: str, layout: str, rank: int, tp: int, seed: int) -> str:
+        self.pool = mla_pool() if layout == "mla" else mha_pool()
+        fill(self.pool, seed)
+        self.client = KVStoreClient(None, layout, rank, tp, pool_page_bytes(self.pool), fingerprint(layout, tp),
+                                    store_name=store_name, namespace=NS, retry_interval_s=0.0)
+        return self.client.name
+
+    def save(self, pages: list[int], chain: list[str]) -> bool:
+        return self.client.save_pages(self.pool, pages, chain)
+
+    def load(self, pages: list[int], chain: list[str]) -> int:
+        return self.client.load_pages(self.pool, pages, chain)
+
+    def page(self, page: int) -> list[bytes]:
+        return page_bytes_of(self.pool, page)
+
+    def exists(self, chain: list[str]) -> int:
+        return self.client.batch_exists(chain)
+
+    def stats(self) -> dict:
+        return self.client.stats()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, namespace=NS)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared(ray_local, tmp_path_factory):
+    """One store for the tests that do not restart or resize it (cleared before each)."""
+    store, name = new_store(tmp_path_factory.mktemp("kvstore"))
+    yield store, name
+    ray.kill(store)
+
+
+@pytest.fixture
+def store(shared):
+    ray.get(shared[0].clear.remote())
+    return shared
+
+
+@pytest.fixture(scope="module")
+def ranks(ray_local):
+    actors = [RankActor.remote() for _ in range(2)]
+    yield actors
+    for a in actors:
+        ray.kill(a)
+
+
+# ---------------------------------------------------------------------------------------------
+# keys
+
+
+def test_keys_chain_layout_and_validation():
+    fp = fingerprint("mha")
+    chain = K.chain_keys(tokens(3), PAGE, fp, "mha")
+    assert len(chain) == 3 and all(K.is_valid_key(k) for k in chain)
+    assert K.chain_keys(tokens(3) + [1, 2], PAGE, fp, "mha") == chain  # partial page: no key
+    assert K.chain_keys(tokens(2), PAGE, fp, "mha") == chain[:2]  # a prefix names the same pages
+    assert K.chain_keys(tokens(3)[PAGE:], PAGE, fp, "mha", parent=chain[0]) == chain[1:]
+    other = tokens(3)
+    other[0] += 1
+    assert not set(K.chain_keys(other, PAGE, fp, "mha")) & set(chain)  # page 0 changes every key
+    assert K.chain_keys(tokens(3), PAGE, fp, "mla") != chain  # the layout seeds the chain
+    # MHA pages depend on the TP shard; the MLA latent does not.
+    assert fingerprint("mha", 1) != fingerprint("mha", 2)
+    assert fingerprint("mla", 1) == fingerprint("mla", 2)
+    assert K.rank_keys(chain[0], "mha", 3) == [f"{chain[0]}-r3-k", f"{chain[0]}-r3-v"]
+    assert K.rank_keys(chain[0], "mla", 3) == [chain[0]]
+    assert (K.keys_per_page("mha"), K.keys_per_page("mla")) == (2, 1)
+    assert K.keys_per_replica_page("mha", 4) == 8 and K.keys_per_replica_page("mla", 4) == 1
+    for bad in ["../../etc/passwd", chain[0].upper(), chain[0][:-1], chain[0] + "-r0-x", f"{chain[0]}/..", "", 7]:
+        assert not K.is_valid_key(bad)
+        with pytest.raises(ValueError):
+            K.validate_key(bad)
+    assert K.leading_pages([True, True, True, False, True, True], 2) == 1
+    assert K.leading_pages([True] * 6, 2) == 3 and K.leading_pages([True] * 6, 1) == 6
+
+
+# ---------------------------------------------------------------------------------------------
+# round trips
+
+
+@pytest.mark.parametrize("layout", ["mha", "mla"])
+def test_pool_pages_round_trip_bytes_identical(store, layout):
+    handle, name = store
+    src, dst = (mla_pool(), mla_pool()) if layout == "mla" else (mha_pool(), mha_pool())
+    fill(src, 1)
+    c = client(handle, name, layout, page_bytes=pool_page_bytes(src))
+    chain = c.chain_keys(tokens(3), PAGE)
+    assert c.save_pages(src, [1, 2, 3], chain)
+    assert c.load_pages(dst, [5, 6, 7], chain) == 3
+    for s, d in zip([1, 2, 3], [5, 6, 7]):
+        assert page_bytes_of(dst, d) == page_bytes_of(src, s)
+    assert page_bytes_of(dst, 4) == page_bytes_of(mha_pool() if layout == "mha" else mla_pool(), 4)  # untouched
+    st = c.stats()
+    assert st["pages_written"] == 3 and st["pages_read"] == 3 and st["errors"] == 0
+    assert st["bytes_written"] == st["bytes_read"] == 3 * pool_page_bytes(src)
+    # Writing again sends nothing: the pages are there.
+    assert c.save_pages(src, [1, 2, 3], chain) and c.stats()["pages_present"] == 3
+
+
+def test_raw_tensors_round_trip_bf16(store):
+    handle, name = store
+    c = client(handle, name, "mha")
+    chain = c.chain_keys(tokens(20, salt=7), PAGE)  # more pages than staging_pages: chunked
+    pages = [[torch.randn(3, 5).to(torch.bfloat16), torch.randn(7).to(torch.bfloat16)] for _ in chain]
+    assert c.batch_set(chain, pages)
+    outs = [[torch.empty(3, 5, dtype=torch.bfloat16), torch.empty(7, dtype=torch.bfloat16)] for _ in chain]
+    assert c.batch_get(chain, outs) == 20
+    assert all(torch.equal(a, b) for p, o in zip(pages, outs) for a, b in zip(p, o))
+    # Prefix semantics: a missing page in the middle stops the load there.
+    assert c.batch_get(chain[:2] + c.chain_keys(tokens(1, salt=8), PAGE) + chain[3:4], outs) == 2
+
+
+def test_batch_exists_uses_keys_per_page_of_layout(store):
+    """Regression (contract 5): 3 pages set -> 3 for MLA (not 6 / 1.5) and 3 for MHA."""
+    handle, name = store
+    for layout in ("mla", "mha"):
+        c = client(handle, name, layout)
+        chain = c.chain_keys(tokens(4, salt=3), PAGE)
+        n_keys = K.keys_per_page(layout)
+        assert c.batch_set(chain[:3], [[torch.ones(16)] * n_keys for _ in range(3)])
+        assert c.batch_exists(chain) == 3
+        assert c.batch_exists(chain[:3]) == 3
+        assert c.batch_exists(chain[1:]) == 2
+    # An MHA page with only its K key is not a page.
+    c = client(handle, name, "mha")
+    chain = c.chain_keys(tokens(2, salt=4), PAGE)
+    assert c.batch_set(chain[:1], [[torch.ones(4), torch.ones(4)]])
+    assert ray.get(handle.put.remote(f"{chain[1]}-r0-k", b"k only"))
+    assert c.batch_exists(chain) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# TP ranks as actors
+
+
+def test_mla_tp2_one_key_per_page_written_by_rank0(store, ranks):
+    handle, name = store
+    names = ray.get([a.setup.remote(name, "mla", r, 2, seed=11) for r, a in enumerate(ranks)])
+    chain = K.chain_keys(tokens(3, salt=5), PAGE, fingerprint("mla", 2), "mla")
+    # Rank 1 first: it must not write even when the pages are absent.
+    assert ray.get(ranks[1].save.remote([1, 2, 3], chain))
+    assert ray.get(handle.keys.remote()) == []
+    assert ray.get(ranks[0].save.remote([1, 2, 3], chain))
+    assert sorted(ray.get(handle.keys.remote())) == sorted(chain)  # one key per page, no rank
+    st = ray.get(handle.stats.remote())
+    assert st["writes_by_client"] == {names[0]: 3}
+    s0, s1 = ray.get([r.stats.remote() for r in ranks])
+    assert (s0["pages_written"], s0["pages_backup_skipped"]) == (3, 0)
+    assert (s1["pages_written"], s1["pages_backup_skipped"], s1["bytes_written"]) == (0, 3, 0)
+    # Every rank reads the same single key per page.
+    assert ray.get([r.exists.remote(chain) for r in ranks]) == [3, 3]
+    assert ray.get(ranks[1].load.remote([4, 5, 6], chain)) == 3
+    for s, d in zip([1, 2, 3], [4, 5, 6]):
+        assert ray.get(ranks[1].page.remote(d)) == ray.get(ranks[0].page.remote(s))
+
+
+def test_mha_tp2_two_keys_per_page_per_rank(store, ranks):
+    handle, name = store
+    names = ray.get([a.setup.remote(name, "mha", r, 2, seed=20 + r) for r, a in enumerate(ranks)])
+    chain = K.chain_keys(tokens(3, salt=6), PAGE, fingerprint("mha", 2), "mha")
+    assert all(ray.get([r.save.remote([1, 2, 3], chain) for r in ranks]))
+    stored = set(ray.get(handle.keys.remote()))
+    assert stored == {k for c in chain for r in (0, 1) for k in K.rank_keys(c, "mha", r)}
+    assert ray.get(handle.stats.remote())["writes_by_client"] == {names[0]: 6, names[1]: 6}
+    assert ray.get([r.exists.remote(chain) for r in ranks]) == [3, 3]
+    # Each rank gets its own shard back.
+    assert ray.get([r.load.remote([5, 6, 7], chain) for r in ranks]) == [3, 3]
+    for r in ranks:
+        assert ray.get(r.page.remote(6)) == ray.get(r.page.remote(2))
+    assert ray.get(ranks[0].page.remote(2)) != ray.get(ranks[1].page.remote(2))
+    # The scheduler's probe needs all 2 * tp keys of a page.
+    assert StoreProbe(handle, "mha", 2).count(chain) == 3
+    more = K.chain_keys(tokens(4, salt=6), PAGE, fingerprint("mha", 2), "mha")
+    assert ray.get(ranks[0].save.remote([1, 2, 3, 4], more))  # page 4 on rank 0 only
+    assert ray.get(ranks[0].exists.remote(more)) == 4 and ray.get(ranks[1].exists.remote(more)) == 3
+    assert StoreProbe(handle, "mha", 2).count(more) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# persistence and integrity
+
+
+def test_restart_on_same_dir_keeps_pages(ray_local, tmp_path):
+    handle, name = new_store(tmp_path)
+    src, dst = mha_pool(), mha_pool()
+    fill(src, 3)
+    c = client(handle, name, "mha", page_bytes=pool_page_bytes(src))
+    chain = c.chain_keys(tokens(3), PAGE)
+    assert c.save_pages(src, [1, 2, 3], chain)
+    assert ray.get(handle.flush.remote()) == 6
+    ray.kill(handle)
+    handle2, _ = _restart(tmp_path, name)
+    assert ray.get(handle2.stats.remote())["file"]["pages"] == 6
+    # The old client finds the new actor by name, registers again and loads from the file tier.
+    assert c.load_pages(dst, [4, 5, 6], chain) == 3
+    assert [page_bytes_of(dst, p) for p in (4, 5, 6)] == [page_bytes_of(src, p) for p in (1, 2, 3)]
+    ray.kill(handle2)
+
+
+def _restart(root: Path, name: str, **kw):
+    deadline = time.monotonic() + 10
+    while True:  # the name is freed once Ray has seen the old actor die
+        try:
+            handle = get_or_create_store(str(root), name=name, namespace=NS, flush_interval_s=None, **kw)
+            ray.get(handle.info.remote(), timeout=30)
+            return handle, name
+        except (ray.exceptions.RayActorError, ValueError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _page_file(root: Path, key: str) -> Path:
+    return root / key[:2] / (key + SUFFIX)
+
+
+def test_corrupt_and_truncated_pages_miss_others_hit(ray_local, tmp_path):
+    handle, name = new_store(tmp_path)
+    c = client(handle, name, "mla")
+    chain = c.chain_keys(tokens(5, salt=9), PAGE)
+    pages = [[torch.full((256,), float(i))] for i in range(5)]
+    assert c.batch_set(chain, pages)
+    assert ray.get(handle.flush.remote()) == 5
+    ray.kill(handle)
+    with open(_page_file(tmp_path, chain[4]), "r+b") as f:  # truncated while the store is down
+        f.truncate(HEADER_BYTES + 100)
+    handle, _ = _restart(tmp_path, name)
+    assert ray.get(handle.exists.remote(chain)) == [True] * 4 + [False]  # dropped by the rebuild
+    with open(_page_file(tmp_path, chain[1]), "r+b") as f:  # bytes flipped
+        f.seek(HEADER_BYTES + 17)
+        b = f.read(1)
+        f.seek(HEADER_BYTES + 17)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with open(_page_file(tmp_path, chain[2]), "r+b") as f:  # truncated under a running store
+        f.truncate(HEADER_BYTES + 10)
+    out = [[torch.empty(256)]]
+    assert [c.batch_get([k], out) for k in chain] == [1, 0, 0, 1, 0]
+    assert c.batch_get(chain, [[torch.empty(256)] for _ in chain]) == 1  # stops at the bad page
+    assert c.batch_get([chain[3]], out) == 1 and torch.equal(out[0][0], pages[3][0])
+    assert ray.get(handle.exists.remote(chain)) == [True, False, False, True, False]
+    assert not _page_file(tmp_path, chain[1]).exists() and not _page_file(tmp_path, chain[2]).exists()
+    assert ray.get(handle.stats.remote())["counters"]["corrupt"] == 3
+    ray.kill(handle)
+
+
+def test_ram_eviction_spills_to_files_and_file_lru_deletes(ray_local, tmp_path):
+    page = 4096
+    handle, name = new_store(tmp_path, ram_bytes=4 * page, slot_bytes=page, file_bytes=6 * (HEADER_BYTES + page))
+    c = client(handle, name, "mla", page_bytes=page)
+    chain = c.chain_keys(tokens(12, salt=2), PAGE)
+    data = [[torch.full((page // 4,), float(i))] for i in range(12)]
+    for i in range(0, 12, 2):
+        assert c.batch_set(chain[i : i + 2], data[i : i + 2])
+    st = ray.get(handle.stats.remote())
+    assert st["ram"]["pages"] == 4 and st["file"]["pages"] == 6
+    assert st["counters"]["spills"] == 8 and st["counters"]["file_evictions"] == 2
+    assert st["file"]["used_bytes"] <= st["file"]["capacity_bytes"]
+    # p0, p1: spilled first, deleted by the file tier's LRU; p2..p7 on files; p8..p11 in RAM.
+    assert ray.get(handle.exists.remote(chain)) == [False] * 2 + [True] * 10
+    out = [[torch.empty(page // 4)]]
+    assert c.batch_get([chain[2]], out) == 1 and torch.equal(out[0][0], data[2][0])  # from a file
+    assert c.batch_get([chain[11]], out) == 1 and torch.equal(out[0][0], data[11][0])  # from RAM
+    # A page larger than the whole RAM tier is refused, not a crash.
+    big = client(handle, name, "mla", page_bytes=8 * page)
+    assert not big.batch_set(big.chain_keys(tokens(1, salt=99), PAGE), [[torch.zeros(8 * page // 4)]])
+    assert ray.get(handle.stats.remote())["counters"]["refused_full"] == 1
+    ray.kill(handle)
+
+
+# ---------------------------------------------------------------------------------------------
+# failures
+
+
+@ray.remote(num_cpus=0)
+class HungStore:
+    """Answers nothing in time: the client must give up, not hang."""
+
+    def register_client(self, name, metadata):
+        time.sleep(30)
+
+    def exists(self, keys):
+        time.sleep(30)
+
+
+def test_store_dead_or_hung_reads_as_misses_quickly(ray_local, tmp_path):
+    handle, name = new_store(tmp_path)
+    c = client(handle, name, "mha", timeout_s=1.0)
+    chain = c.chain_keys(tokens(2, salt=1), PAGE)
+    pages = [[torch.ones(8), torch.ones(8)] for _ in chain]
+    assert c.batch_set(chain, pages)
+    ray.kill(handle)
+    t0 = time.monotonic()
+    assert c.batch_exists(chain) == 0
+    assert c.batch_get(chain, pages) == 0
+    assert c.batch_set(chain, pages) is False
+    assert time.monotonic() - t0 < 3.0
+    assert c.stats()["errors"] >= 3
+    hung_name = f"hung-{uuid.uuid4().hex[:6]}"
+    hung = HungStore.options(name=hung_name, namespace=NS).remote()
+    h = client(hung, hung_name, "mha", timeout_s=0.5)
+    t0 = time.monotonic()
+    assert h.batch_exists(chain) == 0 and h.batch_get(chain, pages) == 0 and not h.batch_set(chain, pages)
+    assert time.monotonic() - t0 < 3.0 and h.stats()["errors"] == 3
+    ray.kill(hung)
+
+
+def test_keys_that_are_not_hashes_are_refused(store, tmp_path):
+    handle, name = store
+    c = client(handle, name, "mla")
+    bad = ["../../../tmp/evil", "a" * 63]
+    assert c.batch_set(bad[:1], [[torch.ones(4)]]) is False
+    assert c.batch_get(bad[:1], [[torch.ones(4)]]) == 0 and c.batch_exists(bad) == 0
+    assert c.stats()["errors"] == 3
+    for call in (handle.exists.remote(bad), handle.put.remote(bad[0], b"x"), handle.get.remote(bad[0])):
+        with pytest.raises(ray.exceptions.RayTaskError, match="not a KV store key"):
+            ray.get(call)
+    assert not os.path.exists("/tmp/evil") and ray.get(handle.keys.remote()) == []
+
+
+def test_bench_store_reports_bandwidth(ray_local):
+    res = bench_store(num_pages=8, page_bytes=64 << 10, batch_pages=4, repeats=1, print_table=False)
+    assert res["set_MBps"] > 0 and res["get_ram_MBps"] > 0 and res["get_file_MBps"] > 0
+    assert res["client"]["errors"] == 0
