@@ -20,7 +20,7 @@ class FlashAttentionBackend(PagedAttentionBackend):
 
     def __init__(self, page_size: int, skip_kv_cache: bool = False, device: str = "cpu"):
         super().__init__(page_size, skip_kv_cache)
-        self.kernels: KernelSet = select_kernels(device)
+        self.kernels: KernelSet = select_kernels(device, page_size)
         logger.info("FlashAttentionBackend kernels: %s", self.kernels.description)
 
     def _extend_kernel(self, q, k_cache, v_cache, table, q_lens, kv_lens, layer, causal):
@@ -36,6 +36,7 @@ class FlashAttentionBackend(PagedAttentionBackend):
                 q, k_cache, v_cache, meta.token_table, [1] * q.shape[0], meta.cache_seqlens_cpu,
                 layer.scaling, True, layer.logit_cap,
             )
-        return self.kernels.decode(
-            q, k_cache, v_cache, meta.token_table, meta.cache_seqlens_int32, meta.max_seqlen_k, layer.scaling
+        # Graph-safe: reads only the page table and lengths (static buffers under replay).
+        return self.kernels.decode_paged(
+            q, k_cache, v_cache, meta.page_table, meta.cache_seqlens_int32, layer.scaling, self.page_size
         )

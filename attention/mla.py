@@ -42,7 +42,7 @@ import torch
 
 from attention.base import AttentionBackend, AttentionLayer
 from attention.metadata import AttentionMetadata, build_attention_metadata
-from attention.mla_ops import merge_attn_states, mla_decode_absorbed, ragged_attention_lse
+from attention.mla_ops import merge_attn_states, ragged_attention_lse
 
 if TYPE_CHECKING:
     from workers.forward_batch import ForwardBatch
@@ -100,8 +100,9 @@ def plan_prefix_chunks(meta: AttentionMetadata, chunk_tokens: int) -> MHAChunkPl
 
 
 class MLAAttentionBackend(AttentionBackend):
-    """MLA over the latent cache. Kernels: torch (mla_ops) on every device for now; GPU kernels
-    will be chosen at start-up and logged here."""
+    """MLA over the latent cache. Decode uses the absorbed kernel chosen once at start-up by
+    `attention.kernels.select_kernels` (Triton on CUDA, torch on CPU) and logged; prefill uses
+    the torch ops of `attention.mla_ops`."""
 
     name = "mla"
     supports_mla = True
@@ -118,7 +119,10 @@ class MLAAttentionBackend(AttentionBackend):
         self.page_size = page_size
         self.device = device
         self.prefix_chunk_tokens = prefix_chunk_tokens
-        self.kernel = "torch"
+        from attention.kernels import select_kernels
+
+        self.kernels = select_kernels(device, page_size)
+        self.kernel = self.kernels.description
         self.metadata: AttentionMetadata | None = None
         # Set by init_mha_chunk_metadata for extend batches; None for decode.
         self.chunk_plan: MHAChunkPlan | None = None
@@ -201,13 +205,8 @@ class MLAAttentionBackend(AttentionBackend):
         pool = self._pool(forward_batch)
         if save_kv_cache:
             self._save(pool, layer, forward_batch, k)
-        out = mla_decode_absorbed(
-            q,
-            pool.get_key_buffer(layer.layer_id),
-            meta.token_table,
-            meta.cache_seqlens_int32,
-            meta.max_seqlen_k,
-            c,
-            layer.scaling,
+        out = self.kernels.mla_decode(
+            q, pool.get_key_buffer(layer.layer_id), meta.page_table, meta.cache_seqlens_int32,
+            layer.scaling, self.page_size, c,
         )
         return out.to(q.dtype).reshape(q.shape[0], -1)

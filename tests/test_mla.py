@@ -232,8 +232,13 @@ def test_absorbed_decode_equals_non_absorbed():
     )
     pool = MLATokenToKVPool(40, ps, 1, lora, rope, torch.float32, "cpu")
     req_pool = ReqToTokenPool(len(lens), 64, "cpu")
-    perm = torch.randperm(pool.num_slots - ps, generator=g)[: sum(lens)] + ps  # scattered slots
-    tables = perm.split(lens)
+    # Scattered pages (never page 0), each request's tokens filling its pages in order.
+    pages = (torch.randperm(pool.num_pages - 1, generator=g) + 1).tolist()
+    tables = []
+    for n in lens:
+        own = [pages.pop() for _ in range((n + ps - 1) // ps)]
+        tables.append(torch.tensor([own[t // ps] * ps + t % ps for t in range(n)]))
+    perm = torch.cat(tables)
     for i, t in enumerate(tables):
         req_pool.write(i, 0, t)
     entries = torch.randn(sum(lens), 1, lora + rope, generator=g)
