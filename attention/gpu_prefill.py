@@ -205,6 +205,8 @@ class RaggedFlashExtend:
         if not flash_shapes_ok(q, k_cache, v_cache) or min(kv_lens, default=1) == 0:
             return paged_extend_triton(q, k_cache, v_cache, token_table, q_lens, kv_lens, scaling, causal)
         plan = self._plans.get(token_table, q_lens, kv_lens)
+        if not q.is_contiguous():  # e.g. a slice of a fused qkv projection
+            q = q.contiguous()
         k = k_cache[plan.kv_slots]
         v = v_cache[plan.kv_slots]
         return self._varlen(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scaling, causal)

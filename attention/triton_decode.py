@@ -25,7 +25,8 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# Tokens per K/V block of stage 1; a split always covers whole blocks.
+# Tokens per K/V block of stage 1 (float32 caches: half, to bound shared memory); a split
+# always covers whole blocks.
 DECODE_BLOCK_N = 64
 # Fewest tokens worth a split of their own, and the most splits any request is cut into.
 MIN_TOKENS_PER_SPLIT = 64
@@ -225,6 +226,7 @@ def paged_decode(
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(v_dim))
+    block_n = DECODE_BLOCK_N // 2 if k_cache.dtype == torch.float32 else DECODE_BLOCK_N
     _decode_stage1[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, cache_seqlens, mid_o, mid_lse,
         scaling * LOG2E, num_splits,
@@ -236,11 +238,11 @@ def paged_decode(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
         DOT_PREC=dot_precision(k_cache.dtype),
         num_warps=4, num_stages=2,
     )
-    merge_splits(mid_o, mid_lse, cache_seqlens, out, DECODE_BLOCK_N)
+    merge_splits(mid_o, mid_lse, cache_seqlens, out, block_n)
     return out
 
 

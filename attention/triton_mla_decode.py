@@ -16,7 +16,8 @@ import triton.language as tl
 
 from attention.triton_decode import LOG2E, choose_num_splits, dot_precision, merge_splits, split_bounds
 
-# Tokens per latent block (a [BLOCK_N, L] bf16 tile is 32 KB at L = 512) and heads per program.
+# Tokens per latent block (a [BLOCK_N, L] bf16 tile is 32 KB at L = 512; float32 caches take
+# half as many tokens) and heads per program.
 MLA_BLOCK_N = 32
 MLA_BLOCK_H = 16
 
@@ -110,6 +111,7 @@ def mla_decode(
         num_splits = choose_num_splits(batch * head_blocks, page_table.shape[1] * page_size, q.device)
     mid_o = torch.empty(batch, heads, num_splits, lora, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    block_n = MLA_BLOCK_N // 2 if kv_cache.dtype == torch.float32 else MLA_BLOCK_N
     _mla_stage1[(batch, head_blocks, num_splits)](
         q, kv_cache, page_table, cache_seqlens, mid_o, mid_lse,
         scaling * LOG2E, heads, num_splits,
@@ -122,9 +124,9 @@ def mla_decode(
         BLOCK_H=MLA_BLOCK_H,
         BLOCK_L=max(16, triton.next_power_of_2(lora)),
         BLOCK_R=max(16, triton.next_power_of_2(max(rope, 1))),
-        BLOCK_N=MLA_BLOCK_N,
+        BLOCK_N=block_n,
         DOT_PREC=dot_precision(kv_cache.dtype),
         num_warps=8 if lora >= 256 else 4, num_stages=2,
     )
-    merge_splits(mid_o, mid_lse, cache_seqlens, out, MLA_BLOCK_N)
+    merge_splits(mid_o, mid_lse, cache_seqlens, out, block_n)
     return out

@@ -276,6 +276,13 @@ def _restart(root: Path, name: str, **kw):
             time.sleep(0.2)
 
 
+def _kill(handle) -> None:
+    """ray.kill, and wait until the actor is dead (kill is asynchronous)."""
+    ray.kill(handle)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(handle.info.remote(), timeout=60)
+
+
 def _page_file(root: Path, key: str) -> Path:
     return root / key[:2] / (key + SUFFIX)
 
@@ -301,7 +308,7 @@ def test_restart_keeps_pages_drops_corrupt_ones_and_dead_store_misses(ray_local,
     pages = [[torch.full((256,), float(i))] for i in range(5)]
     assert r.batch_set(raw, pages)
     assert ray.get(handle.flush.remote()) == 6 + 5
-    ray.kill(handle)
+    _kill(handle)
     with open(_page_file(tmp_path, raw[4]), "r+b") as f:  # truncated while the store is down
         f.truncate(HEADER_BYTES + 100)
     handle = _restart(tmp_path, name)
@@ -321,7 +328,7 @@ def test_restart_keeps_pages_drops_corrupt_ones_and_dead_store_misses(ray_local,
     assert not _page_file(tmp_path, raw[1]).exists() and not _page_file(tmp_path, raw[2]).exists()
     assert ray.get(handle.stats.remote())["counters"]["corrupt"] == 3
     # The store killed: misses at once, errors counted, nothing raised.
-    ray.kill(handle)
+    _kill(handle)
     errors = c.stats()["errors"]
     t0 = time.monotonic()
     assert c.batch_exists(chain) == 0
