@@ -145,11 +145,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         engine = Engine(config)
         res = {"manta": bench_offline(engine, args.num_prompts, args.input_len, args.output_len)}
         if args.compare_transformers:
-            from cluster.bench_serve import run_transformers_offline
-
             import gc
 
             import torch
+
+            from cluster.bench_serve import run_transformers_offline
 
             engine.shutdown()
             del engine
