@@ -131,8 +131,9 @@ def build_ragged_plan(token_table: torch.Tensor, q_lens: list[int], kv_lens: lis
 
 class _PlanCache:
     """One-entry memo of the current step's RaggedPlan. Holds a reference to the token table it
-    was built from, so identity (plus the tensor's version counter, bumped by in-place writes)
-    safely says "same step"."""
+    was built from, so identity safely says "same step" (the table cannot be freed and its
+    address reused while we hold it; metadata tables are never written in place). Inference
+    tensors have no version counter, so identity and the lengths are the whole key."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -140,7 +141,7 @@ class _PlanCache:
         self._plan: RaggedPlan | None = None
 
     def get(self, token_table: torch.Tensor, q_lens: list[int], kv_lens: list[int]) -> RaggedPlan:
-        key = (token_table._version, tuple(q_lens), tuple(kv_lens))
+        key = (tuple(q_lens), tuple(kv_lens))
         if self._table is not token_table or self._key != key or self._plan is None:
             self._plan = build_ragged_plan(token_table, q_lens, kv_lens)
             self._table, self._key = token_table, key

@@ -21,7 +21,12 @@ def should_skip_kv_cache(
     """The one place that decides the embedding fast path: attend over the batch's raw K/V and
     neither write nor read the paged cache. Only safe when nothing will ever read the cache
     again (no chunked prefill continues the request, no radix cache shares it) and never for
-    MLA, whose absorbed path always reads its latent cache."""
+    MLA, whose absorbed path always reads its latent cache.
+
+    The backend takes it at construction (`skip_kv_cache`) and `forward_extend` /
+    `forward_decode` act on it in one branch each: there is no second, per-forward condition
+    (an earlier `not layer.is_causal and kv_pool is None` escape hatch was removed: a missing
+    pool is a caller's bug and fails loudly instead of choosing a path)."""
     return is_embedding and chunked_prefill_size == -1 and disable_radix_cache and not use_mla
 
 
@@ -142,17 +147,24 @@ class PagedAttentionBackend(AttentionBackend):
             False,
         )
 
+    def _attend_uncached(self, q, k, v, layer, meta: AttentionMetadata):
+        """The embedding fast path: each request's new tokens attend over their own raw K/V.
+        Only right when no request has a cached prefix, which `should_skip_kv_cache`
+        guarantees (whole prompts, no prefix cache); a violation is a bug, not a fallback."""
+        if meta.cache_seqlens_cpu != meta.extend_seq_lens_cpu:
+            raise RuntimeError("skip_kv_cache: a request has a cached prefix, which this path cannot read")
+        table = _ragged_table(meta)
+        lens = meta.extend_seq_lens_cpu
+        return self._extend_kernel(q, k, v, table, lens, lens, layer, layer.is_causal)
+
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         meta = self.metadata
         assert meta is not None
         if layer.is_cross_attention:
             out = self._cross_attention(q, k, v, layer, forward_batch, save_kv_cache)
-        elif self.skip_kv_cache or not layer.is_causal and forward_batch.kv_pool is None:
-            # Embedding fast path: no write and no read of the paged cache (one decision).
-            table = _ragged_table(meta)
-            out = self._extend_kernel(
-                q, k, v, table, meta.extend_seq_lens_cpu, meta.extend_seq_lens_cpu, layer, layer.is_causal
-            )
+        elif self.skip_kv_cache:
+            # Contract 2: the one decision skips the write and the read together.
+            out = self._attend_uncached(q, k, v, layer, meta)
         else:
             if save_kv_cache:
                 self._save(layer, forward_batch, k, v)
@@ -174,6 +186,9 @@ class PagedAttentionBackend(AttentionBackend):
         assert meta is not None
         if layer.is_cross_attention:
             return self._cross_attention(q, k, v, layer, forward_batch, save_kv_cache).reshape(q.shape[0], -1)
+        if self.skip_kv_cache:
+            # A batch of one-token prompts is planned as DECODE; the same decision holds.
+            return self._attend_uncached(q, k, v, layer, meta).reshape(q.shape[0], -1)
         if save_kv_cache:
             self._save(layer, forward_batch, k, v)
         pool = forward_batch.kv_pool
