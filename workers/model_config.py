@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from workers.parallel import divide, kv_head_placement
+from workers.pooling import PoolingConfig, load_pooling_config
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -66,7 +67,7 @@ class ModelConfig:
     num_kv_heads: int  # all ranks together
     head_dim: int
     vocab_size: int
-    max_context_len: int  # max_position_embeddings
+    max_context_len: int  # max_position_embeddings (capped by sentence-transformers' max_seq_length)
     dtype: torch.dtype  # weights and activations (the engine passes float32 on CPU)
     use_mla: bool  # DeepSeek-style latent attention (config has kv_lora_rank)
     is_encoder_decoder: bool
@@ -74,6 +75,14 @@ class ModelConfig:
     tie_word_embeddings: bool
     # The transformers config object; read only while building the model.
     hf_config: Any = field(repr=False, compare=False, default=None)
+    # An embedding checkpoint (no LM head, e.g. BertModel, or a sentence-transformers
+    # modules.json): it serves embeddings only, whatever the engine's is_embedding option says.
+    is_embedding_model: bool = False
+    # False for bidirectional encoders (BERT): every token attends to every other, so a prompt
+    # is computed whole (no chunked prefill) and its K/V are never shared (no prefix cache).
+    is_causal: bool = True
+    # How hidden states become an embedding (workers.pooling); None: the decoder default.
+    pooling: PoolingConfig | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str, dtype: str | torch.dtype | None = None) -> ModelConfig:
@@ -119,6 +128,15 @@ class ModelConfig:
             with open(gen_path) as f:
                 eos += _as_ids(json.load(f).get("eos_token_id"))
 
+        from workers.models.registry import is_encoder_architecture
+
+        encoder = is_encoder_architecture(arch)
+        pooling = load_pooling_config(model_dir, is_encoder=encoder)
+        max_context = int(_first_attr(hf_config, "max_position_embeddings", "n_positions"))
+        if pooling.max_seq_length is not None:
+            max_context = min(max_context, pooling.max_seq_length)
+        st_checkpoint = os.path.isfile(os.path.join(model_dir, "modules.json"))
+
         return cls(
             model_dir=model_dir,
             architecture=arch,
@@ -128,13 +146,16 @@ class ModelConfig:
             num_kv_heads=int(num_kv_heads),
             head_dim=int(head_dim),
             vocab_size=int(hf_config.vocab_size),
-            max_context_len=int(_first_attr(hf_config, "max_position_embeddings", "n_positions")),
+            max_context_len=max_context,
             dtype=resolved,
             use_mla=getattr(hf_config, "kv_lora_rank", None) is not None,
             is_encoder_decoder=bool(getattr(hf_config, "is_encoder_decoder", False)),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             hf_config=hf_config,
+            is_embedding_model=encoder or st_checkpoint,
+            is_causal=not encoder,
+            pooling=pooling,
         )
 
     # ---- MLA (DeepSeek-V2/V3) head shapes; only meaningful when use_mla ----
@@ -167,3 +188,27 @@ class ModelConfig:
         """KV heads each rank holds (the same on every rank): num_kv_heads / tp, or 1 when
         tp > num_kv_heads (each kv head replicated over tp / num_kv_heads ranks)."""
         return kv_head_placement(self.num_kv_heads, tp_size, 0)[1]
+
+
+class ServingMode(NamedTuple):
+    """The engine options a checkpoint forces. The engine (for its scheduler) and every rank
+    (for the attention backend's skip decision) derive it from the same inputs, so both
+    sides agree without a message."""
+
+    is_embedding: bool  # embedding-only replica: generation requests are refused
+    chunked_prefill_size: int  # -1: whole prompts
+    disable_radix_cache: bool
+
+
+def serving_mode(
+    mc: ModelConfig, *, is_embedding: bool, chunked_prefill_size: int, disable_radix_cache: bool
+) -> ServingMode:
+    """An embedding checkpoint is an embedding replica. A bidirectional encoder computes each
+    prompt whole (a chunk could not attend to later chunks) and never shares K/V (they depend
+    on the whole prompt). An embedding replica whose pooling reads every token needs every
+    token's state, so no prefix-cache hit may skip any: the prefix cache is off."""
+    embedding = is_embedding or mc.is_embedding_model
+    if not mc.is_causal:
+        return ServingMode(embedding, -1, True)
+    needs_all = mc.pooling is not None and mc.pooling.needs_all_tokens
+    return ServingMode(embedding, chunked_prefill_size, disable_radix_cache or (embedding and needs_all))

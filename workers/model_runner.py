@@ -22,8 +22,9 @@ from workers.forward_batch import ForwardBatch, ForwardMode
 from workers.loader import load_model
 from workers.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from workers.messages import StepPlan, StepResult
-from workers.model_config import ModelConfig
+from workers.model_config import ModelConfig, ServingMode, serving_mode
 from workers.parallel import TPGroup
+from workers.pooling import PoolingState, default_pooling
 from workers.sampler import RequestSamplingState, Sampler
 
 logger = logging.getLogger(__name__)
@@ -51,13 +52,19 @@ class RunnerOptions:
     seed: int = 0
 
 
-def make_attention_backend(opts: RunnerOptions, use_mla: bool, device: torch.device) -> AttentionBackend:
+def make_attention_backend(
+    opts: RunnerOptions, use_mla: bool, device: torch.device, mode: ServingMode
+) -> AttentionBackend:
+    """`mode` is the serving mode the checkpoint forces (`workers.model_config.serving_mode`),
+    the same one the engine's scheduler runs under."""
     skip = should_skip_kv_cache(
-        is_embedding=opts.is_embedding,
-        chunked_prefill_size=opts.chunked_prefill_size,
-        disable_radix_cache=opts.disable_radix_cache,
+        is_embedding=mode.is_embedding,
+        chunked_prefill_size=mode.chunked_prefill_size,
+        disable_radix_cache=mode.disable_radix_cache,
         use_mla=use_mla,
     )
+    if mode.is_embedding:
+        logger.info("embedding fast path (no KV-cache write or read): %s", skip)
     if use_mla:
         from attention.mla import MLAAttentionBackend
 
@@ -86,7 +93,14 @@ class ModelRunner:
         # One extra row (all zeros: the reserved page 0) for padded CUDA-graph batch entries.
         self.pad_row = opts.max_running_requests
         self.req_to_token_pool = ReqToTokenPool(opts.max_running_requests + 1, self.max_context_len, self.device)
-        self.attn_backend = make_attention_backend(opts, self.model_config.use_mla, self.device)
+        mc = self.model_config
+        self.serving = serving_mode(mc, is_embedding=opts.is_embedding, chunked_prefill_size=opts.chunked_prefill_size,
+                                    disable_radix_cache=opts.disable_radix_cache)
+        self.pooling = mc.pooling or default_pooling(is_encoder=not mc.is_causal)
+        self.attn_backend = make_attention_backend(opts, mc.use_mla, self.device, self.serving)
+        if self.serving.is_embedding:
+            logger.info("embedding replica: pooling %s (normalize=%s, from %s)",
+                        self.pooling.mode, self.pooling.normalize, self.pooling.source)
         self.sampler = (
             Sampler(self.model_config.vocab_size, self.device, eos_token_ids=set(self.model_config.eos_token_ids))
             if self.tp.is_first
@@ -94,10 +108,14 @@ class ModelRunner:
         )
         self.states: dict[str, RequestSamplingState] = {}
         self.graph_runner: CudaGraphRunner | None = None
-        if self.device.type == "cuda" and not opts.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
+        # Decode graphs serve generation; an embedding replica only prefills (a batch of
+        # one-token prompts, planned as DECODE, runs eagerly).
+        if (self.device.type == "cuda" and not opts.disable_cuda_graph and self.attn_backend.supports_cuda_graph
+                and not self.serving.is_embedding):
             self.graph_runner = CudaGraphRunner(self, pad_row=self.pad_row)
             self.graph_runner.capture()
-        self.embedding_rids: set[str] = set()
+        # Embedding requests (rid -> pooling accumulated over their prefill pieces).
+        self.pooling_states: dict[str, PoolingState] = {}
 
     # ---------------- memory ----------------
     def _kv_tokens(self, bytes_per_token: int) -> int:
@@ -107,7 +125,9 @@ class ModelRunner:
             return 65536
         free, _total = torch.cuda.mem_get_info(self.device)
         budget = int(free * self.opts.mem_fraction) - (1 << 30)  # keep 1 GiB for activations
-        tokens = max(budget // bytes_per_token, 2 * self.opts.page_size)
+        # More than every running request at full context can never be used.
+        most = self.opts.max_running_requests * self.max_context_len
+        tokens = max(min(budget // bytes_per_token, most), 2 * self.opts.page_size)
         # Every rank must size its pool identically: take the minimum over the TP group.
         return self.tp.all_min_int(tokens)
 
@@ -140,10 +160,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         for rid in plan.finished_rids:
             self.states.pop(rid, None)
-            self.embedding_rids.discard(rid)
+            self.pooling_states.pop(rid, None)
         for nr in plan.new_requests:
             if nr.is_embedding:
-                self.embedding_rids.add(nr.rid)
+                self.pooling_states[nr.rid] = PoolingState(self.pooling, len(nr.prompt_ids))
             else:
                 self.states[nr.rid] = RequestSamplingState(nr.sampling, nr.prompt_ids, list(nr.output_ids))
         for row, start, slots in plan.table_writes:
@@ -189,7 +209,7 @@ class ModelRunner:
             extend_prefix_lens=None if mode.is_decode() else torch.tensor(prefix, dtype=torch.int32, device=dev),
             extend_prefix_lens_cpu=None if mode.is_decode() else prefix,
             extend_start_loc=start_loc,
-            is_embedding=any(r.rid in self.embedding_rids for r in reqs),
+            is_embedding=any(r.rid in self.pooling_states for r in reqs),
             logits_indices=start_loc[1:].long() - 1,
             req_to_token_pool=self.req_to_token_pool,
             kv_pool=self.kv_pool,
@@ -205,6 +225,8 @@ class ModelRunner:
         return self.model(fb.input_ids, fb.positions, fb)
 
     def _finish_step(self, plan: StepPlan, fb: ForwardBatch, hidden: torch.Tensor, result: StepResult) -> None:
+        if self.pooling_states:
+            self._pool(plan, hidden, result)
         sample_idx = [i for i, r in enumerate(plan.reqs) if r.sample and r.rid in self.states]
         assert fb.logits_indices is not None
         if sample_idx:
@@ -219,3 +241,17 @@ class ModelRunner:
                     result.sampled_rids.append(rid)
                     result.next_token_ids.append(tok)
                     result.logprobs.append(lp)
+
+    def _pool(self, plan: StepPlan, hidden: torch.Tensor, result: StepResult) -> None:
+        """Feed each embedding request's new hidden states to its pooling; a request whose
+        prompt is complete gets its vector in `result.embeddings` (every rank computes it: the
+        hidden states are identical after the all-reduce; rank 0's result is the one used)."""
+        start = 0
+        for r in plan.reqs:
+            n = len(r.input_ids)
+            state = self.pooling_states.get(r.rid)
+            if state is not None:
+                state.add(hidden[start : start + n], r.prefix_len)
+                if state.done:
+                    result.embeddings[r.rid] = state.result().tolist()
+            start += n

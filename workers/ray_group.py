@@ -72,6 +72,7 @@ class RayWorkerGroup(WorkerGroup):
         infos = ray.get([w.init.remote(addr, port) for w in self.workers])
         self.model_config = infos[0]["model_config"]
         self.num_pages = infos[0]["num_pages"]
+        self.attention = infos[0]["attention"]  # backend and kernels; the same on every rank
         self.placements = ray.get([w.placement.remote() for w in self.workers])
         # One never-returning call per rank: it fails the moment its actor dies.
         self.hold_refs = [w.hold.remote() for w in self.workers]
@@ -128,7 +129,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def describe(self) -> dict:
         return {"kind": "ray", "tp_size": self.tp_size, "compiled_graph": self._cdag is not None,
-                "ranks": self.placements}
+                "attention": self.attention, "ranks": self.placements}
 
     def shutdown(self) -> None:
         if self._cdag is not None:

@@ -29,6 +29,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def attention_description(backend) -> str:
+    """The attention backend and the kernels it chose at start-up, as `manta serve` logs them."""
+    from attention.flash import FlashAttentionBackend
+    from attention.mla import MLAAttentionBackend
+
+    if isinstance(backend, MLAAttentionBackend):
+        return f"{backend.name}: {backend.kernel}"
+    if isinstance(backend, FlashAttentionBackend):
+        return f"{backend.name}: {backend.kernels.description}"
+    return backend.name  # the torch reference backend has no kernel choice
+
+
 class RankWorker:
     """Plain class; `workers.ray_group` wraps it with `ray.remote`. Also usable in-process."""
 
@@ -71,7 +83,8 @@ class RankWorker:
             )
             tp = TPGroup(self.rank, self.world_size)
         self.runner = ModelRunner(self.opts, tp)
-        return {"num_pages": self.runner.num_pages, "model_config": self.runner.model_config}
+        return {"num_pages": self.runner.num_pages, "model_config": self.runner.model_config,
+                "attention": attention_description(self.runner.attn_backend)}
 
     def execute(self, plan: StepPlan) -> StepResult:
         assert self.runner is not None, "init() first"

@@ -1,10 +1,11 @@
-"""RMSNorm, computed in float32 and cast back, as HF Llama does."""
+"""RMSNorm (as HF Llama) and LayerNorm (as HF BERT), computed in float32 and cast back."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from workers.layers import fused
 from workers.layers.linear import make_param
 
 
@@ -19,7 +20,25 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden_size] (the last dim is normalised: a head for per-head q/k norms)."""
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
+
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one fused kernel on CUDA."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dim (replicated
+    parameters), computed in float32 and cast back to x's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = make_param((hidden_size,), dtype, device)
+        self.bias = make_param((hidden_size,), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.layer_norm(
+            x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps
+        )
+        return h.to(x.dtype)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.layers import fused
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -163,13 +165,4 @@ class RotaryEmbedding(nn.Module):
         """positions: [T]; q: [T, heads, head_dim]; k: [T, kv_heads, head_dim] -> rotated q, k.
 
         cos/sin are cast to q's dtype before use, as HF does."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x * [cos, cos] + rotate_half(x) * [sin, sin], written per half (same rounding as HF).
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return fused.rope(positions, q, k, self.cos_cache, self.sin_cache)

@@ -23,6 +23,7 @@ from torch import nn
 
 from attention.base import AttentionLayer
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.fused import silu_and_mul
 from workers.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -148,8 +149,7 @@ class LlamaMLP(nn.Module):
         self.local_inter = inter // tp.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.local_inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -162,10 +162,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), fb, rotary)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
+        rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual): the next layer (or the final norm) adds them, fused
+        with its RMSNorm. Same sums in the same order as HF's `x + attn(norm(x))` etc."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        h = self.self_attn(positions, h, fb, rotary)
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -200,9 +208,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden] (every rank)."""
         x = self.model.embed_tokens(input_ids)
+        residual = None
         for layer in self.model.layers:
-            x = layer(positions, x, forward_batch, self.rotary_emb)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual, forward_batch, self.rotary_emb)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm.forward_with_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab] float32, the full vocabulary on every rank."""

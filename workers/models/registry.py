@@ -1,7 +1,8 @@
 """Architecture name (config.json `architectures[0]`) -> model class.
 
 Every class is built as `cls(model_config, tp, device, dtype)` and offers
-`forward(input_ids, positions, forward_batch)`, `compute_logits(hidden)` and
+`forward(input_ids, positions, forward_batch)` (hidden states [T, hidden], what embeddings
+pool), `compute_logits(hidden)` (encoders refuse: no LM head) and
 `load_weights(reader) -> set of (parameter name, shard id) loaded`.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from workers.models.bert import BertModel
 from workers.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from workers.models.llama import LlamaForCausalLM
 
@@ -19,7 +21,15 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "BertModel": BertModel,
 }
+
+# Bidirectional encoders without an LM head: embedding models by construction.
+ENCODER_ARCHITECTURES = frozenset({"BertModel"})
+
+
+def is_encoder_architecture(architecture: str) -> bool:
+    return architecture in ENCODER_ARCHITECTURES
 
 
 def supported_architectures() -> tuple[str, ...]:
