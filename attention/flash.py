@@ -30,6 +30,11 @@ class FlashAttentionBackend(PagedAttentionBackend):
             )
         return self.kernels.extend(q, k_cache, v_cache, table, q_lens, kv_lens, layer.scaling, causal)
 
+    def _ragged_kernel(self, q, k, v, meta, layer):
+        if layer.logit_cap > 0:
+            return super()._ragged_kernel(q, k, v, meta, layer)
+        return self.kernels.ragged(q, k, v, meta.extend_seq_lens_cpu, layer.scaling, layer.is_causal)
+
     def _decode_kernel(self, q, k_cache, v_cache, meta, layer):
         if layer.logit_cap > 0:
             return self.kernels.reference(

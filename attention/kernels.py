@@ -80,6 +80,8 @@ class KernelSet:
                  num_splits=None, out=None) -> [B, H, Dv]
     mla_decode(q, kv_cache, page_table, cache_seqlens, scaling, page_size, kv_lora_rank,
                num_splits=None, out=None) -> [B, H, kv_lora_rank]
+    ragged(q, k, v, lens, scaling, causal) -> [T, H, Dv]: each request over its own raw K/V,
+               no cache (the embedding fast path); padded SDPA in length-sorted groups
     """
 
     description: str
@@ -88,6 +90,7 @@ class KernelSet:
     reference: Callable = torch_ops.paged_attention_ref
     decode_paged: Callable = field(default=torch_decode_paged)
     mla_decode: Callable = field(default=torch_mla_decode)
+    ragged: Callable = field(default=torch_ops.ragged_attention_sdpa)
 
 
 def _decode_from_token_table(decode_paged: Callable, page_size: int) -> Callable:

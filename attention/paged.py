@@ -120,6 +120,13 @@ class PagedAttentionBackend(AttentionBackend):
     def _decode_kernel(self, q, k_cache, v_cache, meta: AttentionMetadata, layer: AttentionLayer):
         raise NotImplementedError
 
+    def _ragged_kernel(self, q, k, v, meta: AttentionMetadata, layer: AttentionLayer):
+        """Attention of each request over its own raw K/V ([T, Hkv, D], no cache). By default
+        the extend kernel over a table that points into the raw rows; backends with a batched
+        kernel for it override this."""
+        lens = meta.extend_seq_lens_cpu
+        return self._extend_kernel(q, k, v, _ragged_table(meta), lens, lens, layer, layer.is_causal)
+
     # ---- forward ----
     def _save(self, layer: AttentionLayer, forward_batch: ForwardBatch, k, v) -> None:
         pool = forward_batch.kv_pool
@@ -153,9 +160,7 @@ class PagedAttentionBackend(AttentionBackend):
         guarantees (whole prompts, no prefix cache); a violation is a bug, not a fallback."""
         if meta.cache_seqlens_cpu != meta.extend_seq_lens_cpu:
             raise RuntimeError("skip_kv_cache: a request has a cached prefix, which this path cannot read")
-        table = _ragged_table(meta)
-        lens = meta.extend_seq_lens_cpu
-        return self._extend_kernel(q, k, v, table, lens, lens, layer, layer.is_causal)
+        return self._ragged_kernel(q, k, v, meta, layer)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         meta = self.metadata

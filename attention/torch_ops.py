@@ -111,3 +111,47 @@ def ragged_self_table(cu_seqlens: torch.Tensor, lens: list[int]) -> torch.Tensor
     width = max(lens) if lens else 1
     cols = torch.arange(width, device=cu_seqlens.device)
     return cu_seqlens[:-1, None].long() + cols[None, :]
+
+
+def ragged_attention_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: list[int],
+    scaling: float,
+    causal: bool,
+    max_score_elems: int = 1 << 25,
+) -> torch.Tensor:
+    """Each request's tokens attend over their own raw K/V (no cache, no prefix): the embedding
+    fast path. Requests are sorted by length and padded in groups whose score matrix stays
+    under `max_score_elems` elements, one SDPA call per group (a loop per request costs more
+    in gathers and calls than the padding wastes).
+
+    q: [T, H, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv]; lens: tokens per request (sum T);
+    returns [T, H, Dv]."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    order = sorted(range(len(lens)), key=lambda i: lens[i])
+    dev, heads = q.device, q.shape[1]
+    i = 0
+    while i < len(order):
+        j = i + 1  # a group holds at least one request
+        while j < len(order) and (j - i + 1) * heads * lens[order[j]] ** 2 <= max_score_elems:
+            j += 1
+        group = order[i:j]
+        longest = lens[group[-1]]
+        pos = torch.arange(longest, device=dev)
+        glens = torch.tensor([lens[g] for g in group], device=dev)
+        valid = pos[None, :] < glens[:, None]  # [G, L]
+        rows = torch.tensor([starts[g] for g in group], device=dev)[:, None] + pos[None, :]
+        rows = torch.where(valid, rows, torch.zeros_like(rows))  # padding reads row 0, masked out
+        qg, kg, vg = (x[rows].transpose(1, 2) for x in (q, k, v))  # [G, heads, L, D]
+        mask = valid[:, None, None, :]
+        if causal:
+            mask = mask & (pos[None, :] <= pos[:, None])[None, None]
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out[rows[valid]] = o.transpose(1, 2)[valid]
+        i = j
+    return out

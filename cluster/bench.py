@@ -6,6 +6,9 @@
 - serve:    Poisson arrivals against a server (or the in-process engine): TTFT/TPOT/ITL.
 - overhead: per-step cost of driving the TP group (in-process vs Ray actors), i.e. the
             driver's step time minus the worker's own compute time.
+- embed:    embeddings/s of the engine beside sentence-transformers on the same texts, model
+            and machine (when the checkpoint is a sentence-transformers one), with their
+            agreement (min cosine).
 """
 
 from __future__ import annotations
@@ -136,6 +139,62 @@ def _overhead_row(walls: list[float], computes: list[float]) -> dict:
             "overhead_pct": 100 * statistics.mean(over) / statistics.mean(walls)}
 
 
+def _random_texts(n: int, words: int, seed: int) -> list[str]:
+    """n texts of about `words` words each (between half and 1.5x), drawn from a fixed list."""
+    import random
+
+    vocab = ("the of and to in is was for on with as by at from it an be this that which or are "
+             "model server request token batch cache memory time data system user answer question "
+             "river mountain city music science history weather travel game light water").split()
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(vocab) for _ in range(rng.randint(max(1, words // 2), max(1, 3 * words // 2))))
+            for _ in range(n)]
+
+
+def bench_embed(config: EngineConfig, num_prompts: int, words: int, st_batch_size: int, repeats: int = 5) -> dict:
+    """The same texts through the engine (offline loop) and, for a sentence-transformers
+    checkpoint, through its `encode` (same device, same threads). Runs alternate between the
+    two, so both see the same machine load; each reports its best run."""
+    import os
+
+    import torch
+
+    engine = Engine(config)
+    limit = engine.max_context_len
+    texts = _random_texts(num_prompts, words, 0)
+    texts = [t if len(engine.tokenize(t)) <= limit else " ".join(t.split()[: limit // 2]) for t in texts]
+    tokens = sum(len(engine.tokenize(t)) for t in texts)
+    st = None
+    if os.path.isfile(os.path.join(config.model, "modules.json")):
+        from sentence_transformers import SentenceTransformer
+
+        st = SentenceTransformer(config.model, device=config.device)
+        st.encode(texts[:8], batch_size=st_batch_size)
+    engine.embed(texts[:8])  # warm-up
+    times: dict[str, list[float]] = {"manta": [], "sentence_transformers": []}
+    vectors = ref = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        vectors = torch.tensor([r.embedding for r in engine.embed(texts)])
+        times["manta"].append(time.perf_counter() - t0)
+        if st is not None:
+            t0 = time.perf_counter()
+            ref = st.encode(texts, batch_size=st_batch_size, convert_to_tensor=True, show_progress_bar=False)
+            times["sentence_transformers"].append(time.perf_counter() - t0)
+    engine.shutdown()
+    out: dict = {"num_texts": num_prompts, "tokens": tokens, "torch_threads": torch.get_num_threads()}
+    for name, ts in times.items():
+        if ts:
+            best = min(ts)
+            out[name] = {"seconds_best": best, "seconds_median": statistics.median(ts),
+                         "embeddings_per_s": num_prompts / best, "tokens_per_s": tokens / best}
+    if st is not None:
+        out["sentence_transformers"]["batch_size"] = st_batch_size
+        out["speedup"] = out["manta"]["embeddings_per_s"] / out["sentence_transformers"]["embeddings_per_s"]
+        out["min_cosine"] = float(torch.nn.functional.cosine_similarity(vectors, ref.cpu().float()).min())
+    return out
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from cluster.cli import engine_config_from_args
 
@@ -196,6 +255,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _print_table("decode step latency (ms)",
                      [(f"batch {b} {k}", v) for b, row in res.items() if isinstance(row, dict)
                       for k, v in row.items()] + [("copy bandwidth GB/s", res["copy_bandwidth_GBps"] or 0.0)])
+    elif args.mode == "embed":
+        res = bench_embed(config, args.num_prompts, args.input_len, args.st_batch_size)
+        payload["result"] = res
+        _print_table(f"embed: {args.num_prompts} texts of ~{args.input_len} words ({res['tokens']} tokens), "
+                     f"{res['torch_threads']} torch threads",
+                     [(f"{g} {k}", v) for g, row in res.items() if isinstance(row, dict) for k, v in row.items()]
+                     + [(k, res[k]) for k in ("speedup", "min_cosine") if k in res])
     elif args.mode == "overhead":
         res = bench_overhead(config, args.batch[-1], args.input_len, args.steps, args.cpus_per_rank)
         payload["result"] = res
@@ -209,7 +275,7 @@ def add_bench_parser(sub) -> None:
     from cluster.cli import add_engine_args
 
     p = sub.add_parser("bench", help="benchmarks: offline throughput, decode latency, Ray overhead")
-    p.add_argument("mode", choices=["offline", "latency", "overhead", "serve"])
+    p.add_argument("mode", choices=["offline", "latency", "overhead", "serve", "embed"])
     add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
@@ -222,4 +288,5 @@ def add_bench_parser(sub) -> None:
                    help="offline: run the same workload through transformers' generate_batch")
     p.add_argument("--request-rate", type=float, default=16.0, help="serve: Poisson arrivals per second")
     p.add_argument("--url", default=None, help="serve: a running server (else the in-process engine)")
+    p.add_argument("--st-batch-size", type=int, default=64, help="embed: sentence-transformers' batch size")
     p.set_defaults(func=cmd_bench)

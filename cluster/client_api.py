@@ -158,8 +158,11 @@ class ChoiceResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    embedding: list[float] | None = None  # embedding requests: the pooled vector
 
     def add(self, out: RequestOutput) -> None:
+        if out.embedding is not None:
+            self.embedding = out.embedding
         self.text += out.delta_text
         self.token_ids += out.delta_token_ids
         self.logprobs += out.delta_logprobs
@@ -188,10 +191,11 @@ class FanOut:
 
     @classmethod
     async def open(cls, client: ServingClient, jobs: list[Job], rid: str,
-                   on_finished: Callable[[RequestOutput], None] = lambda out: None) -> FanOut:
+                   on_finished: Callable[[RequestOutput], None] = lambda out: None,
+                   is_embedding: bool = False) -> FanOut:
         """Admit every job concurrently (request ids `{rid}-{i}`) and wait for each one's first
         output. If any admission fails, or this is cancelled, the admitted ones are aborted and
-        the error propagates."""
+        the error propagates. `is_embedding`: the jobs are embedding requests."""
         streams: list[AsyncIterator[RequestOutput]] = []
         tasks: list[asyncio.Future] = []
 
@@ -203,7 +207,7 @@ class FanOut:
 
         try:
             for i, (prompt, params) in enumerate(jobs):
-                streams.append(client.generate_stream(prompt, params, rid=f"{rid}-{i}"))
+                streams.append(client.generate_stream(prompt, params, rid=f"{rid}-{i}", is_embedding=is_embedding))
             tasks = [asyncio.ensure_future(first(s)) for s in streams]
             firsts = await asyncio.gather(*tasks)
         except BaseException:

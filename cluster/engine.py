@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from cluster.config import EngineConfig
 from cluster.detokenizer import Detokenizer, DetokState
 from cluster.request import FinishReason, Request, RequestOutput
-from cluster.scheduler import Scheduler, TokenEvent
+from cluster.scheduler import RequestRejected, Scheduler, TokenEvent
 from workers.group import InProcessWorkerGroup, WorkerGroup
 from workers.messages import TokenLogprobs
+from workers.model_config import serving_mode
 from workers.model_runner import RunnerOptions
 from workers.sampling_params import SamplingParams
 
@@ -109,15 +110,22 @@ class Engine:
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer)
         self.max_context_len = min(config.max_context_len or mc.max_context_len, mc.max_context_len)
+        # What the checkpoint forces (an encoder: whole prompts, no prefix cache); every rank
+        # derives the same mode for its attention backend.
+        self.serving = serving_mode(mc, is_embedding=config.is_embedding,
+                                    chunked_prefill_size=config.chunked_prefill_size,
+                                    disable_radix_cache=config.disable_radix_cache)
+        if self.serving != (config.is_embedding, config.chunked_prefill_size, config.disable_radix_cache):
+            logger.info("checkpoint %s runs as %s", config.model, self.serving)
         self.scheduler = Scheduler(
             num_pages=self.workers.num_pages,
             page_size=config.page_size,
             max_running_requests=config.max_running_requests,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            chunked_prefill_size=config.chunked_prefill_size,
+            chunked_prefill_size=self.serving.chunked_prefill_size,
             max_context_len=self.max_context_len,
             eos_token_ids=mc.eos_token_ids,
-            disable_radix_cache=config.disable_radix_cache,
+            disable_radix_cache=self.serving.disable_radix_cache,
             max_waiting=config.max_waiting,
         )
         self._tracked: dict[str, _Tracked] = {}
@@ -142,8 +150,15 @@ class Engine:
         rid: str | None = None,
         is_embedding: bool = False,
     ) -> str:
-        """Queue a request; raises (and queues nothing) if it is invalid or the queue is full."""
+        """Queue a request; raises (and queues nothing) if it is invalid or the queue is full.
+        An embedding replica refuses generation; an encoder-decoder model refuses embeddings."""
         params.validate(self.model_config.vocab_size)
+        if not is_embedding and self.serving.is_embedding:
+            raise RequestRejected("model", f"{self.config.model_name} is an embedding model: it serves "
+                                  "/v1/embeddings, not text generation")
+        if is_embedding and self.model_config.is_encoder_decoder:
+            raise RequestRejected("model", f"{self.config.model_name} is an encoder-decoder model and "
+                                  "does not serve embeddings")
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         req = Request(rid, self.tokenize(prompt), params, is_embedding=is_embedding)
         detok = self.detokenizer.new_state(req.prompt_ids, params.stop, params.skip_special_tokens)
@@ -248,6 +263,19 @@ class Engine:
         for prompt, p in zip(prompts, plist):
             res = GenerationResult(rid="")
             res.rid = self.add_request(prompt, p, res.add)
+            results.append(res)
+        while self.has_work():
+            self.step()
+        return results
+
+    def embed(self, prompts: list[str | list[int]]) -> list[GenerationResult]:
+        """Embed prompts in this thread (not while the background loop runs); each result's
+        `embedding` is the pooled vector."""
+        assert self._thread is None, "embed() runs the loop itself; use generate_stream with start()"
+        results: list[GenerationResult] = []
+        for prompt in prompts:
+            res = GenerationResult(rid="")
+            res.rid = self.add_request(prompt, SamplingParams(max_tokens=1), res.add, is_embedding=True)
             results.append(res)
         while self.has_work():
             self.step()

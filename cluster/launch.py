@@ -48,7 +48,9 @@ class ServingCluster:
 
     def start(self) -> Router:
         opts = self.options
+        how = "using the Ray instance this process had already joined"
         if not ray.is_initialized():
+            how = f"joined the cluster at {opts.address!r}" if opts.address else "started a local Ray instance"
             if opts.address:
                 ray.init(address=opts.address, namespace=opts.namespace, log_to_driver=True)
             else:
@@ -57,14 +59,13 @@ class ServingCluster:
                 ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), num_gpus=gpus,
                          namespace=opts.namespace, include_dashboard=False)
             self._started_ray = True
-        ctx = ray.get_runtime_context()
-        logger.info("joined Ray cluster: gcs=%s, node=%s, resources=%s",
-                    ctx.gcs_address, ctx.get_node_id(), ray.cluster_resources())
+        _log_cluster(how)
         names = [self._new_name() for _ in range(opts.replicas)]
         handles = {n: self._spawn(n) for n in names}
         infos = {n: ray.get(h.info.remote()) for n, h in handles.items()}  # waits for readiness
         for n, info in infos.items():
-            logger.info("replica %s ready: %s", n, info["group"])
+            _log_replica(n, info, opts.placement_strategy, opts.nic)
+        logger.info("KV store: %s", _describe_kv_store())
         first = next(iter(infos.values()))
         from transformers import AutoTokenizer
 
@@ -95,6 +96,7 @@ class ServingCluster:
         name = self._new_name()
         actor = self._spawn(name)
         self.infos[name] = ray.get(actor.info.remote())
+        _log_replica(name, self.infos[name], self.options.placement_strategy, self.options.nic)
         self.router.add_replica(name, actor)
         return name
 
@@ -111,6 +113,55 @@ class ServingCluster:
             _stop_actor(self.actors.pop(name))
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def _resources(res: dict) -> str:
+    """CPU/GPU/memory of a Ray resource dict, readably ("CPU 8, GPU 2, memory 31.2 GiB")."""
+    parts = [f"{k} {res[k]:g}" for k in ("CPU", "GPU") if k in res]
+    if "memory" in res:
+        parts.append(f"memory {res['memory'] / 2**30:.1f} GiB")
+    return ", ".join(parts) or "none"
+
+
+def _log_cluster(how: str) -> None:
+    """Which cluster this process is part of, and what each node brings."""
+    ctx = ray.get_runtime_context()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    logger.info("Ray cluster: %s (gcs %s, namespace %s): %d node(s), %s", how, ctx.gcs_address,
+                ctx.namespace, len(nodes), _resources(ray.cluster_resources()))
+    for n in nodes:
+        logger.info("  node %s at %s: %s%s", n["NodeID"][:12], n["NodeManagerAddress"],
+                    _resources(n.get("Resources", {})), " (this process)" if n["NodeID"] == ctx.get_node_id() else "")
+
+
+def _log_replica(name: str, info: dict, strategy: str, nic: str | None) -> None:
+    """Where a replica's TP ranks landed and which attention kernels they run."""
+    group = info["group"]
+    kv_tokens = (info["kv_pages"] - 1) * info["page_size"]  # page 0 is reserved
+    logger.info("replica %s ready: tp=%d, placement %s%s, compiled graph %s, attention %s, KV cache %d tokens "
+                "(%d pages of %d)", name, info["tp_size"], strategy, f", nic {nic}" if nic else "",
+                "on" if group.get("compiled_graph") else "off", info["attention"], kv_tokens,
+                info["kv_pages"] - 1, info["page_size"])
+    for r in group.get("ranks", []):
+        logger.info("  %s rank %d: node %s ip %s pid %s gpus %s", name, r["rank"], str(r["node_id"])[:12],
+                    r["ip"], r["pid"], list(r["gpu_ids"]) or "none")
+
+
+def _describe_kv_store() -> str:
+    """Where the cluster's shared KV store keeps its pages, or why there is none."""
+    try:
+        from kvstore.store import lookup_store
+    except ImportError as exc:
+        return f"off (kvstore unavailable: {exc})"
+    store = lookup_store()
+    if store is None:
+        return "off (no store actor in this cluster)"
+    try:
+        info = ray.get(store.info.remote(), timeout=30)
+        return (f"files under {info['root']} (up to {info['file_bytes'] / 2**30:.1f} GiB), "
+                f"host RAM {info['ram_bytes'] / 2**30:.2f} GiB")
+    except Exception as exc:  # a log line must not stop the server: say what is known
+        return f"unreachable ({type(exc).__name__}: {exc})"
 
 
 def _stop_actor(actor) -> None:

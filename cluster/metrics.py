@@ -1,8 +1,8 @@
 """Prometheus metrics of the serving cluster (one `ServerMetrics` per HTTP server process).
 
 Who writes what:
-- the HTTP server: `observe_finished` (latencies and token counts of every finished request,
-  labelled by the replica that served it) and `record_error` (every 4xx/5xx it answers);
+- the HTTP server: `observe_finished` (latencies, token counts and finish reason of every finished
+  request, labelled by the replica that served it) and `record_error` (every 4xx/5xx it answers);
 - the router: `record_route` (each routing decision), `update_replica_stats` (what it polls from
   each replica) and `remove_replica` (a replica left the cluster).
 
@@ -110,6 +110,10 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "manta:generation_tokens", "Generated tokens of finished requests.", ["replica"], registry=r
         )
+        self.requests_finished = Counter(
+            "manta:request_finished", "Finished requests, by finish reason (stop, length, abort, error).",
+            ["replica", "finish_reason"], registry=r,
+        )
         self.router_requests = Counter(
             "manta:router_requests", "Routing decisions.", ["policy", "replica"], registry=r
         )
@@ -130,6 +134,7 @@ class ServerMetrics:
     # ---------------- written by the server ----------------
     def observe_finished(self, replica: str, out: Any) -> None:
         """Record one finished request (`out` is its final `RequestOutput`)."""
+        self.requests_finished.labels(replica, out.finish_reason or "unknown").inc()
         self.prompt_tokens.labels(replica).inc(max(0, out.prompt_tokens))
         self.generation_tokens.labels(replica).inc(max(0, out.completion_tokens))
         if out.ttft_s is not None and out.completion_tokens > 0:

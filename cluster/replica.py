@@ -131,7 +131,8 @@ class Replica:
 
     def info(self) -> dict:
         return {"name": self.name, "tp_size": self.config.tp_size, "group": self.group.describe(),
-                "model": self.config.model,
+                "attention": self.group.attention, "model": self.config.model,
+                "kv_pages": self.group.num_pages, "page_size": self.config.page_size,
                 "max_context_len": self.engine.max_context_len if self.engine else 0,
                 "vocab_size": self.engine.model_config.vocab_size if self.engine else 0}
 

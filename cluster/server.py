@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import protocol as P
 from cluster.client_api import ChoiceResult, FanOut, GenerationFailed, NoReplicaAvailable, ServingClient
+from cluster.embeddings_api import EmbeddingRequest, embedding_response
 from cluster.metrics import CONTENT_TYPE, ServerMetrics
 from cluster.request import RequestOutput
 from cluster.scheduler import QueueFull, RequestRejected
@@ -167,13 +168,13 @@ class _Serving:
             raise APIError(404, f"The model '{name}' does not exist; this server serves "
                            f"'{self.client.model_name}'", param="model", code="model_not_found")
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             return list(self.client.tokenizer(prompt).input_ids)
         vocab = self.client.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", param="prompt")
+            raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", param=param)
         return list(prompt)
 
     def check_context(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens",
@@ -188,11 +189,12 @@ class _Serving:
                            f"{n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} to generate)",
                            param=param, code="context_length_exceeded")
 
-    async def open(self, request: Request, jobs: list[tuple[list[int], SamplingParams]], rid: str) -> FanOut:
+    async def open(self, request: Request, jobs: list[tuple[list[int], SamplingParams]], rid: str,
+                   is_embedding: bool = False) -> FanOut:
         def finished(out: RequestOutput) -> None:
             self.metrics.observe_finished(getattr(out, "replica", "local"), out)
 
-        return await _until_disconnect(request, FanOut.open(self.client, list(jobs), rid, finished))
+        return await _until_disconnect(request, FanOut.open(self.client, list(jobs), rid, finished, is_embedding))
 
     async def answer(self, request: Request, fan: FanOut, stream: bool,
                      events: Callable[[FanOut], AsyncIterator[str]],
@@ -309,6 +311,26 @@ class _Serving:
                                             usage=_usage(choices, req.n))
 
         return await self.answer(request, fan, req.stream, events, build)
+
+    # ---------------- /v1/embeddings ----------------
+    async def embeddings(self, request: Request, body: Any) -> Response:
+        """One embedding request per input (prefill only, pooled on the ranks)."""
+        req = _parse(EmbeddingRequest, body)
+        self.check_model(req.model)
+        limit, jobs = self.client.max_context_len, []
+        params = SamplingParams(max_tokens=1).validate(self.client.vocab_size)
+        for i, ids in enumerate(self.prompt_ids(x, param="input") for x in req.inputs()):
+            if len(ids) > limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens, but input {i} "
+                               f"has {len(ids)} tokens", param="input", code="context_length_exceeded")
+            jobs.append((ids, params))
+        fan = await self.open(request, jobs, f"embd-{uuid.uuid4().hex}", is_embedding=True)
+        try:
+            choices = await _until_disconnect(request, fan.collect())
+        finally:
+            await fan.aclose()
+        out = embedding_response(req, choices, self.client.model_name)
+        return Response(out.model_dump_json(), media_type="application/json")
 
     # ---------------- /generate (native) ----------------
     async def generate(self, request: Request, body: Any) -> Response:
@@ -453,6 +475,10 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
     @guarded.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handle(serving.chat, request)
+
+    @guarded.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await handle(serving.embeddings, request)
 
     @guarded.post("/generate")
     async def generate(request: Request) -> Response:

@@ -18,9 +18,11 @@ import torch
 
 from kvstore import keys as K
 from kvstore.bench import bench_store
-from kvstore.client import KVStoreClient, StoreProbe, pool_page_bytes
+from kvstore.client import KVStoreClient, StoreProbe, agree_on_pages
+from kvstore.pages import pool_page_bytes
 from kvstore.store import HEADER_BYTES, SUFFIX, get_or_create_store
 from workers.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from workers.parallel import TPGroup
 
 NS = "manta-kvstore-test"
 PAGE = 4  # tokens per page
@@ -108,7 +110,7 @@ def ray_local():
 @pytest.fixture(scope="module")
 def shared(ray_local, tmp_path_factory):
     """One store for the tests that do not restart or resize it (cleared before each)."""
-    store, name = new_store(tmp_path_factory.mktemp("kvstore"))
+    store, name = new_store(tmp_path_factory.mktemp("kvstore"), flush_interval_s=0.2)
     yield store, name
     ray.kill(store)
 
@@ -155,6 +157,15 @@ def test_keys_chain_layout_and_validation():
             K.validate_key(bad)
     assert K.leading_pages([True, True, True, False, True, True], 2) == 1
     assert K.leading_pages([True] * 6, 2) == 3 and K.leading_pages([True] * 6, 1) == 6
+
+
+def test_agree_on_pages_is_the_min_over_ranks():
+    class Ranks:  # stands in for TPGroup.all_min_int over ranks that found 5, 3 and 4 pages
+        def all_min_int(self, value: int) -> int:
+            return min(value, 3, 4)
+
+    assert agree_on_pages(Ranks(), 5) == 3
+    assert agree_on_pages(TPGroup(), 5) == 5  # tp 1: the identity
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +221,20 @@ def test_batch_exists_uses_keys_per_page_of_layout(store):
     assert c.batch_set(chain[:1], [[torch.ones(4), torch.ones(4)]])
     assert ray.get(handle.put.remote(f"{chain[1]}-r0-k", b"k only"))
     assert c.batch_exists(chain) == 1
+
+
+def test_write_behind_flusher_writes_files(store, tmp_path):
+    handle, name = store
+    c = client(handle, name, "mla")
+    chain = c.chain_keys(tokens(3, salt=12), PAGE)
+    assert c.batch_set(chain, [[torch.ones(64)] for _ in chain])
+    deadline = time.monotonic() + 30
+    while ray.get(handle.stats.remote())["dirty"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    st = ray.get(handle.stats.remote())
+    assert st["dirty"] == 0 and st["file"]["pages"] == 3 and st["ram"]["pages"] == 3
+    root = Path(ray.get(handle.info.remote())["root"])
+    assert all(_page_file(root, k).stat().st_size == HEADER_BYTES + 256 for k in chain)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,8 +304,14 @@ def _restart(root: Path, name: str, **kw):
 def _kill(handle) -> None:
     """ray.kill, and wait until the actor is dead (kill is asynchronous)."""
     ray.kill(handle)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(handle.info.remote(), timeout=60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.info.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the store actor did not die")
 
 
 def _page_file(root: Path, key: str) -> Path:

@@ -39,7 +39,8 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # Per batch size: (hidden [bs, H], logits [bs, vocab]); the LM head runs in the graph.
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None
         backend = runner.attn_backend
         backend.init_cuda_graph_state(self.max_bs, self.max_bs)
@@ -74,12 +75,13 @@ class CudaGraphRunner:
             fb = self._static_batch(bs)
             r.attn_backend.init_forward_metadata_capture_cuda_graph(bs, bs, fb)
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up (autotuning, lazy init) outside the graph
-                    r.model(fb.input_ids, fb.positions, fb)
+                for _ in range(2):  # warm-up (autotuning, compilation) outside the graph
+                    r.model.compute_logits(r.model(fb.input_ids, fb.positions, fb))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = r.model(fb.input_ids, fb.positions, fb)
+                hidden = r.model(fb.input_ids, fb.positions, fb)
+                out = (hidden, r.model.compute_logits(hidden))
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
@@ -91,7 +93,8 @@ class CudaGraphRunner:
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
 
-    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+    def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [bs, H], logits [bs, vocab]) of a decode batch."""
         bs = fb.batch_size
         padded = next(b for b in self.batch_sizes if b >= bs)
         self.input_ids[:bs].copy_(fb.input_ids)
@@ -113,6 +116,8 @@ class CudaGraphRunner:
         r = self.runner
         r.attn_backend.init_forward_metadata_replay_cuda_graph(padded, static)
         if not self.use_graphs:
-            return r.model(static.input_ids, static.positions, static)[:bs]
+            hidden = r.model(static.input_ids, static.positions, static)[:bs]
+            return hidden, r.model.compute_logits(hidden)
         self.graphs[padded].replay()
-        return self.outputs[padded][:bs]
+        hidden, logits = self.outputs[padded]
+        return hidden[:bs], logits[:bs]

@@ -172,8 +172,8 @@ class ModelRunner:
         if plan.mode == ForwardMode.IDLE or not plan.reqs:
             return result
         fb = self.build_forward_batch(plan)
-        hidden = self.forward(fb)
-        self._finish_step(plan, fb, hidden, result)
+        hidden, logits = self.forward(fb)
+        self._finish_step(plan, fb, hidden, logits, result)
         result.compute_s = time.perf_counter() - t0
         return result
 
@@ -182,17 +182,25 @@ class ModelRunner:
         reqs = plan.reqs
         ext = [len(r.input_ids) for r in reqs]
         prefix = [r.prefix_len for r in reqs]
-        input_ids = torch.tensor([t for r in reqs for t in r.input_ids], dtype=torch.long, device=dev)
-        positions = torch.tensor([p + j for r, p in zip(reqs, prefix) for j in range(len(r.input_ids))],
-                                 dtype=torch.long, device=dev)
-        out_loc = torch.tensor([s for r in reqs for s in r.out_cache_loc], dtype=torch.long, device=dev)
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.long, device=dev)
+        seq = [p + e for p, e in zip(prefix, ext)]
+        bs, n = len(reqs), sum(ext)
+        # One host buffer, one host-to-device copy; the fields are views of it. (The device's
+        # CPU side is slow: eight small transfers cost more than the decode step's attention.)
+        host = torch.tensor(
+            [t for r in reqs for t in r.input_ids]
+            + [p + j for p, e in zip(prefix, ext) for j in range(e)]
+            + [s for r in reqs for s in r.out_cache_loc]
+            + [r.req_pool_idx for r in reqs] + seq + ext + prefix,
+            dtype=torch.long,
+        )
+        packed = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
+        input_ids, positions, out_loc, rows, seq_lens, ext_t, prefix_t = packed.split([n, n, n, bs, bs, bs, bs])
         # Record the new tokens' slots in the request table before the attention reads it.
-        self.req_to_token_pool.req_to_token[rows.repeat_interleave(torch.tensor(ext, device=dev)), positions] = (
+        self.req_to_token_pool.req_to_token[rows.repeat_interleave(ext_t, output_size=n), positions] = (
             out_loc.to(torch.int32)
         )
-        seq_lens_cpu = torch.tensor([p + e for p, e in zip(prefix, ext)], dtype=torch.int32)
-        ext_t = torch.tensor(ext, dtype=torch.int32, device=dev)
+        seq_lens_cpu = host[3 * n + bs : 3 * n + 2 * bs].to(torch.int32)
+        ext_t = ext_t.to(torch.int32)
         start_loc = torch.nn.functional.pad(torch.cumsum(ext_t, 0, dtype=torch.int32), (1, 0))
         mode = plan.mode
         fb = ForwardBatch(
@@ -201,12 +209,12 @@ class ModelRunner:
             input_ids=input_ids,
             positions=positions,
             req_pool_indices=rows,
-            seq_lens=seq_lens_cpu.to(dev),
+            seq_lens=seq_lens.to(torch.int32),
             seq_lens_cpu=seq_lens_cpu,
             out_cache_loc=out_loc,
             extend_seq_lens=None if mode.is_decode() else ext_t,
             extend_seq_lens_cpu=None if mode.is_decode() else ext,
-            extend_prefix_lens=None if mode.is_decode() else torch.tensor(prefix, dtype=torch.int32, device=dev),
+            extend_prefix_lens=None if mode.is_decode() else prefix_t.to(torch.int32),
             extend_prefix_lens_cpu=None if mode.is_decode() else prefix,
             extend_start_loc=start_loc,
             is_embedding=any(r.rid in self.pooling_states for r in reqs),
@@ -217,21 +225,25 @@ class ModelRunner:
         )
         return fb
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Hidden states [T, hidden] of every new token."""
+    def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states [T, hidden] of every new token, and — when a CUDA graph ran the step,
+        which computes them inside the graph — the logits of every row ([B, vocab])."""
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
-        return self.model(fb.input_ids, fb.positions, fb)
+        return self.model(fb.input_ids, fb.positions, fb), None
 
-    def _finish_step(self, plan: StepPlan, fb: ForwardBatch, hidden: torch.Tensor, result: StepResult) -> None:
+    def _finish_step(self, plan: StepPlan, fb: ForwardBatch, hidden: torch.Tensor,
+                     all_logits: torch.Tensor | None, result: StepResult) -> None:
         if self.pooling_states:
             self._pool(plan, hidden, result)
         sample_idx = [i for i, r in enumerate(plan.reqs) if r.sample and r.rid in self.states]
         assert fb.logits_indices is not None
         if sample_idx:
-            last = hidden[fb.logits_indices[sample_idx]]
-            logits = self.model.compute_logits(last)  # every rank joins the gather
+            if all_logits is not None:  # decode graph: one row per request
+                logits = all_logits[sample_idx]
+            else:
+                logits = self.model.compute_logits(hidden[fb.logits_indices[sample_idx]])  # all ranks gather
             if self.sampler is not None:
                 states = [self.states[plan.reqs[i].rid] for i in sample_idx]
                 out = self.sampler.sample(logits, states)

@@ -1,0 +1,210 @@
+"""The manta Grafana dashboard, generated with grafana-foundation-sdk.
+
+    python deploy/grafana/dashboard.py            # rewrite deploy/grafana/manta.json
+    python deploy/grafana/dashboard.py --check    # exit 1 if manta.json is stale
+
+Edit the panels here, never manta.json: tests/test_deploy.py regenerates the JSON and compares,
+and checks that every metric a query names is one `manta serve` exports (or one listed there as
+pending: exported by work still in progress).
+
+Import manta.json into Grafana (Dashboards > New > Import) and pick a Prometheus data source that
+scrapes the server (deploy/prometheus.yml). The `replica` variable filters the per-replica series;
+request errors are counted by the HTTP server and carry no replica label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import common as common_b
+from grafana_foundation_sdk.builders import dashboard as dash_b
+from grafana_foundation_sdk.builders import prometheus as prom_b
+from grafana_foundation_sdk.builders import stat as stat_b
+from grafana_foundation_sdk.builders import timeseries as ts_b
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common, dashboard
+
+OUT = Path(__file__).resolve().parent / "manta.json"
+
+UID = "manta-serving"
+DS = dashboard.DataSourceRef(type_val="prometheus", uid="${datasource}")
+REPLICA = 'replica=~"$replica"'
+RATE = "$__rate_interval"
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+def _rate(metric: str, by: str = "", labels: str = REPLICA) -> str:
+    sel = f"{metric}{{{labels}}}" if labels else metric
+    group = f" by ({by})" if by else ""
+    return f"sum{group} (rate({sel}[{RATE}]))"
+
+
+def _ratio(hits: str, queries: str) -> str:
+    """Hit fraction over the window; no data (not 0) while nothing was looked up."""
+    return f"{_rate(hits)} / ({_rate(queries)} > 0)"
+
+
+def _quantiles(histogram: str) -> list[tuple[str, str]]:
+    return [(f"histogram_quantile({q}, {_rate(histogram + '_bucket', by='le')})", f"p{round(q * 100)}")
+            for q in QUANTILES]
+
+
+def _query(expr: str, legend: str, ref: str) -> prom_b.Dataquery:
+    return prom_b.Dataquery().expr(expr).legend_format(legend).ref_id(ref).range().datasource(DS)
+
+
+def timeseries(title: str, description: str, queries: list[tuple[str, str]], unit: str, *,
+               width: int = 8, max_val: float | None = None, stack: bool = False) -> ts_b.Panel:
+    p = (ts_b.Panel().title(title).description(description).datasource(DS).unit(unit)
+         .span(width).height(8).fill_opacity(10).line_width(1).show_points(common.VisibilityMode.NEVER)
+         .legend(common_b.VizLegendOptions().show_legend(True).display_mode(common.LegendDisplayMode.LIST)
+                 .placement(common.LegendPlacement.BOTTOM))
+         .tooltip(common_b.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
+                  .sort(common.SortOrder.DESCENDING)))
+    if max_val is not None:
+        p = p.min(0).max(max_val)
+    if stack:
+        p = p.stacking(common_b.StackingConfig().mode(common.StackingMode.NORMAL))
+    for i, (expr, legend) in enumerate(queries):
+        p = p.with_target(_query(expr, legend, chr(ord("A") + i)))
+    return p
+
+
+def health_stat() -> stat_b.Panel:
+    """One tile per replica: green while the router routes to it, red while it is unhealthy."""
+    mapping = dashboard.ValueMap(options={
+        "0": dashboard.ValueMappingResult(text="unhealthy", color="red", index=0),
+        "1": dashboard.ValueMappingResult(text="healthy", color="green", index=1),
+    })
+    steps = [dashboard.Threshold(value=None, color="red"), dashboard.Threshold(value=1, color="green")]
+    return (stat_b.Panel().title("Replica health")
+            .description("1 while the router routes to the replica, 0 while it is unhealthy (a rank died, "
+                         "the replica is rebuilding its TP group, or its stats poll failed).")
+            .datasource(DS).span(12).height(8).mappings([mapping])
+            .thresholds(dash_b.ThresholdsConfig().mode(dashboard.ThresholdsMode.ABSOLUTE).steps(steps))
+            .color_mode(common.BigValueColorMode.BACKGROUND).graph_mode(common.BigValueGraphMode.NONE)
+            .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+            .with_target(_query(f"max by (replica) (manta:replica_healthy{{{REPLICA}}})", "{{replica}}", "A")))
+
+
+class _Numbered:
+    """Adds rows and panels to a dashboard with ids 1, 2, ... in order (Grafana wants unique ids)."""
+
+    def __init__(self, d: dash_b.Dashboard):
+        self.d, self.ids = d, itertools.count(1)
+
+    def row(self, title: str) -> None:
+        self.d = self.d.with_row(dash_b.Row(title).id(next(self.ids)))
+
+    def panel(self, p: ts_b.Panel | stat_b.Panel) -> None:
+        self.d = self.d.with_panel(p.id(next(self.ids)))
+
+
+def build() -> dash_b.Dashboard:
+    d = (dash_b.Dashboard("manta serving").uid(UID).tags(["manta", "llm", "ray"])
+         .description("Requests, latency, batching, KV cache and routing of a manta serving cluster.")
+         .timezone("browser").refresh("10s").time("now-1h", "now").editable()
+         .tooltip(dashboard.DashboardCursorSync.CROSSHAIR))
+    d = d.with_variable(dash_b.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+    d = d.with_variable(
+        dash_b.QueryVariable("replica").label("Replica").datasource(DS)
+        .query({"query": "label_values(manta:replica_healthy, replica)", "refId": "replica"})
+        .refresh(dashboard.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dashboard.VariableSort.ALPHABETICAL_ASC)
+        .multi(True).include_all(True).all_value(".*"))
+
+    n = _Numbered(d)
+    n.row("Traffic")
+    n.panel(timeseries(
+        "Request rate", "Finished requests per second, by finish reason (stop, length, abort, error).",
+        [(_rate("manta:request_finished_total", by="finish_reason"), "{{finish_reason}}")], "reqps"))
+    n.panel(timeseries(
+        "Errors", "HTTP error responses per second, by status code (4xx: the request; 5xx: the server; "
+        "499: the client went away). Counted by the server, so not filtered by replica.",
+        [(_rate("manta:request_errors_total", by="code", labels=""), "{{code}}")], "reqps"))
+    n.panel(timeseries(
+        "Tokens/s", "Prompt tokens and generated tokens per second, of finished requests.",
+        [(_rate("manta:prompt_tokens_total"), "prompt"), (_rate("manta:generation_tokens_total"), "generated")],
+        "short"))
+
+    n.row("Latency")
+    n.panel(timeseries(
+        "Time to first token", "Arrival to first generated token (queueing + prefill).",
+        _quantiles("manta:time_to_first_token_seconds"), "s"))
+    n.panel(timeseries(
+        "Time per output token", "Mean time between generated tokens after the first, per request.",
+        _quantiles("manta:time_per_output_token_seconds"), "s"))
+    n.panel(timeseries(
+        "End-to-end latency", "Arrival to last token.", _quantiles("manta:e2e_request_latency_seconds"), "s"))
+
+    n.row("Batching and KV cache")
+    n.panel(timeseries(
+        "Running and waiting requests", "Requests in the running batches and queued for admission, summed "
+        "over the selected replicas.",
+        [(f"sum(manta:num_requests_running{{{REPLICA}}})", "running"),
+         (f"sum(manta:num_requests_waiting{{{REPLICA}}})", "waiting")], "short"))
+    n.panel(timeseries(
+        "KV cache usage", "Fraction of each replica's KV cache pages in use.",
+        [(f"max by (replica) (manta:kv_cache_usage_perc{{{REPLICA}}})", "{{replica}}")], "percentunit",
+        max_val=1))
+    n.panel(timeseries(
+        "Prefix-cache hit rate", "Prompt tokens found in the replicas' radix caches / prompt tokens looked "
+        "up (no data while nothing is looked up).",
+        [(_ratio("manta:prefix_cache_hit_tokens_total", "manta:prefix_cache_query_tokens_total"), "hit rate")],
+        "percentunit", max_val=1))
+    n.panel(timeseries(
+        "KV-store hit rate", "Pages found in the shared KV store / pages looked up there.",
+        [(_ratio("manta:kvstore_hit_pages_total", "manta:kvstore_query_pages_total"), "hit rate")],
+        "percentunit", max_val=1))
+    n.panel(timeseries(
+        "KV-store usage", "Bytes the shared KV store holds, by tier (host RAM, files).",
+        [("sum by (tier) (manta:kvstore_usage_bytes)", "{{tier}}")], "bytes"))
+    n.panel(timeseries(
+        "Speculative acceptance", "Draft tokens accepted by the target model / draft tokens proposed.",
+        [(_ratio("manta:spec_accepted_tokens_total", "manta:spec_draft_tokens_total"), "acceptance")],
+        "percentunit", max_val=1))
+
+    n.row("Replicas and routing")
+    n.panel(timeseries(
+        "Load per replica", "Running + waiting requests of each replica (what least_load balances).",
+        [(f"sum by (replica) (manta:num_requests_running{{{REPLICA}}} + manta:num_requests_waiting{{{REPLICA}}})",
+          "{{replica}}")], "short", width=12, stack=True))
+    n.panel(timeseries(
+        "Router decisions", "Requests routed per second, by replica and policy (a retry on another replica "
+        "counts again).",
+        [(_rate("manta:router_requests_total", by="replica, policy"), "{{replica}} ({{policy}})")], "reqps",
+        width=12, stack=True))
+    n.panel(health_stat())
+    n.panel(timeseries(
+        "Replica restarts", "Times each replica rebuilt its TP group after losing a rank.",
+        [(f"max by (replica) (manta:replica_restarts{{{REPLICA}}})", "{{replica}}")], "short", width=12))
+    return n.d
+
+
+def render() -> str:
+    """The dashboard JSON, byte-for-byte what manta.json holds."""
+    model = build().build()
+    return json.dumps(json.loads(json.dumps(model, cls=JSONEncoder)), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="fail if manta.json differs from the generated JSON")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        if not args.out.exists() or args.out.read_text() != text:
+            print(f"{args.out} is stale: run python deploy/grafana/dashboard.py", file=sys.stderr)
+            return 1
+        return 0
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

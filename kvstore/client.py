@@ -1,0 +1,501 @@
+"""One worker rank's view of the shared KV store: NIXL transfers between a registered host
+staging buffer and the store's DRAM tier (UCX), Ray calls only for control.
+
+A page buffer is the bytes of one page for one rank, laid out as its store keys
+(`keys.rank_keys`): MHA `[K | V]`, K = this rank's heads of every layer, `[layers, P, heads,
+head_dim]`; MLA `[latent]`, `[layers, P, 1, kv_lora_rank + rope]`. In the staging buffer page i
+of a batch starts at i * page_bytes.
+
+Failure model: the store dead, unreachable, slow or full never raises into the serving path and
+never hangs. Every Ray call has a timeout (`timeout_s`), every transfer a deadline; a failure
+counts an error and reads as a miss (`batch_get` 0 pages, `batch_exists` 0, `batch_set` False).
+A dead store actor is looked up again by name (at most every `retry_interval_s`), and the
+client re-registers with whichever store answers.
+
+MLA (contract 5): the latent is identical on every rank, so only rank 0 writes; on the other
+ranks `batch_set` returns True before any transfer (counted as `pages_backup_skipped`). Every
+rank reads the same single key per page.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from kvstore.keys import (
+    chain_keys,
+    check_layout,
+    keys_per_page,
+    keys_per_replica_page,
+    leading_pages,
+    replica_keys,
+    store_keys,
+    validate_keys,
+)
+from kvstore.pages import gather_pages, pool_key_bytes, pool_layout, pool_page_bytes, scatter_pages
+from kvstore.store import STORE_NAME, LocateReply, ReserveReply
+
+logger = logging.getLogger(__name__)
+
+_FAILED = object()  # a control call that failed (already counted as an error)
+
+
+def _serialized(method):
+    """One data-path call at a time per client: they share the staging buffer."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def agree_on_pages(tp_group, found: int) -> int:
+    """The pages every TP rank of a replica loaded: min over ranks (`TPGroup.all_min_int`).
+
+    Each rank loads its own shard (MHA) or its own copy (MLA) and may find fewer pages than a
+    peer (eviction between calls, a corrupt page). The replica may use only the prefix every
+    rank holds, so all ranks call this with their `batch_get`/`load_pages` count and use the
+    result; pages past it are ignored (their slots are overwritten by the prefill)."""
+    return tp_group.all_min_int(found)
+
+
+@dataclass
+class ClientCounters:
+    pages_written: int = 0  # pages this client wrote into the store
+    pages_present: int = 0  # pages batch_set found already stored (not sent again)
+    pages_backup_skipped: int = 0  # MLA pages a rank != 0 did not write
+    pages_read: int = 0  # pages loaded by batch_get / load_pages
+    hit_pages: int = 0  # == pages_read; hit_pages / query_pages is the store hit rate
+    query_pages: int = 0  # pages asked for by batch_get / load_pages
+    bytes_written: int = 0  # client -> store
+    bytes_read: int = 0  # store -> client
+    errors: int = 0  # failed calls, timeouts, failed transfers, bad checksums
+    corrupt: int = 0  # pages whose checksum failed after a read
+
+
+class StoreLink:
+    """A store actor handle with timeouts, error counting and re-lookup by name."""
+
+    def __init__(self, store, counters: ClientCounters, timeout_s: float, store_name: str,
+                 namespace: str | None, retry_interval_s: float):
+        self.store = store
+        self.counters = counters
+        self.timeout_s = timeout_s
+        self.store_name = store_name
+        self.namespace = namespace
+        self.retry_interval_s = retry_interval_s
+        self.generation = 0  # bumped whenever the handle changes (the client re-registers)
+        self._last_lookup = 0.0
+
+    def _lookup(self) -> bool:
+        now = time.monotonic()
+        if now - self._last_lookup < self.retry_interval_s:
+            return False
+        self._last_lookup = now
+        import ray
+
+        try:
+            handle = ray.get_actor(self.store_name, namespace=self.namespace)
+        except Exception:
+            return False
+        if self.store is not None and handle._actor_id == self.store._actor_id:
+            return False  # the same dead actor
+        self.store, self.generation = handle, self.generation + 1
+        return True
+
+    def call(self, method: str, *args):
+        """ray.get(store.method(*args)) within timeout_s, or _FAILED (counted)."""
+        import ray
+
+        for attempt in range(2):
+            if self.store is None and not self._lookup():
+                break
+            try:
+                return ray.get(getattr(self.store, method).remote(*args), timeout=self.timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                logger.warning("kv store: %s timed out after %.1fs", method, self.timeout_s)
+                break
+            except ray.exceptions.RayActorError:
+                if attempt == 0 and self._lookup():
+                    continue  # a new store answers under the name: try it once
+                logger.warning("kv store: %s: the store actor is unavailable", method)
+                break
+            except Exception as exc:  # the store refused (bad key) or failed
+                logger.warning("kv store: %s failed: %s", method, exc)
+                break
+        self.counters.errors += 1
+        return _FAILED
+
+    def send(self, method: str, *args) -> None:
+        """Fire and forget (releases): never waits on the store."""
+        try:
+            if self.store is not None:
+                getattr(self.store, method).remote(*args)
+        except Exception:
+            pass
+
+
+class KVStoreClient:
+    """Per-rank client. `store`: the store actor handle, or None to look it up by name."""
+
+    def __init__(self, store, layout: str, tp_rank: int, tp_size: int, page_bytes: int,
+                 fingerprint: str, staging_pages: int = 64, *, timeout_s: float = 2.0,
+                 store_name: str = STORE_NAME, namespace: str | None = None,
+                 retry_interval_s: float = 1.0, name: str | None = None):
+        self.layout = check_layout(layout)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.kpp = keys_per_page(layout)
+        self.backup_skip = layout == "mla" and tp_rank != 0  # rank 0 alone writes MLA pages
+        self.page_bytes = -(-page_bytes // 64) * 64  # aligned: page views may be any dtype
+        self.staging_pages = staging_pages
+        self.fingerprint = fingerprint
+        self.timeout_s = timeout_s
+        self.name = name or f"manta-kv-r{tp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.counters = ClientCounters()
+        self.link = StoreLink(store, self.counters, timeout_s, store_name, namespace, retry_interval_s)
+        # zeros, not empty: touched now, so the first transfers do not pay page faults.
+        self.staging = torch.zeros(staging_pages * self.page_bytes, dtype=torch.uint8,
+                                   pin_memory=torch.cuda.is_available())
+        self._np = self.staging.numpy()
+        self._base = self.staging.data_ptr()
+        self._store_agent: str | None = None
+        self._registered_gen = -1
+        self._lock = threading.Lock()
+        self.agent = None
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+
+            # No progress thread (it busy-polls a core): `_xfer` progresses while it waits.
+            self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+            self._reg = self.agent.register_memory(self.staging)
+        except Exception:
+            logger.exception("kv store client %s: no NIXL agent; the store is disabled", self.name)
+            self.agent = None
+
+    # ---------------- queries ----------------
+    def chain_keys(self, token_ids: Sequence[int], page_size: int, parent: str | None = None) -> list[str]:
+        return chain_keys(token_ids, page_size, self.fingerprint, self.layout, parent)
+
+    def batch_exists(self, chain: Sequence[str]) -> int:
+        """Leading pages whose keys for this rank are all in the store (1 key per MLA page,
+        2 per MHA page: the denominator of contract 5)."""
+        if not chain or not self._valid(chain):
+            return 0
+        flags = self.link.call("exists", store_keys(chain, self.layout, self.tp_rank))
+        return 0 if flags is _FAILED else leading_pages(flags, self.kpp)
+
+    # ---------------- raw page buffers ----------------
+    @_serialized
+    def batch_set(self, chain: Sequence[str], page_tensors: Sequence[Sequence[torch.Tensor]]) -> bool:
+        """Store pages: page_tensors[i] holds page i's keys_per_page tensors (MHA: K, V; MLA:
+        the latent), any dtype and device. True when every page is in the store afterwards
+        (or this rank skips MLA writes); False on any failure (counted, never raised)."""
+        if self.backup_skip:
+            self.counters.pages_backup_skipped += len(chain)
+            return True
+        if not chain or not self._valid(chain):
+            return not chain
+        ok = True
+        for start in range(0, len(chain), self.staging_pages):
+            sub = chain[start : start + self.staging_pages]
+            sizes = []
+            for i, tensors in enumerate(page_tensors[start : start + len(sub)]):
+                if len(tensors) != self.kpp:
+                    raise ValueError(f"a {self.layout} page has {self.kpp} tensors, got {len(tensors)}")
+                sizes.append([t.numel() * t.element_size() for t in tensors])
+                if sum(sizes[-1]) > self.page_bytes:
+                    raise ValueError(f"page of {sum(sizes[-1])} bytes > page_bytes {self.page_bytes}")
+                off = i * self.page_bytes
+                for t, n in zip(tensors, sizes[-1]):
+                    self.staging[off : off + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+                    off += n
+            ok = self._write_staged(sub, sizes) and ok
+        return ok
+
+    @_serialized
+    def batch_get(self, chain: Sequence[str], out_tensors: Sequence[Sequence[torch.Tensor]]) -> int:
+        """Load the leading pages present into out_tensors (same layout as batch_set's,
+        contiguous); returns how many pages were loaded (0 on any failure)."""
+        if not chain or not self._valid(chain):
+            return 0
+        self.counters.query_pages += len(chain)
+        loaded = 0
+        for start in range(0, len(chain), self.staging_pages):
+            sub = chain[start : start + self.staging_pages]
+            outs = out_tensors[start : start + len(sub)]
+            want = [[t.numel() * t.element_size() for t in ts] for ts in outs]
+            n = self._read_staged(sub, want)
+            for i in range(n):
+                off = i * self.page_bytes
+                for t, size in zip(outs[i], want[i]):
+                    t.view(-1).view(torch.uint8).copy_(self.staging[off : off + size])
+                    off += size
+            loaded += n
+            if n < len(sub):
+                break
+        self.counters.pages_read += loaded
+        self.counters.hit_pages += loaded
+        return loaded
+
+    # ---------------- KV pool pages ----------------
+    @_serialized
+    def save_pages(self, pool, page_ids: Sequence[int], chain: Sequence[str]) -> bool:
+        """Store pool pages page_ids[i] under chain[i] (this rank's heads / the latent),
+        gathered straight into the staging buffer. Same result contract as batch_set."""
+        if self.backup_skip:
+            self.counters.pages_backup_skipped += len(chain)
+            return True
+        if not chain or not self._valid(chain):
+            return not chain
+        self._check_pool(pool, len(page_ids), len(chain))
+        sizes = pool_key_bytes(pool)
+        ok = True
+        for start in range(0, len(chain), self.staging_pages):
+            sub = chain[start : start + self.staging_pages]
+            self._gather(pool, page_ids[start : start + len(sub)])
+            ok = self._write_staged(sub, [sizes] * len(sub)) and ok
+        return ok
+
+    @_serialized
+    def load_pages(self, pool, page_ids: Sequence[int], chain: Sequence[str]) -> int:
+        """Load the leading stored pages of chain into pool pages page_ids; returns how many.
+        TP ranks then agree with `agree_on_pages`."""
+        if not chain or not self._valid(chain):
+            return 0
+        self._check_pool(pool, len(page_ids), len(chain))
+        sizes = pool_key_bytes(pool)
+        self.counters.query_pages += len(chain)
+        loaded = 0
+        for start in range(0, len(chain), self.staging_pages):
+            sub = chain[start : start + self.staging_pages]
+            n = self._read_staged(sub, [sizes] * len(sub))
+            if n:
+                self._scatter(pool, page_ids[start : start + n])
+            loaded += n
+            if n < len(sub):
+                break
+        self.counters.pages_read += loaded
+        self.counters.hit_pages += loaded
+        return loaded
+
+    def _check_pool(self, pool, n_pages: int, n_keys: int) -> None:
+        if pool_layout(pool) != self.layout:
+            raise ValueError(f"a {pool_layout(pool)} pool with a {self.layout} client")
+        if pool_page_bytes(pool) > self.page_bytes or n_pages != n_keys:
+            raise ValueError(f"{n_pages} pages of {pool_page_bytes(pool)} bytes for {n_keys} keys "
+                             f"(page_bytes {self.page_bytes})")
+
+    def _gather(self, pool, page_ids: Sequence[int]) -> None:
+        gather_pages(pool, page_ids, self.staging[: len(page_ids) * self.page_bytes].view(len(page_ids), -1))
+
+    def _scatter(self, pool, page_ids: Sequence[int]) -> None:
+        scatter_pages(pool, page_ids, self.staging[: len(page_ids) * self.page_bytes].view(len(page_ids), -1))
+
+    # ---------------- transfers ----------------
+    def _valid(self, chain: Sequence[str]) -> bool:
+        try:
+            validate_keys(chain)
+            return True
+        except ValueError as exc:
+            logger.warning("kv store client: %s", exc)
+            self.counters.errors += 1
+            return False
+
+    def _connect(self) -> bool:
+        """Register with the store (again after it changed); False when it is unavailable."""
+        if self.agent is None:
+            self.counters.errors += 1
+            return False
+        if self._registered_gen == self.link.generation and self._store_agent is not None:
+            return True
+        reply = self.link.call("register_client", self.name, self.agent.get_agent_metadata())
+        if reply is _FAILED:
+            return False
+        store_agent, metadata = reply
+        if self._store_agent is not None:
+            try:
+                self.agent.remove_remote_agent(self._store_agent)
+            except Exception:
+                pass
+        remote = self.agent.add_remote_agent(metadata)
+        self._store_agent = remote.decode() if isinstance(remote, bytes) else remote
+        assert self._store_agent == store_agent, (self._store_agent, store_agent)
+        self._registered_gen = self.link.generation
+        return True
+
+    def _data_call(self, method: str, *args):
+        """A reserve/locate call; re-registers once when the store does not know us."""
+        for _ in range(2):
+            if not self._connect():
+                return _FAILED
+            reply = self.link.call(method, self.name, *args)
+            if reply is not None:
+                return reply
+            self._registered_gen = -1  # a restarted store: register again
+        self.counters.errors += 1
+        return _FAILED
+
+    def _xfer(self, op: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]]) -> bool:
+        """One NIXL transfer staging <-> store DRAM; False (counted) on error or deadline."""
+        assert self.agent is not None
+        nbytes = sum(n for _, n, _ in local)
+        deadline = time.monotonic() + self.timeout_s + nbytes / 100e6
+        handle, state = None, "ERR"
+        try:
+            handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(np.array(local, np.uint64), "DRAM"),
+                                                self.agent.get_xfer_descs(np.array(remote, np.uint64), "DRAM"),
+                                                self._store_agent)
+            state = self.agent.transfer(handle)
+            spins = 0
+            while state == "PROC" and time.monotonic() < deadline:
+                spins += 1
+                if spins > 1000:
+                    time.sleep(0.0002)  # past ~1 ms: stop burning a shared core
+                state = self.agent.check_xfer_state(handle)
+        except Exception as exc:
+            logger.warning("kv store client: NIXL %s failed: %s", op, exc)
+        finally:
+            if handle is not None:
+                try:
+                    self.agent.release_xfer_handle(handle)
+                except Exception:
+                    pass
+        if state != "DONE":
+            self.counters.errors += 1
+            self._registered_gen = -1  # reconnect before the next transfer
+            return False
+        return True
+
+    def _write_staged(self, chain: Sequence[str], sizes: list[list[int]]) -> bool:
+        """Send staged pages (page i at i * page_bytes, keys packed by `sizes[i]`)."""
+        keys = store_keys(chain, self.layout, self.tp_rank)
+        offsets = [i * self.page_bytes + sum(s[:j]) for i, s in enumerate(sizes) for j in range(len(s))]
+        flat = [n for s in sizes for n in s]
+        reply = self._data_call("reserve", keys, flat)
+        if reply is _FAILED:
+            return False
+        assert isinstance(reply, ReserveReply)
+        local, remote, sent, crcs = [], [], [], []
+        for key, off, loc in zip(keys, offsets, reply.locs):
+            if loc is None:
+                continue
+            crcs.append(zlib.crc32(self._np[off : off + loc.size]))
+            sent.append(key)
+            for addr, n in loc.regions:
+                local.append((self._base + off, n, 0))
+                remote.append((addr, n, 0))
+                off += n
+        if not sent:
+            self.link.send("release", reply.lease)
+        elif not self._xfer("WRITE", local, remote):
+            self.link.send("release", reply.lease)  # frees the reservation
+            return False
+        else:
+            committed = self.link.call("commit", self.name, reply.lease, sent, crcs)
+            if committed is _FAILED or committed != len(sent):
+                if committed is not _FAILED:
+                    self.counters.errors += 1
+                return False
+        self.counters.bytes_written += sum(n for _, n, _ in local)
+        done = {k for k, loc in zip(keys, reply.locs) if loc is not None}
+        for p in range(len(chain)):
+            page = keys[p * self.kpp : (p + 1) * self.kpp]
+            if all(k in done for k in page):
+                self.counters.pages_written += 1
+            elif all(reply.present[p * self.kpp : (p + 1) * self.kpp]):
+                self.counters.pages_present += 1
+        return all(p or loc is not None for p, loc in zip(reply.present, reply.locs))
+
+    def _read_staged(self, chain: Sequence[str], sizes: list[list[int]]) -> int:
+        """Read the leading stored pages into staging; returns how many arrived intact with
+        the expected key sizes (`sizes[i]` per page)."""
+        keys = store_keys(chain, self.layout, self.tp_rank)
+        reply = self._data_call("locate", keys)
+        if reply is _FAILED:
+            return 0
+        assert isinstance(reply, LocateReply)
+        n = len(reply.locs) // self.kpp
+        flat = [s for page in sizes[:n] for s in page]
+        good = next((i for i, (loc, s) in enumerate(zip(reply.locs, flat)) if loc.size != s), n * self.kpp)
+        if good < n * self.kpp:
+            logger.warning("kv store client: %s has %d bytes, expected %d", keys[good],
+                           reply.locs[good].size, flat[good])
+            self.counters.errors += 1
+            n = good // self.kpp
+        locs = reply.locs[: n * self.kpp]
+        local, remote, offsets = [], [], []
+        for i, loc in enumerate(locs):
+            page, j = divmod(i, self.kpp)
+            off = page * self.page_bytes + sum(sizes[page][:j])
+            offsets.append(off)
+            for addr, size in loc.regions:
+                local.append((self._base + off, size, 0))
+                remote.append((addr, size, 0))
+                off += size
+        ok = not local or self._xfer("READ", local, remote)
+        self.link.send("release", reply.lease)
+        if not ok:
+            return 0
+        for i, (loc, off) in enumerate(zip(locs, offsets)):
+            if zlib.crc32(self._np[off : off + loc.size]) != loc.checksum:
+                logger.warning("kv store client: checksum mismatch on %s", loc.key)
+                self.counters.errors += 1
+                self.counters.corrupt += 1
+                self.link.send("verify", [loc.key])  # the store deletes its copy if it is bad
+                n = min(n, i // self.kpp)
+                break
+        self.counters.bytes_read += sum(loc.size for loc in locs[: n * self.kpp])
+        return n
+
+    # ---------------- metrics ----------------
+    def stats(self) -> dict:
+        return {"name": self.name, "layout": self.layout, "tp_rank": self.tp_rank,
+                "connected": self._registered_gen == self.link.generation, **asdict(self.counters)}
+
+    def close(self) -> None:
+        if self.agent is not None:
+            try:
+                self.agent.deregister_memory(self._reg)
+            except Exception:
+                pass
+            self.agent = None
+
+
+class StoreProbe:
+    """The scheduler's control-only view (no NIXL, no staging): how many leading pages of a
+    prefix every rank of a replica can load. Per page it needs all ranks' keys: MHA 2 * tp,
+    MLA 1 (`keys.keys_per_replica_page`)."""
+
+    def __init__(self, store, layout: str, tp_size: int, *, timeout_s: float = 2.0,
+                 store_name: str = STORE_NAME, namespace: str | None = None, retry_interval_s: float = 1.0):
+        self.layout = check_layout(layout)
+        self.tp_size = tp_size
+        self.counters = ClientCounters()
+        self.link = StoreLink(store, self.counters, timeout_s, store_name, namespace, retry_interval_s)
+
+    def count(self, chain: Sequence[str]) -> int:
+        try:
+            validate_keys(chain)
+        except ValueError:
+            self.counters.errors += 1
+            return 0
+        if not chain:
+            return 0
+        self.counters.query_pages += len(chain)
+        keys = replica_keys(chain, self.layout, self.tp_size)
+        n = self.link.call("batch_exists_prefix", keys)
+        pages = 0 if n is _FAILED else n // keys_per_replica_page(self.layout, self.tp_size)
+        self.counters.hit_pages += pages
+        return pages

@@ -1,0 +1,199 @@
+"""The store's file tier: one file per store key under a root directory, moved with NIXL POSIX.
+
+Layout: `root/<key[:2]>/<key>.kv` = a 128-byte header (magic, key, page size, crc32 of the page)
+followed by the page bytes. A file is written as `<name>.tmp` and renamed, so a reader (or a
+store rebuilding its index after a restart) sees a whole page or none. The header's checksum is
+the page's: the store verifies it after every read into RAM.
+
+This class keeps the files, their LRU order and their byte count; which entry a file belongs
+to, and what happens to it when a file is evicted, is the store's business (`kvstore.store`).
+All calls come from the store under its lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvstore.keys import is_valid_key, validate_key
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"MANTAKV1"
+HEADER = struct.Struct("<8s96sQI")  # magic, key (ascii, NUL padded), page size, crc32
+HEADER_BYTES = 128
+SUFFIX = ".kv"
+
+
+class FileTier:
+    def __init__(self, root: Path, capacity: int, agent, agent_name: str, fsync: bool = False):
+        self.root = root
+        self.capacity = capacity
+        self.agent = agent  # the store's NIXL agent, with a POSIX backend
+        self.agent_name = agent_name
+        self.fsync = fsync
+        self.lru: OrderedDict[str, int] = OrderedDict()  # key -> bytes on disk, oldest first
+        self.used = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.lru
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    def path(self, key: str) -> Path:
+        return self.root / key[:2] / (validate_key(key) + SUFFIX)
+
+    def touch(self, key: str) -> None:
+        self.lru.move_to_end(key)
+
+    def victims(self, need: int, keep: str) -> list[str] | None:
+        """Least recently used keys to delete so that `need` more bytes fit (never `keep`);
+        None when they cannot fit at all."""
+        if need > self.capacity:
+            return None
+        out, free = [], self.capacity - self.used
+        for key, nbytes in self.lru.items():
+            if free >= need:
+                break
+            if key != keep:
+                out.append(key)
+                free += nbytes
+        return out if free >= need else None
+
+    def remove(self, key: str) -> None:
+        self.used -= self.lru.pop(key, 0)
+        try:
+            self.path(key).unlink()
+        except FileNotFoundError:
+            pass
+
+    # ---------------- NIXL POSIX ----------------
+    def _transfer(self, op: str, fd: int, regions: Sequence[tuple[int, int]]) -> bool:
+        """One transfer between DRAM `regions` (in page order) and the file after its header."""
+        reg = self.agent.register_memory([(0, 0, fd, "")], "FILE", backends=["POSIX"])
+        handle = None
+        try:
+            mem, files, off = [], [], HEADER_BYTES
+            for addr, n in regions:
+                mem.append((addr, n, 0))
+                files.append((off, n, fd))
+                off += n
+            handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(mem, "DRAM"),
+                                                self.agent.get_xfer_descs(files, "FILE"),
+                                                self.agent_name, backends=["POSIX"])
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + 30.0
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(0.00005)
+                state = self.agent.check_xfer_state(handle)
+            return state == "DONE"
+        except Exception as exc:  # short reads and I/O errors surface here
+            logger.warning("kv store: POSIX %s failed: %s", op, exc)
+            return False
+        finally:
+            if handle is not None:
+                try:
+                    self.agent.release_xfer_handle(handle)
+                except Exception:
+                    pass
+            self.agent.deregister_memory(reg, backends=["POSIX"])
+
+    def write(self, key: str, regions: Sequence[tuple[int, int]], size: int, checksum: int) -> bool:
+        """Write a page atomically (tmp + rename); the caller made room (`victims`)."""
+        path = self.path(key)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            ok = self._transfer("WRITE", fd, regions)
+            if ok:
+                header = HEADER.pack(MAGIC, key.encode(), size, checksum)
+                os.pwrite(fd, header.ljust(HEADER_BYTES, b"\0"), 0)
+                if self.fsync:
+                    os.fsync(fd)
+        finally:
+            os.close(fd)
+        if not ok:
+            tmp.unlink(missing_ok=True)
+            return False
+        os.replace(tmp, path)
+        self.lru[key] = HEADER_BYTES + size
+        self.used += HEADER_BYTES + size
+        return True
+
+    def read(self, key: str, regions: Sequence[tuple[int, int]], size: int, checksum: int) -> bool:
+        """Read a page into DRAM `regions`; False when the file is missing, is not a whole
+        page of `key` with this size and checksum, or the read fails. The caller verifies
+        the checksum of what landed."""
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            return self._header(fd, key) == (size, checksum) and self._transfer("READ", fd, regions)
+        finally:
+            os.close(fd)
+
+    def read_bytes(self, key: str, size: int, checksum: int) -> bytes | None:
+        """The page bytes through plain file I/O (control path: verify())."""
+        try:
+            with open(self.path(key), "rb") as f:
+                if self._header(f.fileno(), key) != (size, checksum):
+                    return None
+                f.seek(HEADER_BYTES)
+                return f.read()
+        except OSError:
+            return None
+
+    def _header(self, fd: int, key: str) -> tuple[int, int] | None:
+        """(size, crc32) from a page file's header, or None when it is not a whole page of key."""
+        raw = os.pread(fd, HEADER.size, 0)
+        if len(raw) != HEADER.size:
+            return None
+        magic, hkey, size, crc = HEADER.unpack(raw)
+        if magic != MAGIC or hkey.rstrip(b"\0") != key.encode():
+            return None
+        if os.fstat(fd).st_size != HEADER_BYTES + size:
+            return None
+        return size, crc
+
+    def scan(self) -> tuple[list[tuple[str, int, int]], int]:
+        """Index the page files under root: ([(key, size, crc)] oldest first, number of broken
+        files deleted). Leftover tmp files are deleted; files that are not ours are left."""
+        found, broken = [], 0
+        for sub in sorted(self.root.iterdir()):
+            if not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for path in sub.iterdir():
+                if path.name.endswith(".tmp"):
+                    path.unlink(missing_ok=True)
+                    continue
+                key = path.name.removesuffix(SUFFIX)
+                if not path.name.endswith(SUFFIX) or not is_valid_key(key):
+                    continue
+                meta = None
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        meta, mtime = self._header(fd, key), os.fstat(fd).st_mtime
+                    finally:
+                        os.close(fd)
+                except OSError:
+                    pass
+                if meta is None:
+                    broken += 1
+                    path.unlink(missing_ok=True)
+                    continue
+                found.append((mtime, key, *meta))
+        out = []
+        for _, key, size, crc in sorted(found):
+            self.lru[key] = HEADER_BYTES + size
+            self.used += HEADER_BYTES + size
+            out.append((key, size, crc))
+        return out, broken

@@ -1,0 +1,199 @@
+"""Names of KV pages in the shared store.
+
+A page's *chain key* names the whole prefix that ends with it: a chained sha256 over whole pages
+of token ids, seeded with the model fingerprint and the cache layout,
+
+    key_0 = H(root || tokens of page 0),   key_i = H(key_{i-1} || tokens of page i),
+    root  = H("manta-kv-v1" | fingerprint | layout),
+
+so two requests share key_i exactly when they share the first i+1 pages and run the same model
+with the same cache layout. A partial last page has no key (it is never stored).
+
+A chain key becomes *store keys* per layout (contract 5 of DESIGN.md):
+
+- ``"mha"`` (MHA/GQA): every TP rank holds its own kv-head shard, so every rank stores two keys
+  per page, ``f"{chain}-r{rank}-k"`` and ``f"{chain}-r{rank}-v"``: keys_per_page == 2.
+- ``"mla"``: the latent is identical on every rank, so a page is one key, ``chain`` itself, no
+  rank in it (rank 0 alone writes it, every rank may read it): keys_per_page == 1.
+
+Store keys are only ever these hex hashes: `validate_key` guards every key before it names a
+file, so nothing from a request can become a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+LAYOUTS = ("mha", "mla")
+KEY_RE = re.compile(r"^[0-9a-f]{64}(-r\d+-[kv])?$")
+_KEY_VERSION = b"manta-kv-v1"
+# config.json fields that differ between copies of one checkpoint without changing its KV.
+_VOLATILE_CONFIG_FIELDS = ("transformers_version", "_name_or_path", "_commit_hash")
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def keys_per_page(layout: str) -> int:
+    """Store keys one rank writes per page: 2 for "mha" (K and V), 1 for "mla" (the latent)."""
+    return 2 if check_layout(layout) == "mha" else 1
+
+
+def is_valid_key(key: object) -> bool:
+    return isinstance(key, str) and KEY_RE.fullmatch(key) is not None
+
+
+def validate_key(key: object) -> str:
+    """`key` if it is a store key (64 hex digits, optionally -r<rank>-k|v); ValueError otherwise."""
+    if not is_valid_key(key):
+        raise ValueError(f"not a KV store key: {str(key)[:80]!r}")
+    return key  # type: ignore[return-value]
+
+
+def validate_keys(keys: Sequence[object]) -> list[str]:
+    return [validate_key(k) for k in keys]
+
+
+# ---------------------------------------------------------------------------------------------
+# fingerprint
+
+
+def _canonical_config(config: bytes | str | dict | os.PathLike) -> bytes:
+    """config.json content (bytes, a dict, or a path to the file or its directory) as
+    canonical JSON without fields that do not change the model."""
+    if isinstance(config, dict):
+        data = dict(config)
+    else:
+        if isinstance(config, bytes):
+            raw = config
+        else:
+            path = Path(config)
+            raw = (path / "config.json" if path.is_dir() else path).read_bytes()
+        data = json.loads(raw)
+    for name in _VOLATILE_CONFIG_FIELDS:
+        data.pop(name, None)
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+
+def weights_identity(model_dir: str | os.PathLike, probe_bytes: int = 1 << 20) -> str:
+    """A cheap identity of a checkpoint's weights: name, size and a hash of the first
+    `probe_bytes` of every *.safetensors file. Two fine-tunes of one architecture have the same
+    config.json, so the fingerprint needs this to tell their KV apart."""
+    h = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read(probe_bytes))
+    return h.hexdigest()
+
+
+def model_fingerprint(
+    config: bytes | str | dict | os.PathLike,
+    dtype: str,
+    page_size: int,
+    tp_size: int,
+    layout: str,
+    weights_id: str = "",
+) -> str:
+    """sha256 (hex) of what decides the bytes of a page: the model config, the KV dtype, the
+    page size and the TP layout of the cache.
+
+    MHA: the tp size is part of it (a rank's head shard depends on it). MLA: the latent does not
+    depend on the tp size, so its layout is "replicated" and replicas of any tp share pages.
+    `weights_id` tells checkpoints with one config apart (see `weights_identity`); a string
+    `config` is a path, pass bytes for the content itself."""
+    check_layout(layout)
+    if page_size <= 0 or tp_size <= 0:
+        raise ValueError(f"page_size {page_size} and tp_size {tp_size} must be positive")
+    tp_layout = f"tp{tp_size}" if layout == "mha" else "replicated"
+    h = hashlib.sha256(_KEY_VERSION)
+    h.update(b"|config|" + _canonical_config(config))
+    fields = (
+        f"|weights|{weights_id}|dtype|{str(dtype).removeprefix('torch.')}"
+        f"|page_size|{page_size}|layout|{layout}|tp|{tp_layout}"
+    )
+    h.update(fields.encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# chain keys
+
+
+def root_key(fingerprint: str, layout: str) -> str:
+    check_layout(layout)
+    return hashlib.sha256(_KEY_VERSION + b"|" + fingerprint.encode() + b"|" + layout.encode()).hexdigest()
+
+
+def chain_keys(
+    token_ids: Sequence[int],
+    page_size: int,
+    fingerprint: str,
+    layout: str,
+    parent: str | None = None,
+) -> list[str]:
+    """Chain keys of the whole pages of `token_ids` (a partial last page gets none).
+
+    parent: the chain key of the page just before token_ids[0], to extend a chain computed
+    earlier (token_ids must then start at a page boundary); None starts at the root."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    prev = validate_key(parent) if parent is not None else root_key(fingerprint, layout)
+    n = len(token_ids) // page_size
+    tokens = np.asarray(token_ids[: n * page_size], dtype="<i8").reshape(n, page_size)
+    out: list[str] = []
+    for i in range(n):
+        h = hashlib.sha256(bytes.fromhex(prev))
+        h.update(tokens[i].tobytes())
+        prev = h.hexdigest()
+        out.append(prev)
+    return out
+
+
+def rank_keys(chain_key: str, layout: str, tp_rank: int) -> list[str]:
+    """Store keys of one page for one rank, in the order they are laid out in a page buffer."""
+    if check_layout(layout) == "mla":
+        return [chain_key]
+    return [f"{chain_key}-r{tp_rank}-k", f"{chain_key}-r{tp_rank}-v"]
+
+
+def store_keys(chain: Sequence[str], layout: str, tp_rank: int) -> list[str]:
+    """Store keys of pages `chain` for one rank, page-major (a page's keys are consecutive)."""
+    return [k for c in chain for k in rank_keys(c, layout, tp_rank)]
+
+
+def replica_keys(chain: Sequence[str], layout: str, tp_size: int) -> list[str]:
+    """Store keys every rank of a replica needs, page-major: a page is present for the
+    replica when all keys_per_replica_page(layout, tp_size) of its keys are."""
+    if check_layout(layout) == "mla":
+        return list(chain)
+    return [k for c in chain for r in range(tp_size) for k in rank_keys(c, layout, r)]
+
+
+def keys_per_replica_page(layout: str, tp_size: int) -> int:
+    return 1 if check_layout(layout) == "mla" else keys_per_page(layout) * tp_size
+
+
+def leading_pages(present: Sequence[bool], per_page: int) -> int:
+    """Number of leading pages whose `per_page` consecutive keys are all present.
+
+    `per_page` is the denominator contract 5 is about: 1 for an MLA page, 2 for an MHA page of
+    one rank (2 * tp for all ranks of a replica). Swapping them halves or doubles the count."""
+    if per_page <= 0:
+        raise ValueError(f"per_page must be positive, got {per_page}")
+    n = 0
+    for i in range(len(present) // per_page):
+        if not all(present[i * per_page : (i + 1) * per_page]):
+            break
+        n += 1
+    return n

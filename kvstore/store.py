@@ -1,0 +1,557 @@
+"""The shared KV store: one named Ray actor per cluster, holding KV pages in two tiers.
+
+Tiers. A host-RAM tier (`ram_tier.RamTier`: one DRAM region registered with the store's NIXL
+agent, split into slots) and a file tier (`file_tier.FileTier`: one file per store key under
+`root`, header + page, written atomically), each with a byte capacity and LRU eviction. RAM
+pages reach the file tier by the flusher thread (write-behind, every `flush_interval_s`) or
+when evicted from RAM (spill); the file tier evicts by deleting its least recently used files.
+A store started on an existing root rebuilds its index from the file headers. A "page" here is
+the bytes of one store key (an MHA page of one rank is two of them, K and V).
+
+Data path. Page bytes never travel through Ray's object store. A client (one per worker rank,
+`kvstore.client`) registers its NIXL agent once (`register_client`), then per batch:
+
+- write: `reserve(keys, sizes)` gives DRAM regions; the client NIXL-WRITEs its staging buffer
+  into them (UCX) and `commit(lease, keys, checksums)` publishes them. Uncommitted regions of
+  the lease are freed by the commit, or when the lease expires.
+- read: `locate(keys)` brings the leading present keys into RAM (file pages are read with the
+  POSIX backend and their checksum verified), pins them under a lease and returns their
+  regions; the client NIXL-READs them, verifies the checksums and `release`s the lease.
+
+Invariants: a key is in at most one of `pending` (reserved, invisible) and `index` (committed);
+pinned or pending slots are never evicted or reused; every page carries the crc32 of its bytes
+and one that fails a check is deleted and reported missing, never returned. Every public method
+runs under one lock (the flusher thread shares the NIXL agent and the index).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+import zlib
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.file_tier import HEADER_BYTES, SUFFIX, FileTier
+from kvstore.keys import validate_key, validate_keys
+from kvstore.ram_tier import RamTier
+
+logger = logging.getLogger(__name__)
+
+STORE_NAME = "manta-kvstore"
+__all__ = ["KVStore", "PageLoc", "ReserveReply", "LocateReply", "get_or_create_store", "lookup_store",
+           "page_checksum", "STORE_NAME", "HEADER_BYTES", "SUFFIX"]
+
+
+def page_checksum(*buffers) -> int:
+    """crc32 of the concatenated buffers (a page may span several slots)."""
+    crc = 0
+    for b in buffers:
+        crc = zlib.crc32(b, crc)
+    return crc
+
+
+@dataclass(frozen=True)
+class PageLoc:
+    key: str
+    size: int
+    checksum: int  # crc32 of the page; 0 in a reservation (the writer computes it)
+    regions: tuple[tuple[int, int], ...]  # (address, bytes) in the store's DRAM, in page order
+
+
+@dataclass(frozen=True)
+class ReserveReply:
+    agent: str  # the store's NIXL agent name (the regions are its memory)
+    lease: int  # pass to commit()
+    present: list[bool]  # key already stored or being written by another client: skip it
+    locs: list[PageLoc | None]  # where to write key i; None when present or refused (full)
+
+
+@dataclass(frozen=True)
+class LocateReply:
+    agent: str
+    lease: int  # release() it after the reads (it also expires after lease_s)
+    locs: list[PageLoc]  # the leading requested keys that are present, in order
+
+
+@dataclass(eq=False)
+class _Entry:
+    size: int
+    checksum: int
+    writer: str  # client name ("" when rebuilt from disk)
+    slots: list[int] | None = None  # RAM copy (sorted slot ids), None when only on file
+    on_file: bool = False
+    pins: int = 0  # read leases holding the RAM copy
+
+
+@dataclass
+class _Lease:
+    id: int
+    kind: str  # "write" (keys reserved in `pending`) or "read" (pinned entries)
+    client: str
+    deadline: float
+    keys: list[str] = field(default_factory=list)
+    entries: list[_Entry] = field(default_factory=list)
+
+
+class KVStore:
+    """Plain class; `get_or_create_store` wraps it into the named Ray actor.
+
+    root: directory of the file tier (pages there survive a restart). ram_bytes / file_bytes:
+    tier capacities. slot_bytes: RAM allocation unit (a page takes ceil(size / slot_bytes)
+    slots; pick about a page). lease_s: how long a reservation or a read pin lives without
+    commit/release. flush_interval_s: write-behind period (None: files only on spill, flush()
+    or shutdown()). fsync: fsync every page file. verify_writes: re-checksum committed pages
+    in the store (costs store CPU; the client verifies every read anyway). prefault: touch the
+    RAM tier at start (commits the memory; see RamTier).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        ram_bytes: int = 256 << 20,
+        file_bytes: int = 4 << 30,
+        slot_bytes: int = 64 << 10,
+        lease_s: float = 10.0,
+        flush_interval_s: float | None = 0.5,
+        fsync: bool = False,
+        verify_writes: bool = False,
+        prefault: bool = True,
+    ):
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.lease_s = lease_s
+        self.verify_writes = verify_writes
+        self.ram = RamTier(ram_bytes, slot_bytes, prefault)
+        self.agent_name = f"{STORE_NAME}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # No NIXL progress thread: it busy-polls a core. `_progress` drives UCX instead, fast
+        # only while a lease is open (a client transfer may be in flight); STRICT sync makes the
+        # agent safe to call from that thread and the serving thread at once.
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX", "POSIX"],
+                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self.agent = nixl_agent(self.agent_name, config)
+        # Registered with every backend that takes DRAM: UCX (clients) and POSIX (file tier).
+        self.agent.register_memory([(self.ram.base, self.ram.capacity, 0, "")], "DRAM")
+        self.index: dict[str, _Entry] = {}
+        self.pending: dict[str, tuple[int, list[int], int]] = {}  # key -> (lease, slots, size)
+        self.ram_lru: OrderedDict[str, None] = OrderedDict()
+        self.files = FileTier(self.root, file_bytes, self.agent, self.agent_name, fsync)
+        self.dirty: OrderedDict[str, None] = OrderedDict()  # committed, in RAM only
+        self.leases: dict[int, _Lease] = {}
+        self.clients: dict[str, str] = {}  # client name -> its NIXL agent name
+        self.counters: Counter[str] = Counter()
+        self.writes_by_client: Counter[str] = Counter()
+        self._next_lease = 1
+        self._registered_at = 0.0
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        with self._lock:
+            self._rebuild()
+        threading.Thread(target=self._progress, name="kvstore-progress", daemon=True).start()
+        if flush_interval_s:
+            threading.Thread(target=self._flusher, args=(flush_interval_s,), name="kvstore-flush",
+                             daemon=True).start()
+
+    # ---------------- control ----------------
+    def register_client(self, name: str, agent_metadata: bytes) -> tuple[str, bytes]:
+        """Learn a client's NIXL agent; returns (store agent name, store agent metadata)."""
+        with self._lock:
+            if name in self.clients:
+                try:
+                    self.agent.remove_remote_agent(self.clients[name])
+                except Exception:
+                    pass
+            self._registered_at = time.monotonic()
+            remote = self.agent.add_remote_agent(agent_metadata)
+            self.clients[name] = remote.decode() if isinstance(remote, bytes) else remote
+            return self.agent_name, self.agent.get_agent_metadata()
+
+    def info(self) -> dict:
+        return {"agent": self.agent_name, "root": str(self.root), "pid": os.getpid(),
+                "ram_bytes": self.ram.capacity, "file_bytes": self.files.capacity,
+                "slot_bytes": self.ram.slot_bytes}
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        validate_keys(keys)
+        with self._lock:
+            found = [k in self.index for k in keys]
+            self.counters["queries"] += len(keys)
+            self.counters["hits"] += sum(found)
+            return found
+
+    def batch_exists_prefix(self, keys: list[str]) -> int:
+        """Number of leading keys present (keys, not pages: the caller divides)."""
+        validate_keys(keys)
+        with self._lock:
+            n = 0
+            while n < len(keys) and keys[n] in self.index:
+                n += 1
+            return n
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "ram": {"used_bytes": self.ram.used, "capacity_bytes": self.ram.capacity,
+                        "pages": len(self.ram_lru)},
+                "file": {"used_bytes": self.files.used, "capacity_bytes": self.files.capacity,
+                         "pages": len(self.files)},
+                "pages": len(self.index), "pending": len(self.pending), "leases": len(self.leases),
+                "dirty": len(self.dirty), "clients": len(self.clients),
+                "counters": dict(self.counters), "writes_by_client": dict(self.writes_by_client),
+            }
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self.index)
+
+    def clear(self) -> None:
+        """Delete every page, in RAM and on disk (pending writes and leases are dropped).
+        Counters stay (they are cumulative); writes_by_client restarts."""
+        with self._lock:
+            self.writes_by_client.clear()
+            for key in list(self.index):
+                self._delete(key)
+            self.pending.clear()
+            self.leases.clear()
+            self.ram.reset()
+
+    def flush(self) -> int:
+        """Write every RAM-only page to the file tier now; returns how many were written."""
+        with self._lock:
+            return self._flush_some(len(self.dirty))
+
+    def shutdown(self) -> None:
+        self.flush()
+        self._stop.set()
+
+    # ---------------- write path ----------------
+    def reserve(self, client: str, keys: list[str], sizes: list[int]) -> ReserveReply | None:
+        """Reserve DRAM for keys not yet stored. None: unknown client (register first)."""
+        validate_keys(keys)
+        with self._lock:
+            if client not in self.clients:
+                return None
+            self._expire()
+            lease = self._new_lease("write", client)
+            present: list[bool] = []
+            locs: list[PageLoc | None] = []
+            for key, size in zip(keys, sizes):
+                if key in self.index or key in self.pending:
+                    present.append(True)
+                    locs.append(None)
+                    continue
+                present.append(False)
+                slots = self._alloc(int(size)) if 0 < size else None
+                if slots is None:
+                    self.counters["refused_full"] += 1
+                    locs.append(None)
+                    continue
+                self.pending[key] = (lease.id, slots, int(size))
+                lease.keys.append(key)
+                locs.append(PageLoc(key, int(size), 0, self.ram.regions(slots, int(size))))
+            return ReserveReply(self.agent_name, lease.id, present, locs)
+
+    def commit(self, client: str, lease: int, keys: list[str], checksums: list[int]) -> int:
+        """Publish the keys of a write lease whose bytes have landed; frees the rest of the
+        lease. Returns how many keys were committed."""
+        with self._lock:
+            done = 0
+            for key, crc in zip(keys, checksums):
+                item = self.pending.get(key)
+                if item is None or item[0] != lease:
+                    continue
+                _, slots, size = self.pending.pop(key)
+                if self.verify_writes and page_checksum(*self.ram.views(slots, size)) != crc:
+                    self.counters["errors"] += 1
+                    self.counters["corrupt"] += 1
+                    self.ram.give(slots)
+                    continue
+                self.index[key] = _Entry(size, int(crc), client, slots=slots)
+                self.ram_lru[key] = None
+                self.dirty[key] = None
+                self.counters["pages_written"] += 1
+                self.counters["bytes_in"] += size
+                self.writes_by_client[client] += 1
+                done += 1
+            self.release(lease)
+            return done
+
+    def put(self, key: str, data: bytes) -> bool:
+        """Control-path write (bytes pickled through Ray): for tools and tests, not serving."""
+        validate_key(key)
+        with self._lock:
+            if key in self.index or key in self.pending:
+                return True
+            slots = self._alloc(len(data)) if data else None
+            if slots is None:
+                return False
+            off = 0
+            for view in self.ram.views(slots, len(data)):
+                view[:] = memoryview(data)[off : off + len(view)]
+                off += len(view)
+            self.index[key] = _Entry(len(data), page_checksum(data), "put", slots=slots)
+            self.ram_lru[key] = None
+            self.dirty[key] = None
+            self.counters["pages_written"] += 1
+            self.counters["bytes_in"] += len(data)
+            return True
+
+    # ---------------- read path ----------------
+    def locate(self, client: str, keys: list[str]) -> LocateReply | None:
+        """Regions of the leading present keys, pinned in RAM until release(lease)."""
+        validate_keys(keys)
+        with self._lock:
+            if client not in self.clients:
+                return None
+            self._expire()
+            lease = self._new_lease("read", client)
+            locs: list[PageLoc] = []
+            for key in keys:
+                entry = self._in_ram(key)
+                if entry is None:
+                    break
+                entry.pins += 1
+                lease.entries.append(entry)
+                assert entry.slots is not None
+                locs.append(PageLoc(key, entry.size, entry.checksum, self.ram.regions(entry.slots, entry.size)))
+            self.counters["queries"] += len(keys)
+            self.counters["hits"] += len(locs)
+            self.counters["pages_read"] += len(locs)
+            self.counters["bytes_out"] += sum(loc.size for loc in locs)
+            return LocateReply(self.agent_name, lease.id, locs)
+
+    def release(self, lease: int) -> None:
+        """End a lease: unpin its read entries, free its uncommitted reservations."""
+        with self._lock:
+            held = self.leases.pop(lease, None)
+            if held is None:
+                return
+            for entry in held.entries:
+                entry.pins = max(0, entry.pins - 1)
+            for key in held.keys:
+                item = self.pending.get(key)
+                if item is not None and item[0] == lease:
+                    self.ram.give(self.pending.pop(key)[1])
+
+    def get(self, key: str) -> bytes | None:
+        """Control-path read (checksum verified): for tools and tests, not serving."""
+        validate_key(key)
+        with self._lock:
+            entry = self._in_ram(key)
+            if entry is None or entry.slots is None:
+                return None
+            data = b"".join(v.tobytes() for v in self.ram.views(entry.slots, entry.size))
+            if page_checksum(data) != entry.checksum:
+                self._corrupt(key)
+                return None
+            return data
+
+    def verify(self, keys: list[str]) -> list[bool]:
+        """Check the stored copies of keys (a client saw a bad checksum); deletes bad ones."""
+        validate_keys(keys)
+        with self._lock:
+            out = []
+            for key in keys:
+                entry = self.index.get(key)
+                if entry is None:
+                    out.append(False)
+                    continue
+                if entry.slots is not None:
+                    ok = page_checksum(*self.ram.views(entry.slots, entry.size)) == entry.checksum
+                else:
+                    data = self.files.read_bytes(key, entry.size, entry.checksum)
+                    ok = data is not None and page_checksum(data) == entry.checksum
+                if not ok:
+                    self._corrupt(key)
+                out.append(ok)
+            return out
+
+    # ---------------- RAM tier ----------------
+    def _new_lease(self, kind: str, client: str) -> _Lease:
+        lease = _Lease(self._next_lease, kind, client, time.monotonic() + self.lease_s)
+        self.leases[lease.id] = lease
+        self._next_lease += 1
+        return lease
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for lid in [lid for lid, lease in self.leases.items() if lease.deadline < now]:
+            self.counters["leases_expired"] += 1
+            self.release(lid)
+
+    def _alloc(self, size: int) -> list[int] | None:
+        """Slots for `size` bytes, evicting unpinned RAM pages (LRU first, spilled to files)."""
+        n = self.ram.slots_for(size)
+        if n > self.ram.num_slots:
+            return None
+        while self.ram.num_free < n:
+            victim = next((k for k in self.ram_lru if self.index[k].pins == 0), None)
+            if victim is None:
+                return None
+            self._evict_ram(victim)
+        return self.ram.take(n)
+
+    def _evict_ram(self, key: str) -> None:
+        entry = self.index[key]
+        if not entry.on_file:
+            self.dirty.pop(key, None)
+            if self._write_file(key, entry):
+                self.counters["spills"] += 1
+            else:
+                self.counters["ram_dropped"] += 1
+        self.counters["ram_evictions"] += 1
+        assert entry.slots is not None
+        self.ram.give(entry.slots)
+        entry.slots = None
+        self.ram_lru.pop(key, None)
+        if not entry.on_file:
+            del self.index[key]
+
+    def _in_ram(self, key: str) -> _Entry | None:
+        """The entry with a RAM copy (read from its file if needed), or None (missing, no room,
+        or its file failed its checks and was deleted)."""
+        entry = self.index.get(key)
+        if entry is None:
+            return None
+        if entry.slots is None:
+            self.files.touch(key)
+            slots = self._alloc(entry.size)
+            if slots is not None and (self.index.get(key) is not entry or not entry.on_file):
+                self.ram.give(slots)  # the spills that made room evicted this very file
+                slots = None
+            if slots is None:
+                return None
+            if not self._read_file(key, entry, slots):
+                self.ram.give(slots)
+                self._corrupt(key)
+                return None
+            entry.slots = slots
+            self.ram_lru[key] = None
+        else:
+            self.ram_lru.move_to_end(key)
+        if entry.on_file:
+            self.files.touch(key)
+        return entry
+
+    def _delete(self, key: str) -> None:
+        entry = self.index.pop(key, None)
+        if entry is None:
+            return
+        if entry.slots is not None:
+            self.ram.give(entry.slots)
+            entry.slots = None
+        self.ram_lru.pop(key, None)
+        self.dirty.pop(key, None)
+        if entry.on_file:
+            entry.on_file = False
+            self.files.remove(key)
+
+    def _corrupt(self, key: str) -> None:
+        logger.warning("kv store: page %s failed its checks; deleted", key)
+        self.counters["corrupt"] += 1
+        self.counters["errors"] += 1
+        self._delete(key)
+
+    # ---------------- file tier ----------------
+    def _write_file(self, key: str, entry: _Entry) -> bool:
+        """Copy a RAM page to its file, deleting least recently used files to make room."""
+        assert entry.slots is not None
+        victims = self.files.victims(HEADER_BYTES + entry.size, keep=key)
+        if victims is None:
+            return False
+        for victim in victims:
+            dropped = self.index[victim]
+            dropped.on_file = False
+            self.files.remove(victim)
+            self.counters["file_evictions"] += 1
+            if dropped.slots is None:
+                del self.index[victim]
+        if not self.files.write(key, self.ram.regions(entry.slots, entry.size), entry.size, entry.checksum):
+            self.counters["errors"] += 1
+            return False
+        entry.on_file = True
+        self.counters["files_written"] += 1
+        return True
+
+    def _read_file(self, key: str, entry: _Entry, slots: list[int]) -> bool:
+        if not self.files.read(key, self.ram.regions(slots, entry.size), entry.size, entry.checksum):
+            return False
+        if page_checksum(*self.ram.views(slots, entry.size)) != entry.checksum:
+            return False
+        self.counters["files_read"] += 1
+        return True
+
+    def _rebuild(self) -> None:
+        """Index the page files under root (a restart on the same directory)."""
+        found, broken = self.files.scan()
+        self.counters["corrupt"] += broken
+        for key, size, crc in found:
+            self.index[key] = _Entry(size, crc, "", on_file=True)
+        if self.files.used > self.files.capacity:  # started with a smaller capacity
+            for victim in self.files.victims(0, keep="") or []:
+                self.files.remove(victim)
+                del self.index[victim]
+        if found:
+            logger.info("kv store: %d pages (%.1f MiB) found under %s", len(self.index),
+                        self.files.used / 2**20, self.root)
+
+    def _flush_some(self, limit: int) -> int:
+        done = 0
+        for key in list(self.dirty)[:limit]:
+            self.dirty.pop(key, None)
+            entry = self.index.get(key)
+            if entry is not None and entry.slots is not None and not entry.on_file:
+                done += self._write_file(key, entry)
+        return done
+
+    def _progress(self) -> None:
+        """Progress the UCX worker: the target side of a client's transfer (connection set-up,
+        and every transfer over a transport that is not one-sided) needs it. ~10 kHz while a
+        lease is open, 50 Hz when idle (a few % of a core at most)."""
+        while not self._stop.is_set():
+            try:
+                self.agent.get_new_notifs()
+            except Exception:
+                logger.exception("kv store: NIXL progress")
+            time.sleep(0.0001 if self.leases or self._recent_register() else 0.02)
+
+    def _recent_register(self) -> bool:
+        return time.monotonic() - self._registered_at < 2.0
+
+    def _flusher(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                while self.dirty and not self._stop.is_set():
+                    with self._lock:
+                        self._flush_some(16)  # small batches: serving calls wait on the lock
+            except Exception:
+                logger.exception("kv store flusher")
+
+
+def get_or_create_store(root: str, *, name: str = STORE_NAME, namespace: str | None = None,
+                        detached: bool = False, **kwargs):
+    """The cluster's store actor, created with `kwargs` (KVStore's) if it does not exist yet.
+
+    An existing actor of that name is returned as is (its root and sizes win). The actor takes
+    no CPU from the scheduler's view (num_cpus=0): it mostly waits on memory copies."""
+    import ray
+
+    cls = ray.remote(KVStore)
+    return cls.options(name=name, namespace=namespace, get_if_exists=True, num_cpus=0,
+                       lifetime="detached" if detached else None).remote(root, **kwargs)
+
+
+def lookup_store(name: str = STORE_NAME, namespace: str | None = None):
+    """The named store actor's handle, or None when there is none."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
