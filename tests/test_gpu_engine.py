@@ -2,7 +2,8 @@
 the same tiny checkpoints. Skipped without CUDA.
 
 Tolerances: float32 on the GPU gives the CPU's greedy tokens exactly; bfloat16 logits of the
-first step stay within 0.1 absolute of float32 (the tiny models' logits are O(1..10))."""
+first step stay within 1% of the largest |logit| of float32 (bf16 keeps 8 mantissa bits, and
+two bf16 layers compound their rounding)."""
 
 from __future__ import annotations
 
@@ -64,4 +65,5 @@ def test_bf16_logits_close_to_fp32(dirs):
         runner.model.compute_logits = lambda h, o=original, c=captured: c.append(o(h)) or c[-1]
         engine.generate(PROMPTS[:3], greedy(1))
         logits[dtype] = captured[0].float().cpu()
-    assert (logits["bfloat16"] - logits["float32"]).abs().max().item() < 0.1
+    scale = logits["float32"].abs().max().item()
+    assert (logits["bfloat16"] - logits["float32"]).abs().max().item() < 0.01 * scale
