@@ -105,10 +105,9 @@ class Scheduler:
         if n == 0:
             raise RequestRejected("prompt", "the prompt is empty")
         if n >= self.max_context_len and not req.is_embedding or n > self.max_context_len:
+            generated = "" if req.is_embedding else " including at least one generated token"
             raise RequestRejected(
-                "prompt",
-                f"the prompt has {n} tokens; this model's context is {self.max_context_len} tokens "
-                "including at least one generated token",
+                "prompt", f"the prompt has {n} tokens; this model's context is {self.max_context_len} tokens{generated}"
             )
         if n + (0 if req.is_embedding else 1) > self.kv_capacity_tokens:
             raise RequestRejected(

@@ -345,13 +345,16 @@ def test_mla_embedding_with_every_fast_path_condition_writes_reads_and_is_right(
 
 @pytest.mark.slow
 def test_ray_router_tp2_minilm_end_to_end(st_model):
+    import ray
+
     from cluster.launch import ClusterOptions, ServingCluster
     from cluster.router import RouterOptions
 
+    # A Ray instance of our own ("local"), never another session's cluster on this machine.
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, namespace="manta-test-embed")
     metrics = ServerMetrics()
     engine = EngineConfig(model=minilm_dir(), served_model_name=MODEL, tp_size=2, kv_cache_tokens=4096)
-    cluster = ServingCluster(ClusterOptions(engine=engine, router=RouterOptions(policy="round_robin"),
-                                            namespace="manta-test-embed"), metrics)
+    cluster = ServingCluster(ClusterOptions(engine=engine, router=RouterOptions(policy="round_robin")), metrics)
     try:
         router = cluster.start()
         server = BackgroundServer(build_app(router, metrics))
@@ -367,3 +370,4 @@ def test_ray_router_tp2_minilm_end_to_end(st_model):
             server.stop()
     finally:
         cluster.shutdown()
+        ray.shutdown()
