@@ -4,6 +4,7 @@ buffers. Subclasses choose the kernels (`_extend_kernel`, `_decode_kernel`) and 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,12 +40,14 @@ class PagedAttentionBackend(AttentionBackend):
         self.page_size = page_size
         self.skip_kv_cache = skip_kv_cache
         self.metadata: AttentionMetadata | None = None
+        self.mixed: MixedSplit | None = None
         self._graph_max_bs = 0
         self._static: AttentionMetadata | None = None
 
     # ---- metadata ----
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self.metadata = build_attention_metadata(forward_batch, self.page_size)
+        self.mixed = MixedSplit.of(self.metadata) if forward_batch.forward_mode.is_mixed() else None
 
     def init_mha_chunk_metadata(self, forward_batch: ForwardBatch) -> None:
         # MHA reads its cached prefix directly from the paged cache: no chunk plan needed.
@@ -174,17 +177,27 @@ class PagedAttentionBackend(AttentionBackend):
             if save_kv_cache:
                 self._save(layer, forward_batch, k, v)
             pool = forward_batch.kv_pool
-            out = self._extend_kernel(
-                q,
-                pool.get_key_buffer(layer.layer_id),
-                pool.get_value_buffer(layer.layer_id),
-                meta.token_table,
-                meta.extend_seq_lens_cpu,
-                meta.cache_seqlens_cpu,
-                layer,
-                layer.is_causal,
-            )
+            k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+            mixed = self.mixed
+            if mixed is not None and layer.is_causal:
+                # Decodes through the paged decode kernel, prefill pieces through the ragged
+                # one: gathering every decode's whole cache for the ragged kernel would cost
+                # more than the step's matrix products.
+                out = q.new_empty(q.shape[0], layer.num_heads, layer.out_head_dim)
+                out[mixed.decode_tokens] = self._decode_kernel(
+                    q[mixed.decode_tokens], k_cache, v_cache, mixed.decode_meta, layer
+                )
+                out[mixed.extend_tokens] = self._extend_kernel(
+                    q[mixed.extend_tokens], k_cache, v_cache, mixed.extend_token_table,
+                    mixed.extend_q_lens, mixed.extend_kv_lens, layer, True,
+                )
+            else:
+                out = self._extend_kernel(
+                    q, k_cache, v_cache, meta.token_table, meta.extend_seq_lens_cpu,
+                    meta.cache_seqlens_cpu, layer, layer.is_causal,
+                )
         return out.reshape(q.shape[0], -1)
+
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         meta = self.metadata
@@ -201,6 +214,53 @@ class PagedAttentionBackend(AttentionBackend):
             q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), meta, layer
         )
         return out.reshape(q.shape[0], -1)
+
+
+@dataclass
+class MixedSplit:
+    """A MIXED batch split into its one-token decodes and its prefill pieces, built once per
+    step from the step's metadata (index tensors reused by every layer)."""
+
+    decode_tokens: torch.Tensor  # [Bd] token index of each decode's query
+    decode_meta: AttentionMetadata  # the decodes' rows of the step's metadata
+    extend_tokens: torch.Tensor  # [Te] token indices of the prefill pieces
+    extend_token_table: torch.Tensor  # [Be, width]
+    extend_q_lens: list[int]
+    extend_kv_lens: list[int]
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> MixedSplit | None:
+        q_lens, kv_lens = meta.extend_seq_lens_cpu, meta.cache_seqlens_cpu
+        dec = [i for i, n in enumerate(q_lens) if n == 1 and kv_lens[i] > 1]
+        if not dec or len(dec) == len(q_lens):
+            return None
+        ext = [i for i in range(len(q_lens)) if i not in set(dec)]
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        dev = meta.token_table.device
+        dec_rows = torch.tensor(dec, device=dev)
+        ext_rows = torch.tensor(ext, device=dev)
+        dec_lens = meta.cache_seqlens_int32[dec_rows]
+        decode_meta = AttentionMetadata(
+            cache_seqlens_int32=dec_lens,
+            cu_seqlens_q=torch.arange(len(dec) + 1, device=dev, dtype=torch.int32),
+            cu_seqlens_k=torch.nn.functional.pad(torch.cumsum(dec_lens, 0, dtype=torch.int32), (1, 0)),
+            max_seqlen_q=1,
+            max_seqlen_k=max(kv_lens[i] for i in dec),
+            token_table=meta.token_table[dec_rows],
+            page_table=meta.page_table[dec_rows],
+            extend_seq_lens_cpu=[1] * len(dec),
+            cache_seqlens_cpu=[kv_lens[i] for i in dec],
+        )
+        return cls(
+            decode_tokens=torch.tensor([starts[i] for i in dec], device=dev),
+            decode_meta=decode_meta,
+            extend_tokens=torch.tensor([t for i in ext for t in range(starts[i], starts[i + 1])], device=dev),
+            extend_token_table=meta.token_table[ext_rows],
+            extend_q_lens=[q_lens[i] for i in ext],
+            extend_kv_lens=[kv_lens[i] for i in ext],
+        )
 
 
 def _ragged_table(meta: AttentionMetadata) -> torch.Tensor:

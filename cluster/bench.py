@@ -120,7 +120,7 @@ def bench_overhead(config: EngineConfig, batch: int, input_len: int, steps: int,
         eng = Engine(config)
         walls, computes = _decode_step_times(eng, batch, input_len, steps)
         out["in_process"] = _overhead_row(walls, computes)
-    ray.init(num_cpus=max(4, config.tp_size), include_dashboard=False, ignore_reinit_error=True)
+    ray.init(address="local", num_cpus=max(4, config.tp_size), include_dashboard=False, ignore_reinit_error=True)
     group = RayWorkerGroup(runner_options(config), config.tp_size, cpus_per_rank=cpus_per_rank, name="bench")
     try:
         eng = Engine(config, workers=group)

@@ -56,7 +56,7 @@ class ServingCluster:
             else:
                 need = opts.replicas * opts.engine.tp_size * opts.cpus_per_rank
                 gpus = None if opts.engine.device == "cuda" else 0
-                ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), num_gpus=gpus,
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), num_gpus=gpus,
                          namespace=opts.namespace, include_dashboard=False)
             self._started_ray = True
         _log_cluster(how)

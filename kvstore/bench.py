@@ -37,7 +37,7 @@ def bench_store(num_pages: int = 256, page_bytes: int = 1 << 20, batch_pages: in
     import ray
 
     if not ray.is_initialized():
-        ray.init(include_dashboard=False)
+        ray.init(address="local", include_dashboard=False)
     own_root = None
     name = store_name or f"manta-kvstore-bench-{time.monotonic_ns()}"
     if store is None:

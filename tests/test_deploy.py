@@ -256,7 +256,7 @@ def live(tmp_path_factory):
     d = tiny_model_dir(tmp_path_factory, "llama")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, namespace="manta-deploy")
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, namespace="manta-deploy")
     log = _Lines()
     launch_logger = logging.getLogger("cluster.launch")
     launch_logger.addHandler(log)

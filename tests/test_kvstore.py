@@ -102,7 +102,7 @@ class RankActor:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, namespace=NS)
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, namespace=NS)
     yield
     ray.shutdown()
 

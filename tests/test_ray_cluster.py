@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, namespace="manta-test")
+    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, namespace="manta-test")
     yield
     ray.shutdown()
 

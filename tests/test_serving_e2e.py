@@ -36,7 +36,7 @@ def served(tmp_path_factory):
     d = tiny_model_dir(tmp_path_factory, "llama")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, namespace="manta-e2e")
+    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, namespace="manta-e2e")
     metrics = ServerMetrics()
     cluster = ServingCluster(
         ClusterOptions(engine=EngineConfig(model=str(d), tp_size=2, page_size=4), replicas=2,
