@@ -99,6 +99,11 @@ def paged_decode_sdpa(
     k = k_cache[idx].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
     v = v_cache[idx].permute(0, 2, 1, 3).to(q.dtype)
     mask = torch.arange(max_kv_len, device=q.device)[None, :] < kv_lens[:, None]
+    # Columns past a request's length hold whatever those slots hold (another request's
+    # values, or anything): the mask gives them probability 0, but NaN survives both the
+    # additive mask and 0 * NaN, so zero K and V there.
+    hidden = ~mask[:, None, :, None]
+    k, v = k.masked_fill(hidden, 0), v.masked_fill(hidden, 0)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scaling, enable_gqa=True
     )

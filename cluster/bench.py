@@ -6,6 +6,10 @@
 - serve:    Poisson arrivals against a server (or the in-process engine): TTFT/TPOT/ITL.
 - overhead: per-step cost of driving the TP group (in-process vs Ray actors), i.e. the
             driver's step time minus the worker's own compute time.
+- spec:     offline tokens/s without and with speculative decoding (a draft that agrees, one
+            that does not): cluster/bench_spec.py.
+- kvstore:  the shared KV store's set/get bandwidth and the TTFT of a long prompt cold vs
+            loaded from the store (and from the host tier, the radix cache): cluster/bench_kvstore.py.
 - embed:    embeddings/s of the engine beside sentence-transformers on the same texts, model
             and machine (when the checkpoint is a sentence-transformers one), with their
             agreement (min cosine).
@@ -267,6 +271,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
         payload["result"] = res
         _print_table(f"per-step overhead at batch {args.batch[-1]} (ms)",
                      [(f"{g} {k}", v) for g, row in res.items() for k, v in row.items()])
+    elif args.mode == "spec":
+        from cluster.bench_spec import bench_spec
+
+        res = bench_spec(config, args.batch, args.input_len, args.output_len, args.identity_tail_layers)
+        payload["result"] = res
+        _print_table(f"speculative decoding, K={res['num_draft_tokens']}: batch {args.batch} x "
+                     f"({args.input_len} in, {args.output_len} out), greedy",
+                     [(f"{g} {b} {k}", v) for g, rows in res.items() if isinstance(rows, dict)
+                      for b, row in rows.items() for k, v in row.items()])
+    elif args.mode == "soak":
+        from cluster.soak import bench_soak
+
+        payload["result"] = bench_soak(args)
+    elif args.mode == "kvstore":  # store bandwidth + TTFT cold vs from the store: cluster/bench_kvstore.py
+        from cluster.bench_kvstore import bench_model_dir, run_bench_kvstore
+
+        if args.model is None:
+            config = config.replace(model=bench_model_dir(), tokenizer=None)
+            payload["model"] = config.model
+        res = run_bench_kvstore(config, args.input_len, args.num_prompts, store_pages=256)
+        payload["result"] = res
+        _print_table(f"kvstore: {res['model']}, {args.input_len}-token prompts, key {res['key_bytes']} B",
+                     [(f"store {k}", v) for k, v in res["store"].items() if k.endswith("MBps")]
+                     + [(f"ttft_ms {k}", v) for k, v in res["ttft"]["ttft_ms"].items()]
+                     + [("speedup store vs cold", res["ttft"]["speedup_store_vs_cold"])])
     _write(args.out, payload)
     return 0
 
@@ -275,7 +304,7 @@ def add_bench_parser(sub) -> None:
     from cluster.cli import add_engine_args
 
     p = sub.add_parser("bench", help="benchmarks: offline throughput, decode latency, Ray overhead")
-    p.add_argument("mode", choices=["offline", "latency", "overhead", "serve", "embed"])
+    p.add_argument("mode", choices=["offline", "latency", "overhead", "serve", "embed", "spec", "soak", "kvstore"])
     add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
@@ -289,4 +318,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--request-rate", type=float, default=16.0, help="serve: Poisson arrivals per second")
     p.add_argument("--url", default=None, help="serve: a running server (else the in-process engine)")
     p.add_argument("--st-batch-size", type=int, default=64, help="embed: sentence-transformers' batch size")
+    p.add_argument("--identity-tail-layers", type=int, default=0,
+                   help="spec: also a target whose layers from M on are identities, drafted by its first M")
+    from cluster.soak import add_soak_args
+
+    add_soak_args(p)
     p.set_defaults(func=cmd_bench)

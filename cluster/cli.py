@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from cluster.config import EngineConfig, default_cache_dir
+from cluster.kv_offload import add_kv_store_args, kv_store_config_from_args
 
 DEFAULT_MODEL_ARCH = "llama"
 
@@ -46,19 +47,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context-len", type=int, default=None)
     p.add_argument("--max-waiting", type=int, default=0)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--speculative-draft-model", default=None,
+                   help="draft model directory (same tokenizer) for speculative decoding")
+    p.add_argument("--speculative-num-tokens", type=int, default=4, help="draft tokens proposed per round")
+    add_kv_store_args(p)
 
 
 ENGINE_ARG_NAMES = (
     "tokenizer", "served_model_name", "device", "dtype", "tp_size", "page_size", "kv_cache_tokens",
     "mem_fraction", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
     "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len", "max_waiting",
-    "disable_cuda_graph",
+    "disable_cuda_graph", "speculative_draft_model", "speculative_num_tokens",
 )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     model = args.model or str(default_model_dir())
-    return EngineConfig(model=model, **{k: getattr(args, k) for k in ENGINE_ARG_NAMES})
+    return EngineConfig(model=model, **{k: getattr(args, k) for k in ENGINE_ARG_NAMES},
+                        **kv_store_config_from_args(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ATTENTION_BACKENDS = ("flash", "reference")
+KV_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # cluster/kv_offload.py
+KV_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 def default_cache_dir() -> Path:
@@ -45,6 +47,21 @@ class EngineConfig:
     max_waiting: int = 0
     disable_cuda_graph: bool = False
     seed: int = 0
+    # Speculative decoding: a draft model (same tokenizer) proposes this many tokens per round;
+    # the target verifies them in one forward (cluster/spec_scheduler.py, workers/spec_runner.py).
+    speculative_draft_model: str | None = None
+    speculative_num_tokens: int = 4
+    # The shared KV store (cluster/kv_offload.py): its directory (None: off; `manta serve`
+    # defaults to <cache dir>/kvstore), its host-RAM and disk caps, each rank's host tier, when
+    # device pages are saved, and when a prefetch stops (timeout: base + per page).
+    kv_store: str | None = None
+    kv_store_host_gb: float = 1.0
+    kv_store_disk_gb: float = 16.0
+    kv_host_cache_gb: float = 0.25
+    kv_write_policy: str = "write_through"
+    kv_prefetch_policy: str = "timeout"
+    kv_prefetch_timeout_s: float = 0.5
+    kv_prefetch_timeout_per_page_s: float = 0.002
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:
@@ -68,6 +85,18 @@ class EngineConfig:
             bad("kv_cache_tokens", "must hold at least two pages")
         if not 0.0 < self.mem_fraction <= 1.0:
             bad("mem_fraction", "must be in (0, 1]")
+        if self.speculative_num_tokens < 1:
+            bad("speculative_num_tokens", "must be >= 1")
+        if self.speculative_draft_model is not None and self.is_embedding:
+            bad("speculative_draft_model", "speculative decoding serves generation, not embeddings")
+        if self.kv_write_policy not in KV_WRITE_POLICIES:
+            bad("kv_write_policy", f"must be one of {KV_WRITE_POLICIES}")
+        if self.kv_prefetch_policy not in KV_PREFETCH_POLICIES:
+            bad("kv_prefetch_policy", f"must be one of {KV_PREFETCH_POLICIES}")
+        if min(self.kv_store_host_gb, self.kv_store_disk_gb, self.kv_host_cache_gb) <= 0:
+            bad("kv_store_host_gb/kv_store_disk_gb/kv_host_cache_gb", "must be > 0")
+        if self.kv_prefetch_timeout_s < 0 or self.kv_prefetch_timeout_per_page_s < 0:
+            bad("kv_prefetch_timeout_s", "must be >= 0")
 
     @classmethod
     def from_dict(cls, options: dict) -> EngineConfig:

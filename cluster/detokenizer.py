@@ -63,6 +63,21 @@ class Detokenizer:
                 return self._release(st, final=True)[0], True
         return self._release(st, final)
 
+    def add_tokens_until_stop(self, st: DetokState, new_ids: list[int], final: bool) -> tuple[str, bool, int]:
+        """`add_tokens` for several tokens of one step (a speculative round), taken one at a
+        time so that a stop string ends the output at the token that completes it. Returns
+        (text, stopped, tokens used); the caller drops new_ids[used:]."""
+        if len(new_ids) <= 1 or not st.stop:
+            text, stopped = self.add_tokens(st, new_ids, final)
+            return text, stopped, len(new_ids)
+        pieces = []
+        for k, tok in enumerate(new_ids):
+            text, stopped = self.add_tokens(st, [tok], final and k == len(new_ids) - 1)
+            pieces.append(text)
+            if stopped:
+                return "".join(pieces), True, k + 1
+        return "".join(pieces), False, len(new_ids)
+
     def _release(self, st: DetokState, final: bool) -> tuple[str, bool]:
         hold = 0 if final else _stop_prefix_overlap(st.text, st.stop)
         end = len(st.text) - hold

@@ -22,8 +22,11 @@ from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig
 from cluster.detokenizer import Detokenizer, DetokState
+from cluster.kv_offload import attach_kv_offload, kv_offload_options
 from cluster.request import FinishReason, Request, RequestOutput
-from cluster.scheduler import RequestRejected, Scheduler, TokenEvent
+from cluster.scheduler import RequestRejected, TokenEvent
+from cluster.spec_scheduler import scheduler_class
+from workers.encoder_decoder import GenerationRules
 from workers.group import InProcessWorkerGroup, WorkerGroup
 from workers.messages import TokenLogprobs
 from workers.model_config import serving_mode
@@ -86,6 +89,9 @@ def runner_options(config: EngineConfig) -> RunnerOptions:
         disable_radix_cache=config.disable_radix_cache,
         disable_cuda_graph=config.disable_cuda_graph,
         seed=config.seed,
+        speculative_draft_model=config.speculative_draft_model,
+        speculative_num_tokens=config.speculative_num_tokens,
+        kv_offload=kv_offload_options(config),
     )
 
 
@@ -110,6 +116,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer)
         self.max_context_len = min(config.max_context_len or mc.max_context_len, mc.max_context_len)
+        # Encoder-decoder: the prompt is the encoder input; the decoder starts as generate does.
+        self.decoder_prompt = GenerationRules.of(mc).decoder_prompt if mc.is_encoder_decoder else None
         # What the checkpoint forces (an encoder: whole prompts, no prefix cache); every rank
         # derives the same mode for its attention backend.
         self.serving = serving_mode(mc, is_embedding=config.is_embedding,
@@ -117,7 +125,7 @@ class Engine:
                                     disable_radix_cache=config.disable_radix_cache)
         if self.serving != (config.is_embedding, config.chunked_prefill_size, config.disable_radix_cache):
             logger.info("checkpoint %s runs as %s", config.model, self.serving)
-        self.scheduler = Scheduler(
+        self.scheduler = scheduler_class(config)(  # a SpecScheduler with a draft model
             num_pages=self.workers.num_pages,
             page_size=config.page_size,
             max_running_requests=config.max_running_requests,
@@ -128,6 +136,7 @@ class Engine:
             disable_radix_cache=self.serving.disable_radix_cache,
             max_waiting=config.max_waiting,
         )
+        self.kv_offload = attach_kv_offload(self)  # the shared KV store (None: off)
         self._tracked: dict[str, _Tracked] = {}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -160,7 +169,10 @@ class Engine:
             raise RequestRejected("model", f"{self.config.model_name} is an encoder-decoder model and "
                                   "does not serve embeddings")
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        req = Request(rid, self.tokenize(prompt), params, is_embedding=is_embedding)
+        if self.decoder_prompt is not None:
+            req = Request(rid, list(self.decoder_prompt), params, encoder_ids=self.tokenize(prompt))
+        else:
+            req = Request(rid, self.tokenize(prompt), params, is_embedding=is_embedding)
         detok = self.detokenizer.new_state(req.prompt_ids, params.stop, params.skip_special_tokens)
         with self._lock:
             self.scheduler.add_request(req)
@@ -206,7 +218,11 @@ class Engine:
         tracked = self._tracked.get(req.rid)
         if tracked is None:
             return None, RequestOutput(req.rid)
-        text, hit_stop = self.detokenizer.add_tokens(tracked.detok, ev.token_ids, final=req.finished)
+        text, hit_stop, used = self.detokenizer.add_tokens_until_stop(tracked.detok, ev.token_ids,
+                                                                     final=req.finished)
+        if used < len(ev.token_ids):  # a speculative round's tokens after a stop string: dropped
+            del req.output_ids[len(req.output_ids) - len(ev.token_ids) + used :]
+            ev = TokenEvent(req, ev.token_ids[:used], ev.logprobs[:used], ev.embedding)
         if hit_stop and not req.finished:
             self.scheduler.finish(req, FinishReason.STOP)
             # Flush nothing more: the text was cut before the stop string.
@@ -218,7 +234,7 @@ class Engine:
             delta_text=text,
             delta_token_ids=list(ev.token_ids),
             delta_logprobs=list(ev.logprobs),
-            prompt_tokens=len(req.prompt_ids),
+            prompt_tokens=req.num_prompt_tokens,
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
             embedding=ev.embedding,
@@ -236,7 +252,7 @@ class Engine:
                       error_type: str | None = None) -> RequestOutput:
         return RequestOutput(
             rid=req.rid, finished=True, finish_reason=reason, error=error, error_type=error_type,
-            prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+            prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
         )
 

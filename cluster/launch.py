@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 
 import ray
 
 from cluster.config import EngineConfig
+from cluster.kv_offload import ensure_kv_store
 from cluster.replica import Replica
 from cluster.router import Router, RouterOptions
 
 logger = logging.getLogger(__name__)
+
+_REPLICA_ACTOR = re.compile(r"manta-replica-\d+")  # replica actors' names (rank actors add -rankN)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class ServingCluster:
         self.actors: dict[str, object] = {}
         self._started_ray = False
         self._next = 0
+        self.kv_store = None  # the store actor, when this cluster started it (stopped at shutdown)
 
     def start(self) -> Router:
         opts = self.options
@@ -60,6 +65,9 @@ class ServingCluster:
                          namespace=opts.namespace, include_dashboard=False)
             self._started_ray = True
         _log_cluster(how)
+        # The shared KV store before any replica: their ranks look it up by name at start.
+        store, created = ensure_kv_store(opts.engine)
+        self.kv_store = store if created else None
         names = [self._new_name() for _ in range(opts.replicas)]
         handles = {n: self._spawn(n) for n in names}
         infos = {n: ray.get(h.info.remote()) for n, h in handles.items()}  # waits for readiness
@@ -108,9 +116,81 @@ class ServingCluster:
         if actor is not None:
             _stop_actor(actor)
 
+    # ---------------- replacing replicas, rebuilding the router (cluster/supervisor.py) ----------------
+    def start_replica(self, ready_timeout_s: float | None = None) -> tuple[str, object]:
+        """Spawn one more replica actor and wait until it is ready (blocking: run it off the
+        event loop). The caller puts it into rotation (`router.add_replica`) on its own loop.
+        Raises if it does not come up (nothing of it is left behind then)."""
+        name = self._new_name()
+        actor = self._spawn(name)
+        try:
+            info = ray.get(actor.info.remote(), timeout=ready_timeout_s)
+        except Exception:
+            self.actors.pop(name, None)
+            _stop_actor(actor)
+            raise
+        self.infos[name] = info
+        _log_replica(name, info, self.options.placement_strategy, self.options.nic)
+        return name, actor
+
+    def forget_replica(self, name: str) -> None:
+        """Drop a replica whose actor died (out of rotation already): kill what may be left,
+        and remove its placement group. That group belongs to the job, not to the actor that made
+        it, so it outlives the actor: left alone, Ray would re-place it on the next node with room
+        and starve the replacement replica of exactly that room."""
+        self.infos.pop(name, None)
+        actor = self.actors.pop(name, None)
+        if actor is not None:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        from ray.util import get_placement_group, remove_placement_group
+
+        try:  # named by workers/ray_group.py: f"{replica name}-pg"
+            remove_placement_group(get_placement_group(f"{name}-pg"))
+        except Exception:  # none left (the replica never placed one, or removed it itself)
+            pass
+
+    def rebuild_router(self) -> Router:
+        """A new router over the live replica actors, found by name (`manta-replica-N` in this
+        namespace): what a restarted router starts from. The caller closes the old router;
+        streams it had open keep running on the actors until they finish.
+
+        The handles this cluster made are kept: a non-detached actor lives as long as its
+        creator's handle, so replacing that handle by a looked-up one would let Ray reap the actor."""
+        from transformers import AutoTokenizer
+
+        found: dict[str, tuple[object, dict]] = {}
+        for actor_name in sorted(ray.util.list_named_actors()):
+            if not _REPLICA_ACTOR.fullmatch(actor_name):
+                continue
+            actor = self.actors.get(actor_name[len("manta-"):]) or ray.get_actor(actor_name)
+            try:
+                found[actor_name[len("manta-"):]] = (actor, ray.get(actor.info.remote(), timeout=30))
+            except Exception as exc:  # dead or stuck: not part of the new router
+                logger.warning("rebuild_router: %s does not answer (%s)", actor_name, type(exc).__name__)
+        if not found:
+            raise RuntimeError("no live replica actor to build a router over")
+        self.infos = dict(getattr(self, "infos", {}))  # a ServingCluster that never ran start()
+        opts = self.options
+        first = next(iter(found.values()))[1]
+        tokenizer = AutoTokenizer.from_pretrained(opts.engine.tokenizer or opts.engine.model)
+        router = Router(opts.router, self.metrics, tokenizer, opts.engine.model_name,
+                        first["max_context_len"], first["vocab_size"])
+        for name, (actor, info) in found.items():
+            router.add_replica(name, actor)
+            self.actors[name], self.infos[name] = actor, info
+            self._next = max(self._next, int(name.rsplit("-", 1)[1]) + 1)
+        self.router = router
+        return router
+
     def shutdown(self) -> None:
         for name in list(self.actors):
             _stop_actor(self.actors.pop(name))
+        if self.kv_store is not None:  # flushes its RAM tier to files first
+            _stop_actor(self.kv_store)
+            self.kv_store = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
 

@@ -2,7 +2,8 @@
 
 Who writes what:
 - the HTTP server: `observe_finished` (latencies, token counts and finish reason of every finished
-  request, labelled by the replica that served it) and `record_error` (every 4xx/5xx it answers);
+  request, labelled by the replica that served it), `record_error` (every 4xx/5xx it answers) and
+  `record_aborts` (requests it cut short: client gone, timeout);
 - the router: `record_route` (each routing decision), `update_replica_stats` (what it polls from
   each replica) and `remove_replica` (a replica left the cluster).
 
@@ -21,6 +22,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from cluster.kvstore_metrics import KVStoreCollector
+from cluster.spec_metrics import SpecCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -120,6 +124,11 @@ class ServerMetrics:
         self.request_errors = Counter(
             "manta:request_errors", "HTTP error responses, by status code.", ["code"], registry=r
         )
+        self.request_aborts = Counter(
+            "manta:request_aborts", "Requests the server aborted before they finished (their KV pages freed), "
+            "by reason: client_gone (disconnect), timeout (--request-timeout), error (a sibling choice failed).",
+            ["reason"], registry=r,
+        )
         self.replica_healthy = Gauge(
             "manta:replica_healthy", "1 while the router routes to the replica, 0 while it is unhealthy.",
             ["replica"], registry=r,
@@ -130,6 +139,10 @@ class ServerMetrics:
         )
         self._prefix = _PrefixCacheCollector()
         r.register(self._prefix)
+        self._kvstore = KVStoreCollector()  # manta:kvstore_* (cluster/kvstore_metrics.py)
+        r.register(self._kvstore)
+        self._spec = SpecCollector()  # manta:spec_* (cluster/spec_metrics.py)
+        r.register(self._spec)
 
     # ---------------- written by the server ----------------
     def observe_finished(self, replica: str, out: Any) -> None:
@@ -147,6 +160,9 @@ class ServerMetrics:
 
     def record_error(self, code: int) -> None:
         self.request_errors.labels(str(code)).inc()
+
+    def record_aborts(self, reason: str, n: int = 1) -> None:
+        self.request_aborts.labels(reason).inc(n)
 
     # ---------------- written by the router ----------------
     def record_route(self, policy: str, replica: str) -> None:
@@ -168,6 +184,10 @@ class ServerMetrics:
             self.replica_restarts.labels(replica).set(stats["restarts"])
         if "prefix_hit_tokens" in stats or "prefix_query_tokens" in stats:
             self._prefix.set(replica, stats.get("prefix_hit_tokens", 0), stats.get("prefix_query_tokens", 0))
+        if stats.get("kvstore"):
+            self._kvstore.set(replica, stats["kvstore"])
+        if "spec_draft_tokens" in stats:
+            self._spec.set(replica, stats)
 
     def remove_replica(self, replica: str) -> None:
         """Drop a departed replica's state series (gauges, polled counters, route counts).
@@ -177,6 +197,8 @@ class ServerMetrics:
             g.remove_by_labels({"replica": replica})
         self.router_requests.remove_by_labels({"replica": replica})
         self._prefix.remove(replica)
+        self._kvstore.remove(replica)
+        self._spec.remove(replica)
 
     # ---------------- read ----------------
     def render(self) -> bytes:

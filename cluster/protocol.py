@@ -219,6 +219,8 @@ class GenerateRequest(_Strict):
     def prompt(self) -> str | list[int]:
         if (self.text is None) == (self.input_ids is None):
             raise SamplingParamsError("text", "give exactly one of text and input_ids")
+        if self.text == "" or self.input_ids == []:
+            raise SamplingParamsError("text" if self.text is not None else "input_ids", "the prompt must not be empty")
         return self.text if self.text is not None else list(self.input_ids or [])
 
     def params(self) -> SamplingParams:

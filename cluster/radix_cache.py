@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import NamedTuple
 
 from cluster.kv_allocator import PageAllocator, RequestKV
@@ -90,6 +90,9 @@ class RadixCache:
         self.disabled = disabled
         self._ids = itertools.count()
         self._clock = 0  # logical time for LRU: deterministic, unlike wall-clock time
+        # Called as on_evict(leaf, n) before `evict` frees the last n pages of leaf (while leaf
+        # still holds them); the KV store's write-back hooks in here (cluster/kv_offload.py).
+        self.on_evict: Callable[[TreeNode, int], None] | None = None
         self.reset_tree()
 
     # -- public API ---------------------------------------------------------------------------
@@ -193,9 +196,10 @@ class RadixCache:
             pos += k * P
         return len(pages)
 
-    def release(self, kv: RequestKV, token_ids: list[int], node: TreeNode) -> None:
+    def release(self, kv: RequestKV, token_ids: list[int], node: TreeNode) -> int:
         """Finish (or preempt) a request: cache its full pages, free what the tree does not
-        keep, unlock its admission node, and empty `kv`.
+        keep, unlock its admission node, and empty `kv`. Returns `insert`'s k: the tree took
+        the request's full pages from index k on (the KV store saves those).
 
         token_ids[:kv.num_tokens] must be the tokens whose KV the request's pages hold."""
         P = self.page_size
@@ -210,6 +214,7 @@ class RadixCache:
         kv.pages = []
         kv.num_tokens = 0
         kv.num_cached_pages = 0
+        return k
 
     def evict(self, num_pages: int) -> int:
         """Free up to num_pages pages of unlocked leaves, least recently used first; returns
@@ -227,6 +232,8 @@ class RadixCache:
         while freed < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
             take = min(len(leaf.pages), num_pages - freed)
+            if self.on_evict is not None:
+                self.on_evict(leaf, take)
             if take < len(leaf.pages):
                 tail = leaf.pages[-take:]
                 del leaf.pages[-take:]

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from cluster.config import EngineConfig
 from cluster.engine import Engine, runner_options
+from cluster.kv_offload import kv_store_stats
 from cluster.request import RequestOutput
 from cluster.scheduler import QueueFull, RequestRejected
 from workers.sampling_params import SamplingParams, SamplingParamsError
@@ -126,7 +127,12 @@ class Replica:
             "prefix_hit_tokens": sch.stats.prefix_hit_tokens,
             "prefix_query_tokens": sch.stats.prefix_query_tokens,
             "preemptions": sch.stats.preemptions,
+            # Speculative decoding (zero without a draft model): cluster/spec_metrics.py
+            "spec_draft_tokens": sch.stats.spec_draft_tokens,
+            "spec_accepted_tokens": sch.stats.spec_accepted_tokens,
+            "spec_verify_requests": sch.stats.spec_verify_requests,
             "restarts": self.restarts,
+            "kvstore": kv_store_stats(eng),  # None without a KV store (cluster/kv_offload.py)
         }
 
     def info(self) -> dict:

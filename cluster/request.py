@@ -45,6 +45,15 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     aborted: bool = False
+    # Encoder-decoder (cluster/encoder_decoder.py): the encoder input (the user's prompt; then
+    # prompt_ids is the decoder's start) and its KV pages while running.
+    encoder_ids: list[int] | None = None
+    encoder_pages: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens of the user's prompt: the encoder input of an encoder-decoder request."""
+        return len(self.encoder_ids) if self.encoder_ids is not None else len(self.prompt_ids)
 
     @property
     def all_ids(self) -> list[int]:

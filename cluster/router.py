@@ -60,6 +60,9 @@ class ReplicaHandle:
     healthy: bool = True
     reason: str | None = None
     draining: bool = False
+    # The actor itself is gone for good (ActorDiedError: its process or node died): only a new
+    # actor serves again (`cluster.supervisor` replaces it).
+    dead: bool = False
     inflight: int = 0
     stats: dict = field(default_factory=dict)
     tree: PrefixTree = field(default_factory=PrefixTree)
@@ -164,6 +167,7 @@ class Router:
                         return
                 except ray.exceptions.RayError as exc:
                     self._mark_unhealthy(handle, f"{type(exc).__name__}: {exc}")
+                    handle.dead |= isinstance(exc, ray.exceptions.ActorDiedError)
                     if first_seen:
                         yield self._failed(rid, handle.name, f"replica {handle.name} failed: {type(exc).__name__}")
                         return
@@ -218,6 +222,7 @@ class Router:
                 stats = await asyncio.wait_for(ref, timeout=self.options.stats_timeout_s)
             except Exception as exc:
                 self._mark_unhealthy(h, f"stats failed: {type(exc).__name__}")
+                h.dead |= isinstance(exc, ray.exceptions.ActorDiedError)
                 return
             h.stats = stats
             if stats.get("healthy"):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from cluster import encoder_decoder as encdec
 from cluster.kv_allocator import PageAllocator, RequestKV, slots_for
 from cluster.radix_cache import RadixCache
 from cluster.request import FinishReason, Request, RequestStatus
@@ -60,6 +61,11 @@ class SchedulerStats:
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     preemptions: int = 0
+    # Speculative decoding (cluster/spec_scheduler.py): drafts proposed, drafts accepted, and
+    # request-rounds verified (mean acceptance length = (accepted + rounds) / rounds).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_requests: int = 0
 
 
 class Scheduler:
@@ -92,6 +98,7 @@ class Scheduler:
         self._pending_drop: list[str] = []
         self._step_id = 0
         self.stats = SchedulerStats()
+        self.kv_offload = None  # cluster.kv_offload.SchedulerKVOffload when a KV store is on
 
     # ---------------- requests in ----------------
     @property
@@ -102,6 +109,12 @@ class Scheduler:
         """Queue a request or raise RequestRejected / QueueFull (nothing is queued then)."""
         req.params.validate()
         n = len(req.prompt_ids)
+        if req.encoder_ids is not None:
+            problem = encdec.admission_problem(
+                req, max_context_len=self.max_context_len, max_batched_tokens=self.max_batched_tokens,
+                kv_capacity_tokens=self.kv_capacity_tokens, page_size=self.page_size)
+            if problem is not None:
+                raise RequestRejected("prompt", problem)
         if n == 0:
             raise RequestRejected("prompt", "the prompt is empty")
         if n >= self.max_context_len and not req.is_embedding or n > self.max_context_len:
@@ -136,7 +149,8 @@ class Scheduler:
         return req
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_drop)
+        return bool(self.waiting or self.running or self._pending_drop
+                    or (self.kv_offload is not None and self.kv_offload.has_work()))
 
     # ---------------- one step ----------------
     def schedule(self) -> StepPlan | None:
@@ -158,23 +172,30 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_running and self._free_rows:
             req = self.waiting[0]
+            if self.kv_offload is not None and self.kv_offload.set_aside(req):
+                self.waiting.popleft()  # its prefix is fetched from the KV store first
+                continue
             if self.chunk_size is None and req.num_tokens > budget and plan_reqs:
                 break  # whole-prompt prefill must wait for a step with room
             admitted = self._admit(req, budget)
             if admitted is None:
                 break
             self.waiting.popleft()
+            if self.kv_offload is not None:
+                self.kv_offload.admitted(req)
             n, slots, prefix_slots = admitted
             if prefix_slots:
                 table_writes.append((req.req_pool_idx, 0, prefix_slots))
             new_reqs.append(
-                NewRequest(req.rid, req.params, req.prompt_ids, list(req.output_ids), req.is_embedding)
+                NewRequest(req.rid, req.params, req.prompt_ids, list(req.output_ids), req.is_embedding,
+                           encoder_ids=req.encoder_ids)
             )
             plan_reqs.append(self._scheduled(req, n, slots))
-            budget -= n
+            budget -= n + encdec.encoder_len(req)  # the encoder runs whole in this step
 
+        kv_orders = self.kv_offload.orders() if self.kv_offload is not None else None
         dropped, self._pending_drop = self._pending_drop, []
-        if not plan_reqs and not dropped:
+        if not plan_reqs and not dropped and kv_orders is None:
             return None
         if not plan_reqs:
             mode = ForwardMode.IDLE
@@ -185,7 +206,10 @@ class Scheduler:
         else:
             mode = ForwardMode.MIXED
         self._step_id += 1
-        return StepPlan(self._step_id, mode, plan_reqs, new_reqs, dropped, table_writes)
+        plan = StepPlan(self._step_id, mode, plan_reqs, new_reqs, dropped, table_writes)
+        if kv_orders is not None:
+            kv_orders.apply(plan)
+        return plan
 
     def _piece(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed, budget)
@@ -201,22 +225,31 @@ class Scheduler:
             prefix_len=start,
             out_cache_loc=slots,
             sample=(start + n == req.num_tokens) and not req.is_embedding,
+            encoder_len=encdec.encoder_len(req),
         )
 
     def _admit(self, req: Request, budget: int) -> tuple[int, list[int], list[int]] | None:
         """Give `req` a row, its cached prefix and pages for its first piece, or change nothing."""
         tokens = req.all_ids
-        # Leave at least one token to compute: its logits sample the next token.
-        match = self.radix.match_prefix(tokens[: len(tokens) - 1])
+        enc_len = encdec.encoder_len(req)
+        if enc_len and enc_len >= budget:
+            return None  # its encoder runs whole in the admitting step: wait for room
+        # Leave at least one token to compute: its logits sample the next token. An
+        # encoder-decoder request matches nothing (cluster/encoder_decoder.py says why).
+        match = self.radix.match_prefix(tokens[: len(tokens) - 1] if not enc_len else [])
         kv = RequestKV()
         kv.pages = list(match.pages)
         kv.num_tokens = match.num_tokens
         kv.num_cached_pages = len(match.pages)
         self.radix.lock(match.node)
         req.kv, req.prefix_node = kv, match.node
-        n = self._piece(req, budget)
-        slots = self._reserve(req, n, allow_preempt=False)
+        # Encoder pages first: they take the first columns of the row, before decoder tokens.
+        enc_slots = encdec.reserve_encoder(req, self.allocator, self.radix) if enc_len else []
+        n = self._piece(req, budget - enc_len)
+        slots = self._reserve(req, n, allow_preempt=False) if enc_slots is not None else None
         if slots is None:
+            if enc_slots:
+                encdec.free_encoder(req, self.allocator)
             self.radix.unlock(match.node)
             req.kv, req.prefix_node = None, None
             return None
@@ -228,7 +261,8 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         prefix_slots = slots_for(kv.pages, 0, match.num_tokens, self.page_size)
-        return n, slots, prefix_slots
+        # An encoder-decoder request's row starts with its encoder slots (it has no prefix).
+        return n, slots, enc_slots or prefix_slots
 
     def _reserve(self, req: Request, n: int, allow_preempt: bool) -> list[int] | None:
         assert req.kv is not None
@@ -257,6 +291,8 @@ class Scheduler:
     # ---------------- results back ----------------
     def process_result(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
         events: list[TokenEvent] = []
+        if self.kv_offload is not None:  # store loads done: their requests go back to admission
+            self.kv_offload.on_result(plan, result)
         logprobs = result.logprobs or [None] * len(result.sampled_rids)
         for rid, tok, lp in zip(result.sampled_rids, result.next_token_ids, logprobs):
             req = self.requests.get(rid)
@@ -313,7 +349,13 @@ class Scheduler:
         """Return a running request's pages: whole pages of computed tokens go to the prefix
         cache (it keeps one copy; our duplicates are freed), the rest to the allocator."""
         assert req.kv is not None
-        self.radix.release(req.kv, req.all_ids, req.prefix_node)
+        pages, computed = req.kv.pages, req.kv.num_tokens
+        if req.encoder_ids is not None:  # never cached: its K/V depend on its encoder input
+            encdec.release(req, self.allocator)
+        else:
+            kept = self.radix.release(req.kv, req.all_ids, req.prefix_node)
+            if self.kv_offload is not None:
+                self.kv_offload.on_cached(req, pages, computed, kept)
         self._free_rows.append(req.req_pool_idx)
         req.kv, req.prefix_node, req.req_pool_idx = None, None, -1
 
@@ -324,7 +366,8 @@ class Scheduler:
         return used / total if total else 0.0
 
     def check_integrity(self) -> None:
-        owned = [p for r in self.running if r.kv for p in r.kv.owned_pages]
+        owned = [p for r in self.running if r.kv for p in r.kv.owned_pages + r.encoder_pages]
+        owned += self.kv_offload.held_pages() if self.kv_offload is not None else []
         self.radix.check_integrity(extra_used=owned)
 
 

@@ -28,7 +28,21 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--cpus-per-rank", type=float, default=1.0)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not for /health)")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
-    p.set_defaults(func=cmd_serve)
+    p.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="abort a request that runs longer than S seconds (504; its KV pages are freed)")
+    p.add_argument("--router-max-inflight", type=int, default=None,
+                   help="requests the router holds at once before answering 503 (default: with --max-waiting W, "
+                        "replicas x (max-running-requests + W); else unbounded)")
+    p.set_defaults(func=cmd_serve, kv_store_embedded=True)  # no --kv-store: <cache dir>/kvstore
+
+
+def router_max_inflight(args: argparse.Namespace) -> int:
+    """The router's bound (0: none): given, or what the replicas' own queues can hold."""
+    if args.router_max_inflight is not None:
+        return args.router_max_inflight
+    if args.max_waiting > 0:
+        return args.replicas * (args.max_running_requests + args.max_waiting)
+    return 0
 
 
 def cluster_options_from_args(args: argparse.Namespace):
@@ -41,7 +55,8 @@ def cluster_options_from_args(args: argparse.Namespace):
         replicas=args.replicas,
         router=RouterOptions(policy=args.router_policy, cache_threshold=args.cache_threshold,
                              balance_abs_threshold=args.balance_abs_threshold,
-                             balance_rel_threshold=args.balance_rel_threshold),
+                             balance_rel_threshold=args.balance_rel_threshold,
+                             max_inflight=router_max_inflight(args)),
         address=args.address,
         placement_strategy=args.placement_strategy,
         nic=args.nic,
@@ -60,17 +75,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cluster = ServingCluster(cluster_options_from_args(args), metrics)
     try:
         router = cluster.start()
-        app = build_app(router, metrics, api_key=args.api_key, metrics_public=args.metrics_public)
+        app = build_app(router, metrics, api_key=args.api_key, metrics_public=args.metrics_public,
+                        request_timeout_s=args.request_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on")
         server = uvicorn.Server(config)
 
         async def main() -> None:
+            from cluster.supervisor import ReplicaSupervisor
+
             await router.start()
+            supervisor = ReplicaSupervisor(cluster)  # replaces replica actors that die
+            await supervisor.start()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
             logger.info("serving %s on http://%s:%d/v1", router.model_name, args.host, args.port)
             await server.serve()
+            await supervisor.aclose()
             await router.aclose()
 
         asyncio.run(main())

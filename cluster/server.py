@@ -23,6 +23,7 @@ import functools
 import hmac
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -39,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import protocol as P
 from cluster.client_api import ChoiceResult, FanOut, GenerationFailed, NoReplicaAvailable, ServingClient
+from cluster.deadline import RequestTimedOut, stamp, stream_within, within
 from cluster.embeddings_api import EmbeddingRequest, embedding_response
 from cluster.metrics import CONTENT_TYPE, ServerMetrics
 from cluster.request import RequestOutput
@@ -77,7 +79,10 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(503, f"the server is overloaded: {exc}", "server_overloaded", code="queue_full",
                         headers={"Retry-After": "1"})
     if isinstance(exc, NoReplicaAvailable):
-        return APIError(503, f"no replica is available: {exc}", "service_unavailable", code="no_replica")
+        return APIError(503, f"no replica is available: {exc}", "service_unavailable", code="no_replica",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, RequestTimedOut):
+        return APIError(504, str(exc), "timeout_error", code="request_timeout")
     if isinstance(exc, GenerationFailed):
         return APIError(500, f"generation failed: {exc}", "server_error")
     if isinstance(exc, ValidationError):
@@ -94,12 +99,18 @@ def as_api_error(exc: BaseException) -> APIError:
 
 # Exceptions that are answers (4xx/5xx with a message), not bugs.
 _EXPECTED = (APIError, SamplingParamsError, RequestRejected, QueueFull, NoReplicaAvailable, ValidationError,
-             GenerationFailed, _ClientGone)
+             GenerationFailed, _ClientGone, RequestTimedOut)
+
+
+# JSON leaves U+0085, U+2028 and U+2029 unescaped, and line readers built on str.splitlines
+# (httpx's `aiter_lines` among them) end an SSE line there, cutting the event's JSON in two.
+# They can only occur inside JSON strings, where their escapes mean the same.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def _sse(obj: BaseModel | dict) -> str:
     data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
-    return f"data: {data}\n\n"
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -126,9 +137,9 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 
 class _SSEResponse(StreamingResponse):
     """Streams SSE while watching for the client's disconnect; always closes the body iterator
-    and runs `on_close` (which aborts unfinished requests), however the response ends."""
+    and runs `on_close(client_gone)` (which aborts unfinished requests), however the response ends."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[bool], Awaitable[None]]):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
@@ -139,11 +150,13 @@ class _SSEResponse(StreamingResponse):
         try:
             await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            # The client left: its disconnect arrived, or sending to it failed.
+            gone = watch.done() or (stream.done() and not stream.cancelled() and stream.exception() is not None)
             for t in (stream, watch):
                 t.cancel()
             await asyncio.gather(stream, watch, return_exceptions=True)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            await self._on_close()
+            await self._on_close(gone)
 
 
 def _usage(choices: list[ChoiceResult], n: int) -> P.Usage:
@@ -194,19 +207,42 @@ class _Serving:
         def finished(out: RequestOutput) -> None:
             self.metrics.observe_finished(getattr(out, "replica", "local"), out)
 
-        return await _until_disconnect(request, FanOut.open(self.client, list(jobs), rid, finished, is_embedding))
+        try:
+            return await _until_disconnect(request, within(request.state, FanOut.open(
+                self.client, list(jobs), rid, finished, is_embedding)))
+        except (_ClientGone, RequestTimedOut) as exc:  # FanOut.open aborted what it had admitted
+            self.metrics.record_aborts("client_gone" if isinstance(exc, _ClientGone) else "timeout", len(jobs))
+            raise
+
+    async def close(self, request: Request, fan: FanOut, client_gone: bool = False) -> None:
+        """Close `fan`, aborting its unfinished requests (their KV pages are freed at once), and
+        count them in `manta:request_aborts_total` by why they were cut short."""
+        unfinished = sum(1 for c in fan.choices if c.finish_reason is None)
+        if unfinished:
+            reason = ("timeout" if getattr(request.state, "timed_out", False)
+                      else "client_gone" if client_gone else "error")
+            self.metrics.record_aborts(reason, unfinished)
+        await fan.aclose()
+
+    async def collect(self, request: Request, fan: FanOut) -> list[ChoiceResult]:
+        """Every choice of `fan`, within the deadline and while the client waits; closes `fan`."""
+        gone = False
+        try:
+            return await _until_disconnect(request, within(request.state, fan.collect()))
+        except _ClientGone:
+            gone = True
+            raise
+        finally:
+            await self.close(request, fan, gone)
 
     async def answer(self, request: Request, fan: FanOut, stream: bool,
                      events: Callable[[FanOut], AsyncIterator[str]],
                      build: Callable[[list[ChoiceResult]], BaseModel | dict]) -> Response:
         """Stream `events(fan)` as SSE, or collect the choices and return `build(choices)`."""
         if stream:
-            return _SSEResponse(self._guarded(events(fan)), fan.aclose)
-        try:
-            choices = await _until_disconnect(request, fan.collect())
-        finally:
-            await fan.aclose()
-        body = build(choices)
+            return _SSEResponse(self._guarded(stream_within(request.state, events(fan))),
+                                functools.partial(self.close, request, fan))
+        body = build(await self.collect(request, fan))
         return Response(body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body),
                         media_type="application/json")
 
@@ -325,10 +361,7 @@ class _Serving:
                                f"has {len(ids)} tokens", param="input", code="context_length_exceeded")
             jobs.append((ids, params))
         fan = await self.open(request, jobs, f"embd-{uuid.uuid4().hex}", is_embedding=True)
-        try:
-            choices = await _until_disconnect(request, fan.collect())
-        finally:
-            await fan.aclose()
+        choices = await self.collect(request, fan)
         out = embedding_response(req, choices, self.client.model_name)
         return Response(out.model_dump_json(), media_type="application/json")
 
@@ -387,16 +420,30 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         if size > max_bytes:
             raise too_big
         buf.append(chunk)
+    raw = b"".join(buf)
     try:
-        return json.loads(b"".join(buf))
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        body = json.loads(raw)
+        # An escaped lone surrogate ("\ud800") parses into a str that is not text: the
+        # tokenizer would fail on it. Paired surrogates are fine; check only when one appears.
+        if _SURROGATE_ESCAPE.search(raw):
+            json.dumps(body, ensure_ascii=False).encode()
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and UnicodeEncodeError
+        raise APIError(400, f"the request body is not valid JSON text: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None = None, *,
-              metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              request_timeout_s: float | None = None) -> FastAPI:
     """The HTTP app. With `api_key`, every route but /health (and /metrics when `metrics_public`)
-    needs `Authorization: Bearer <api_key>`. The app does not close `client`: its owner does."""
+    needs `Authorization: Bearer <api_key>`. With `request_timeout_s`, a POST request (reading its
+    body included) that runs longer is aborted and answered 504 (`cluster.deadline`). The app does
+    not close `client`: its owner does."""
     app = FastAPI(title="manta", docs_url=None, redoc_url=None, openapi_url=None)
     serving = _Serving(client, metrics)
 
@@ -432,8 +479,9 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
                            code="invalid_api_key")
 
     async def handle(endpoint: Callable[[Request, Any], Awaitable[Response]], request: Request) -> Response:
+        stamp(request.state, request_timeout_s)
         try:
-            return await endpoint(request, await _read_json(request, max_body_bytes))
+            return await endpoint(request, await within(request.state, _read_json(request, max_body_bytes)))
         except _EXPECTED:
             raise
         except Exception as exc:
@@ -458,6 +506,12 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
     def card() -> P.ModelCard:
         return P.ModelCard(id=client.model_name, created=serving.created, root=client.model_name,
                            max_model_len=client.max_context_len)
+
+    @guarded.get("/openapi.json")
+    async def openapi_document() -> Response:
+        from cluster.openapi_spec import openapi_schema
+
+        return Response(json.dumps(openapi_schema()), media_type="application/json")
 
     @guarded.get("/v1/models")
     async def list_models() -> Response:

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from workers.encoder_decoder import has_encoder_work
 from workers.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,11 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.full((self.max_bs,), pad_row, dtype=torch.long, device=dev)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
+        self.fill = runner.attn_backend.get_cuda_graph_seq_len_fill_value()
+        # Encoder-decoder: each request's encoder length, per row (contract 4: replay fills the
+        # whole batch; padded rows read `fill` encoder tokens of the reserved page 0).
+        self.encoder_lens = (torch.full((self.max_bs,), self.fill, dtype=torch.int32, device=dev)
+                             if runner.model_config.is_encoder_decoder else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Per batch size: (hidden [bs, H], logits [bs, vocab]); the LM head runs in the graph.
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -60,6 +66,8 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:bs],
             seq_lens_cpu=torch.full((bs,), self.fill, dtype=torch.int32),
             out_cache_loc=self.out_cache_loc[:bs],
+            encoder_lens=None if self.encoder_lens is None else self.encoder_lens[:bs],
+            encoder_lens_cpu=None if self.encoder_lens is None else [self.fill] * bs,
             req_to_token_pool=r.req_to_token_pool,
             kv_pool=r.kv_pool,
             attn_backend=r.attn_backend,
@@ -91,7 +99,8 @@ class CudaGraphRunner:
         logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
+        # A step that admits encoder-decoder requests runs their encoder first: eager.
+        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs and not has_encoder_work(fb)
 
     def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden [bs, H], logits [bs, vocab]) of a decode batch."""
@@ -113,6 +122,11 @@ class CudaGraphRunner:
             self._static_batch(padded),
             seq_lens_cpu=torch.cat([fb.seq_lens_cpu, pad_cpu]),
         )
+        if self.encoder_lens is not None:
+            assert fb.encoder_lens is not None and fb.encoder_lens_cpu is not None
+            self.encoder_lens[:bs].copy_(fb.encoder_lens)
+            self.encoder_lens[bs:padded].fill_(self.fill)
+            static.encoder_lens_cpu = list(fb.encoder_lens_cpu) + [self.fill] * (padded - bs)
         r = self.runner
         r.attn_backend.init_forward_metadata_replay_cuda_graph(padded, static)
         if not self.use_graphs:

@@ -266,6 +266,69 @@ def _mla_shape(s: Shape, opts: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _hybrid_shape(s: Shape, opts: Mapping[str, Any]) -> dict[str, Any]:
+    """Hybrid linear/full attention: MLA dims as `_mla_shape`; layer i is MLA full attention
+    when (i + 1) % full_every == 0, else KDA linear attention (heads of width hidden/heads);
+    the first layer's MLP is dense, the others MoE (4 routed experts in 2 groups, top-2, plus
+    1 shared expert)."""
+    d = s.head_dim
+    every = opts["full_every"]
+    return dict(
+        _decoder_shape(s, opts),
+        num_key_value_heads=s.heads,
+        kv_lora_rank=max(16, s.hidden // 2),
+        qk_nope_head_dim=d,
+        qk_rope_head_dim=max(4, d // 2),
+        v_head_dim=d,
+        layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(s.layers)],
+        mlp_layer_types=["dense" if i == 0 else "sparse" for i in range(s.layers)],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        moe_intermediate_size=max(8, s.intermediate // 4),
+    )
+
+
+def _kimi_linear_shape(s: Shape, opts: Mapping[str, Any]) -> dict[str, Any]:
+    return {**_hybrid_shape(s, opts), "linear_num_heads": s.heads, "linear_head_dim": s.head_dim}
+
+
+def _bailing_hybrid_shape(s: Shape, opts: Mapping[str, Any]) -> dict[str, Any]:
+    # BailingHybridConfig: KDA heads = attention heads, of width head_dim (it then resets
+    # head_dim to the rope dims).
+    return {**_hybrid_shape(s, opts), "head_dim": s.head_dim}
+
+
+def _seq2seq_shape(s: Shape, opts: Mapping[str, Any]) -> dict[str, Any]:
+    """BART family: encoder and decoder of the same shape; MHA (kv_heads is ignored)."""
+    return dict(
+        d_model=s.hidden,
+        encoder_layers=s.layers,
+        decoder_layers=s.layers,
+        encoder_attention_heads=s.heads,
+        decoder_attention_heads=s.heads,
+        encoder_ffn_dim=s.intermediate,
+        decoder_ffn_dim=s.intermediate,
+        vocab_size=s.vocab,
+        max_position_embeddings=s.max_position,
+    )
+
+
+# BART conventions on the built-in tokenizer: the decoder starts from </s> and the last token
+# allowed by max_new_tokens is forced to </s> (config fields of the family); `generate` also
+# forces the first generated token to <s> (bart-large-cnn's forced_bos_token_id), which
+# transformers 5 keeps in generation_config.json only. mBART forces a language code there and
+# Marian nothing: their tiny checkpoints force no first token.
+_SEQ2SEQ_CONFIG = {"decoder_start_token_id": EOS_ID, "forced_eos_token_id": EOS_ID}
+_GENERATION_EXTRAS: dict[str, dict[str, Any]] = {
+    "bart": {**_SEQ2SEQ_CONFIG, "forced_bos_token_id": BOS_ID},
+    "mbart": dict(_SEQ2SEQ_CONFIG),
+    "marian": {**_SEQ2SEQ_CONFIG, "decoder_start_token_id": PAD_ID},
+}
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """How to build one family.
@@ -315,6 +378,29 @@ ARCHS: dict[str, ArchSpec] = {
         defaults={"q_lora_rank": 32, "n_group": 2, "topk_group": 1, "num_mtp_layers": 0},
         options={"moe": True},
     ),
+    # Hybrid linear (KDA) / full (MLA) attention. Kimi-Linear: NoPE MLA, low-rank KDA gates.
+    "kimi_linear": ArchSpec(
+        "KimiLinearConfig", "KimiLinearForCausalLM", shape=_kimi_linear_shape, options={"full_every": 2}
+    ),
+    # Bailing hybrid (Ling 3): interleaved-RoPE MLA with a per-head output gate, bounded KDA gate.
+    "bailing_hybrid": ArchSpec(
+        "BailingHybridConfig",
+        "BailingHybridForCausalLM",
+        shape=_bailing_hybrid_shape,
+        defaults={"num_mtp_layers": 0},
+        options={"full_every": 2},
+    ),
+    # Encoder-decoder (served by workers/models/bart.py). BART: post-LN, learned positions
+    # (offset 2), layernorm_embedding. mBART: pre-LN with final encoder/decoder layer norms,
+    # scaled embeddings, no forced <s>. Marian: post-LN, sinusoidal positions (not saved),
+    # scaled embeddings, no layernorm_embedding, decoder starts from <pad>.
+    "bart": ArchSpec("BartConfig", "BartForConditionalGeneration", shape=_seq2seq_shape,
+                     defaults=dict(_SEQ2SEQ_CONFIG)),
+    "mbart": ArchSpec("MBartConfig", "MBartForConditionalGeneration", shape=_seq2seq_shape,
+                      defaults={**_SEQ2SEQ_CONFIG, "scale_embedding": True}),
+    "marian": ArchSpec("MarianConfig", "MarianMTModel", shape=_seq2seq_shape,
+                       defaults={**_SEQ2SEQ_CONFIG, "scale_embedding": True, "decoder_start_token_id": PAD_ID,
+                                 "share_encoder_decoder_embeddings": True}),
 }
 
 
@@ -505,7 +591,9 @@ def _init_value(
     # Fill in row blocks so a [128256, 4096] embedding never needs an fp32 copy of itself.
     rows = t.view(t.shape[0], -1) if t.dim() > 1 else t.view(1, -1)
     block = max(1, (1 << 24) // max(1, rows.shape[1]))
-    is_norm = len(shape) == 1 and "norm" in name
+    # A LayerNorm's bias is a bias (N(0, std)): 1 + noise would add one shared vector to every
+    # normalised state and drown what the input contributes.
+    is_norm = len(shape) == 1 and "norm" in name and not name.endswith(".bias")
     s = 0.1 if is_norm else std
     for i in range(0, rows.shape[0], block):
         n = min(block, rows.shape[0] - i)
@@ -678,7 +766,11 @@ def make_model(
     tokenizer = build_tokenizer(out, config.vocab_size)
     config.vocab_size = max(config.vocab_size, len(tokenizer))
     _, model_cls = ARCHS[arch].classes()
-    gen_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID)
+    # Encoder-decoder families: the decoder start and forced tokens, where `generate` reads them
+    # (the config's own decoder_start/forced_eos fields win when overridden).
+    seq2seq = {k: getattr(config, k, v) for k, v in _GENERATION_EXTRAS.get(arch, {}).items()}
+    gen_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID,
+                                  **seq2seq)
 
     if preset is None:
         torch.manual_seed(seed)

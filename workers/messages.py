@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workers.forward_batch import ForwardMode
+from workers.kv_messages import KVLoad, KVPrefetch, KVSave
 from workers.sampling_params import SamplingParams
 
 
@@ -22,6 +23,9 @@ class NewRequest:
     prompt_ids: list[int]  # for the repetition penalty
     output_ids: list[int] = field(default_factory=list)  # generated before a preemption
     is_embedding: bool = False
+    # Encoder-decoder: the encoder input, run once in the step that admits the request (its
+    # K/V go to the encoder slots the plan's table write puts at columns 0..len-1 of its row).
+    encoder_ids: list[int] | None = None
 
 
 @dataclass
@@ -34,7 +38,9 @@ class ScheduledReq:
     prefix_len: int  # tokens of this request already in the KV cache before this step
     out_cache_loc: list[int]  # KV slot of each input token; also req_to_token[row, prefix_len:]
     sample: bool = True  # False for a prefill chunk that is not the prompt's last
-    encoder_len: int = 0  # encoder-decoder: encoder tokens cached at the start of the row
+    # Encoder-decoder: encoder tokens cached at the start of the row; the decoder's token t is at
+    # column round_up(encoder_len, page_size) + t (prefix_len and positions count decoder tokens).
+    encoder_len: int = 0
 
 
 @dataclass
@@ -49,6 +55,10 @@ class StepPlan:
     # (row, start, slots): req_to_token rows to fill before the forward (cached prefixes of
     # newly admitted requests; slots of the new tokens are written from out_cache_loc).
     table_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # KV store orders (workers/kv_messages.py), run at the start of the step in this order.
+    kv_saves: list[KVSave] = field(default_factory=list)
+    kv_prefetch: list[KVPrefetch] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
 
 
 @dataclass
@@ -68,3 +78,7 @@ class StepResult:
     embeddings: dict[str, list[float]] = field(default_factory=dict)
     # Seconds the worker spent in this step (forward + sample), for overhead accounting.
     compute_s: float = 0.0
+    # KV store: pages each KVLoad put into the device pool (agreed by all ranks), by rid; and
+    # rids whose prefetch finished on rank 0 since the last step.
+    kv_loaded: dict[str, int] = field(default_factory=dict)
+    kv_prefetched: list[str] = field(default_factory=list)

@@ -8,6 +8,7 @@ family reads its own extra fields (biases, norms, RoPE scaling).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -16,6 +17,8 @@ import torch
 
 from workers.parallel import divide, kv_head_placement
 from workers.pooling import PoolingConfig, load_pooling_config
+
+logger = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -61,6 +64,8 @@ def _as_ids(value: Any) -> list[int]:
 class ModelConfig:
     model_dir: str
     architecture: str  # config.architectures[0], the key of workers.models.registry
+    # Attention layers with KV in the pool. Encoder-decoder: 2 per decoder layer (self- and
+    # cross-attention); the encoder keeps no KV.
     num_layers: int
     hidden_size: int
     num_heads: int  # attention (query) heads, all ranks together
@@ -83,6 +88,9 @@ class ModelConfig:
     is_causal: bool = True
     # How hidden states become an embedding (workers.pooling); None: the decoder default.
     pooling: PoolingConfig | None = None
+    # Hybrid models (Kimi-Linear, Bailing hybrid): the layers whose config layer type is
+    # "linear_attention" keep per-request state (workers.state_pool) instead of KV.
+    linear_attn_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_pretrained(cls, model_dir: str, dtype: str | torch.dtype | None = None) -> ModelConfig:
@@ -140,7 +148,8 @@ class ModelConfig:
         return cls(
             model_dir=model_dir,
             architecture=arch,
-            num_layers=int(_first_attr(hf_config, "num_hidden_layers", "decoder_layers", "n_layer")),
+            num_layers=(2 * int(hf_config.decoder_layers) if getattr(hf_config, "is_encoder_decoder", False)
+                        else int(_first_attr(hf_config, "num_hidden_layers", "decoder_layers", "n_layer"))),
             hidden_size=hidden,
             num_heads=num_heads,
             num_kv_heads=int(num_kv_heads),
@@ -156,6 +165,9 @@ class ModelConfig:
             is_embedding_model=encoder or st_checkpoint,
             is_causal=not encoder,
             pooling=pooling,
+            linear_attn_layers=tuple(
+                i for i, t in enumerate(getattr(hf_config, "layer_types", None) or []) if t == "linear_attention"
+            ),
         )
 
     # ---- MLA (DeepSeek-V2/V3) head shapes; only meaningful when use_mla ----
@@ -179,6 +191,12 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         """Query/key width per head of the MHA form: nope + rope."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def full_attn_layers(self) -> tuple[int, ...]:
+        """Layers that keep KV in the KV pool: all of them, but a hybrid model's linear ones."""
+        linear = set(self.linear_attn_layers)
+        return tuple(i for i in range(self.num_layers) if i not in linear)
 
     def per_rank_heads(self, tp_size: int) -> int:
         """Query heads on each rank (tp must divide num_heads)."""
@@ -206,9 +224,20 @@ def serving_mode(
     """An embedding checkpoint is an embedding replica. A bidirectional encoder computes each
     prompt whole (a chunk could not attend to later chunks) and never shares K/V (they depend
     on the whole prompt). An embedding replica whose pooling reads every token needs every
-    token's state, so no prefix-cache hit may skip any: the prefix cache is off."""
+    token's state, so no prefix-cache hit may skip any: the prefix cache is off. A hybrid
+    linear-attention model keeps per-request recurrent state that KV pages cannot restore:
+    the prefix cache is off (workers.state_pool)."""
     embedding = is_embedding or mc.is_embedding_model
     if not mc.is_causal:
         return ServingMode(embedding, -1, True)
+    if mc.is_encoder_decoder:
+        # Decoder K/V depend on the encoder input, which a prefix-cache key (decoder tokens)
+        # does not hold: no prefix cache (the scheduler never matches such requests either).
+        disable_radix_cache = True
+    if mc.linear_attn_layers:
+        if not disable_radix_cache:
+            logger.info("%s: prefix cache off: linear-attention layers keep per-request state that "
+                        "cached KV pages cannot restore", mc.architecture)
+        disable_radix_cache = True
     needs_all = mc.pooling is not None and mc.pooling.needs_all_tokens
     return ServingMode(embedding, chunked_prefill_size, disable_radix_cache or (embedding and needs_all))

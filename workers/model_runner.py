@@ -17,8 +17,11 @@ from attention.base import AttentionBackend
 from attention.flash import FlashAttentionBackend
 from attention.paged import should_skip_kv_cache
 from attention.reference import TorchReferenceBackend
+from workers import encoder_decoder
 from workers.cuda_graph import CudaGraphRunner
 from workers.forward_batch import ForwardBatch, ForwardMode
+from workers.kv_messages import KVOffloadOptions
+from workers.kv_offload import make_rank_offload
 from workers.loader import load_model
 from workers.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from workers.messages import StepPlan, StepResult
@@ -26,6 +29,9 @@ from workers.model_config import ModelConfig, ServingMode, serving_mode
 from workers.parallel import TPGroup
 from workers.pooling import PoolingState, default_pooling
 from workers.sampler import RequestSamplingState, Sampler
+from workers.spec_messages import SpecStepPlan
+from workers.spec_runner import DraftRunner
+from workers.state_pool import LinearStatePool
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,11 @@ class RunnerOptions:
     disable_radix_cache: bool = False
     disable_cuda_graph: bool = False
     seed: int = 0
+    # Speculative decoding (workers.spec_runner): a draft model with the target's tokenizer
+    # proposes this many tokens a round; None: off.
+    speculative_draft_model: str | None = None
+    speculative_num_tokens: int = 4
+    kv_offload: KVOffloadOptions | None = None  # the shared KV store; None: off
 
 
 def make_attention_backend(
@@ -89,15 +100,33 @@ class ModelRunner:
         self.model = load_model(self.model_config, self.tp, self.device, self.dtype)
         self.max_context_len = min(opts.max_context_len or self.model_config.max_context_len,
                                    self.model_config.max_context_len)
+        # The draft model loads before the KV pool is sized: its weights and its K/V per token
+        # come out of the same memory (its pool mirrors the target's pages: see attach()).
+        self.drafter = DraftRunner(self) if opts.speculative_draft_model else None
+        # Hybrid models: per-request linear-attention state, one row per request row (sized
+        # before the KV pool, which takes what memory is left).
+        self.state_pool = LinearStatePool.for_model(self.model_config, self.tp.size, opts.max_running_requests + 1,
+                                                    self.dtype, self.device)
         self.kv_pool = self._make_kv_pool()
+        self.kv_offload = make_rank_offload(opts.kv_offload, self.kv_pool, self.tp)  # host tier + store client
         # One extra row (all zeros: the reserved page 0) for padded CUDA-graph batch entries.
         self.pad_row = opts.max_running_requests
-        self.req_to_token_pool = ReqToTokenPool(opts.max_running_requests + 1, self.max_context_len, self.device)
+        # An encoder-decoder request's row holds its encoder slots, then its decoder tokens.
+        width = (encoder_decoder.row_width(self.max_context_len, opts.page_size)
+                 if self.model_config.is_encoder_decoder else self.max_context_len)
+        self.req_to_token_pool = ReqToTokenPool(opts.max_running_requests + 1, width, self.device)
         mc = self.model_config
         self.serving = serving_mode(mc, is_embedding=opts.is_embedding, chunked_prefill_size=opts.chunked_prefill_size,
                                     disable_radix_cache=opts.disable_radix_cache)
         self.pooling = mc.pooling or default_pooling(is_encoder=not mc.is_causal)
         self.attn_backend = make_attention_backend(opts, mc.use_mla, self.device, self.serving)
+        if self.state_pool is not None:
+            from attention.hybrid_linear import HybridLinearAttnBackend
+            from attention.linear_attn import LinearAttentionBackend
+
+            self.attn_backend = HybridLinearAttnBackend(
+                self.attn_backend, LinearAttentionBackend(self.state_pool), mc.full_attn_layers
+            )
         if self.serving.is_embedding:
             logger.info("embedding replica: pooling %s (normalize=%s, from %s)",
                         self.pooling.mode, self.pooling.normalize, self.pooling.source)
@@ -107,6 +136,8 @@ class ModelRunner:
             else None
         )
         self.states: dict[str, RequestSamplingState] = {}
+        self.generation_rules = (encoder_decoder.GenerationRules.of(mc) if mc.is_encoder_decoder and self.tp.is_first
+                                 else None)
         self.graph_runner: CudaGraphRunner | None = None
         # Decode graphs serve generation; an embedding replica only prefills (a batch of
         # one-token prompts, planned as DECODE, runs eagerly).
@@ -114,6 +145,8 @@ class ModelRunner:
                 and not self.serving.is_embedding):
             self.graph_runner = CudaGraphRunner(self, pad_row=self.pad_row)
             self.graph_runner.capture()
+        if self.drafter is not None:
+            self.drafter.attach()
         # Embedding requests (rid -> pooling accumulated over their prefill pieces).
         self.pooling_states: dict[str, PoolingState] = {}
 
@@ -133,7 +166,7 @@ class ModelRunner:
 
     def _make_kv_pool(self) -> KVPool:
         mc, ps = self.model_config, self.opts.page_size
-        layers = mc.num_layers
+        layers = len(mc.full_attn_layers)  # a hybrid model's linear layers keep no KV
         if mc.use_mla:
             lora, rope = mc.hf_config.kv_lora_rank, mc.hf_config.qk_rope_head_dim
             def build(pages: int) -> KVPool:
@@ -144,6 +177,8 @@ class ModelRunner:
             def build(pages: int) -> KVPool:
                 return MHATokenToKVPool(pages, ps, layers, kv_heads, mc.head_dim, self.dtype, self.device)
             per_token = kv_heads * 2 * mc.head_dim * self.dtype.itemsize * layers
+        if self.drafter is not None:  # the draft's pool mirrors this one page for page
+            per_token += self.drafter.kv_bytes_per_token
         num_pages = self._kv_tokens(per_token) // ps + 1  # + the reserved page 0
         pool = build(num_pages)
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, ps,
@@ -166,13 +201,22 @@ class ModelRunner:
                 self.pooling_states[nr.rid] = PoolingState(self.pooling, len(nr.prompt_ids))
             else:
                 self.states[nr.rid] = RequestSamplingState(nr.sampling, nr.prompt_ids, list(nr.output_ids))
+        if self.state_pool is not None:
+            self.state_pool.reset_admitted(plan)
         for row, start, slots in plan.table_writes:
             self.req_to_token_pool.write(row, start, torch.tensor(slots, dtype=torch.int32, device=self.device))
         result = StepResult(plan.step_id)
+        if self.kv_offload is not None:  # KV store saves/prefetches/loads, before the forward
+            self.kv_offload.run(plan, result)
         if plan.mode == ForwardMode.IDLE or not plan.reqs:
             return result
+        if plan.mode == ForwardMode.TARGET_VERIFY:  # one speculative round (workers.spec_runner)
+            assert self.drafter is not None and isinstance(plan, SpecStepPlan), "TARGET_VERIFY needs a draft model"
+            return self.drafter.verify(plan, t0, result)
         fb = self.build_forward_batch(plan)
         hidden, logits = self.forward(fb)
+        if self.drafter is not None:  # the draft computes the same tokens into its own pool
+            self.drafter.follow(fb)
         self._finish_step(plan, fb, hidden, logits, result)
         result.compute_s = time.perf_counter() - t0
         return result
@@ -195,8 +239,11 @@ class ModelRunner:
         )
         packed = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
         input_ids, positions, out_loc, rows, seq_lens, ext_t, prefix_t = packed.split([n, n, n, bs, bs, bs, bs])
-        # Record the new tokens' slots in the request table before the attention reads it.
-        self.req_to_token_pool.req_to_token[rows.repeat_interleave(ext_t, output_size=n), positions] = (
+        # Record the new tokens' slots in the request table before the attention reads it (an
+        # encoder-decoder request's decoder columns start after its own encoder pages).
+        cols = (encoder_decoder.decoder_columns(plan, positions, ext_t, self.opts.page_size)
+                if self.model_config.is_encoder_decoder else positions)
+        self.req_to_token_pool.req_to_token[rows.repeat_interleave(ext_t, output_size=n), cols] = (
             out_loc.to(torch.int32)
         )
         seq_lens_cpu = host[3 * n + bs : 3 * n + 2 * bs].to(torch.int32)
@@ -223,6 +270,8 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
         )
+        if self.model_config.is_encoder_decoder:
+            encoder_decoder.attach(fb, plan, self.req_to_token_pool)
         return fb
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -246,6 +295,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[fb.logits_indices[sample_idx]])  # all ranks gather
             if self.sampler is not None:
                 states = [self.states[plan.reqs[i].rid] for i in sample_idx]
+                if self.generation_rules is not None:  # generate's forced bos/eos tokens
+                    logits = self.generation_rules.force(logits, states)
                 out = self.sampler.sample(logits, states)
                 for i, tok, lp in zip(sample_idx, out.token_ids, out.logprobs):
                     rid = plan.reqs[i].rid

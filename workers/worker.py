@@ -38,6 +38,11 @@ def attention_description(backend) -> str:
         return f"{backend.name}: {backend.kernel}"
     if isinstance(backend, FlashAttentionBackend):
         return f"{backend.name}: {backend.kernels.description}"
+    from attention.hybrid_linear import HybridLinearAttnBackend
+
+    if isinstance(backend, HybridLinearAttnBackend):
+        full, linear = backend.full_attn_backend, backend.linear_attn_backend
+        return f"{backend.name}: {attention_description(full)} + {attention_description(linear)}"
     return backend.name  # the torch reference backend has no kernel choice
 
 
@@ -89,6 +94,12 @@ class RankWorker:
     def execute(self, plan: StepPlan) -> StepResult:
         assert self.runner is not None, "init() first"
         return self.runner.execute(plan)
+
+    def kv_store_stats(self) -> dict | None:
+        """This rank's KV store client and host-tier counters (None: no store). Runs beside
+        execute() on the actor's second thread: it only reads counters."""
+        off = self.runner.kv_offload if self.runner is not None else None
+        return off.stats() if off is not None else None
 
     def hold(self) -> None:
         """Returns only at shutdown; its failure tells the replica that this rank died."""

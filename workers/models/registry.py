@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from workers.models.bailing_hybrid import BailingHybridForCausalLM
+from workers.models.bart import BartForConditionalGeneration
 from workers.models.bert import BertModel
 from workers.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from workers.models.kimi_linear import KimiLinearForCausalLM
 from workers.models.llama import LlamaForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -21,7 +24,13 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    "BailingHybridForCausalLM": BailingHybridForCausalLM,
     "BertModel": BertModel,
+    # Encoder-decoders: one parametrised model (workers/models/bart.py).
+    "BartForConditionalGeneration": BartForConditionalGeneration,
+    "MBartForConditionalGeneration": BartForConditionalGeneration,
+    "MarianMTModel": BartForConditionalGeneration,
 }
 
 # Bidirectional encoders without an LM head: embedding models by construction.

@@ -1,0 +1,85 @@
+"""Prometheus export of the shared KV store's counters, from what replicas report.
+
+A replica's `stats()["kvstore"]` (cluster/kv_offload.py `SchedulerKVOffload.report`) carries
+cumulative counters: the scheduler's (pages looked up in the store, pages loaded), every rank's
+client and host tier, and the store's usage. Like the prefix-cache counters they are exported
+from the latest polled values by a custom collector (a replica that restarts starts again from
+zero, which `rate()` reads as a counter reset).
+
+    manta:kvstore_pages_written_total{replica,layout,tp_rank}  pages a rank wrote into the store
+    manta:kvstore_pages_read_total{replica,layout,tp_rank}     pages a rank read from the store
+    manta:kvstore_hit_pages_total{replica}     pages loaded into the device pool from the store
+    manta:kvstore_query_pages_total{replica}   pages past the radix-cache match looked up
+    manta:kvstore_bytes_total{replica,direction}   bytes moved, direction "write" | "read"
+    manta:kvstore_errors_total{replica}        failed store calls, transfers, bad checksums
+    manta:kvstore_usage_bytes{tier}            "ram" and "file" (the store), "host" (ranks' host tiers)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class KVStoreCollector(Collector):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._replicas: dict[str, dict] = {}
+        self._store: dict | None = None
+
+    def set(self, replica: str, report: dict) -> None:
+        with self._lock:
+            self._replicas[replica] = report
+            if report.get("store") is not None:
+                self._store = report["store"]
+
+    def remove(self, replica: str) -> None:
+        with self._lock:
+            self._replicas.pop(replica, None)
+
+    def collect(self) -> Iterator[Metric]:
+        written = CounterMetricFamily("manta:kvstore_pages_written", "Pages a rank wrote into the shared KV store.",
+                                      labels=["replica", "layout", "tp_rank"])
+        read = CounterMetricFamily("manta:kvstore_pages_read", "Pages a rank read from the shared KV store.",
+                                   labels=["replica", "layout", "tp_rank"])
+        hits = CounterMetricFamily("manta:kvstore_hit_pages",
+                                   "Prompt pages loaded from the KV store instead of computed.", labels=["replica"])
+        queries = CounterMetricFamily("manta:kvstore_query_pages",
+                                      "Prompt pages past the prefix-cache match looked up in the KV store.",
+                                      labels=["replica"])
+        nbytes = CounterMetricFamily("manta:kvstore_bytes", "Bytes moved between ranks and the KV store.",
+                                     labels=["replica", "direction"])
+        errors = CounterMetricFamily("manta:kvstore_errors",
+                                     "KV store failures (timeouts, unreachable store, failed transfers, bad "
+                                     "checksums); each is a miss, never a failed request.", labels=["replica"])
+        usage = GaugeMetricFamily("manta:kvstore_usage_bytes",
+                                  "Bytes held by KV store tiers: ram and file (the shared store), host (the "
+                                  "ranks' host tiers, all replicas).", labels=["tier"])
+        with self._lock:
+            host = 0
+            for replica, rep in self._replicas.items():
+                hits.add_metric([replica], rep.get("hit_pages", 0))
+                queries.add_metric([replica], rep.get("query_pages", 0))
+                errors.add_metric([replica], rep.get("errors", 0))
+                wbytes = rbytes = 0
+                for r in rep.get("ranks", []):
+                    labels = [replica, str(r.get("layout", rep.get("layout", ""))), str(r.get("tp_rank", 0))]
+                    written.add_metric(labels, r.get("pages_written", 0))
+                    read.add_metric(labels, r.get("pages_read", 0))
+                    wbytes += r.get("bytes_written", 0)
+                    rbytes += r.get("bytes_read", 0)
+                    host += r.get("host", {}).get("used_bytes", 0)
+                nbytes.add_metric([replica, "write"], wbytes)
+                nbytes.add_metric([replica, "read"], rbytes)
+            if self._store is not None:
+                usage.add_metric(["ram"], self._store.get("ram_used_bytes", 0))
+                usage.add_metric(["file"], self._store.get("file_used_bytes", 0))
+            if self._replicas:
+                usage.add_metric(["host"], host)
+        yield from (written, read, hits, queries, nbytes, errors, usage)
+
+    def describe(self) -> Iterator[Metric]:
+        return self.collect()

@@ -1,0 +1,107 @@
+"""Keeps the number of replicas up: a replica actor that died is replaced by a new one.
+
+A replica survives the loss of one of its ranks by itself (it rebuilds its TP group, see
+`cluster.replica`). What it cannot survive is the loss of its own actor: its node went away, or
+its process was killed. The router learns of that from Ray (`ActorDiedError` on a stats poll or
+on a request) and marks the handle `dead`; this supervisor, a task on the serving event loop,
+then
+
+1. takes the dead replica out of rotation and forgets its actor (the router already routes
+   around it: requests that had no token yet were retried elsewhere, the others ended with a
+   clean error);
+2. starts a new replica (`ServingCluster.start_replica`, in a thread: it blocks until the
+   replica's placement group is placed and its ranks loaded the model, which waits for
+   resources if the cluster has none free, e.g. until the autoscaler or an operator adds a node);
+3. puts it into rotation. A start that fails is retried with backoff, so a cluster that lost a
+   node gets its replica back once the capacity returns.
+
+Meanwhile the remaining replicas serve everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SupervisorStats:
+    replaced: int = 0  # dead replicas taken out of rotation
+    started: int = 0  # replacements that came up and joined the router
+    failed_starts: int = 0
+    missing: int = 0  # replacements still to start
+    events: list[str] = field(default_factory=list)  # what happened, in order (bounded)
+
+    def log(self, msg: str) -> None:
+        logger.warning("supervisor: %s", msg)
+        self.events = [*self.events[-99:], f"{time.strftime('%H:%M:%S')} {msg}"]
+
+
+class ReplicaSupervisor:
+    """Replaces dead replica actors of `cluster` (a `ServingCluster` whose router is serving).
+
+    interval_s: how often the router's handles are checked. ready_timeout_s: how long one start
+    may wait for resources before it is abandoned and retried. backoff_s: the first wait after a
+    failed start (doubles, up to 60 s)."""
+
+    def __init__(self, cluster, interval_s: float = 1.0, ready_timeout_s: float = 600.0, backoff_s: float = 2.0):
+        self.cluster = cluster
+        self.interval_s, self.ready_timeout_s, self.backoff_s = interval_s, ready_timeout_s, backoff_s
+        self.stats = SupervisorStats()
+        self._task: asyncio.Task | None = None
+        self._starting: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop())
+
+    async def aclose(self) -> None:
+        for t in (self._task, self._starting):
+            if t is not None:
+                t.cancel()
+        self._task = self._starting = None
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                self.check_once()
+            except Exception:
+                logger.exception("supervisor check failed")
+            await asyncio.sleep(self.interval_s)
+
+    def check_once(self) -> None:
+        """Retire dead replicas; make sure a start is under way while any replacement is missing."""
+        router = self.cluster.router
+        if router is None:
+            return
+        for name, handle in list(router.replicas.items()):
+            if handle.dead:
+                router.remove_replica(name)
+                self.cluster.forget_replica(name)
+                self.stats.replaced += 1
+                self.stats.missing += 1
+                self.stats.log(f"replica {name} died ({handle.reason}); starting a replacement")
+        if self.stats.missing and (self._starting is None or self._starting.done()):
+            self._starting = asyncio.create_task(self._replace())
+
+    async def _replace(self) -> None:
+        backoff = self.backoff_s
+        while self.stats.missing:
+            try:
+                name, actor = await asyncio.to_thread(self.cluster.start_replica, self.ready_timeout_s)
+            except Exception as exc:
+                self.stats.failed_starts += 1
+                self.stats.log(f"a replacement replica did not start ({type(exc).__name__}: {exc}); "
+                               f"retrying in {backoff:.0f} s")
+                await asyncio.sleep(backoff)
+                backoff = min(60.0, backoff * 2)
+                continue
+            self.cluster.router.add_replica(name, actor)  # on the loop: the router is not thread-safe
+            self.stats.missing -= 1
+            self.stats.started += 1
+            self.stats.log(f"replacement {name} is serving")
+            backoff = self.backoff_s

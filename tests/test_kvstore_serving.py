@@ -1,0 +1,542 @@
+"""The shared KV store in serving: the scheduler's orders (hand-built rank results, exact page
+counts), then real Ray, real NIXL, on CPU: a prefix prefilled on one replica is loaded by
+another; MLA and MHA at TP=2 write the right keys from the right ranks; pages survive a store
+restart; a damaged page is a miss; a dead, hung or full store never stops serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from cluster.kv_offload import SchedulerKVOffload
+from cluster.request import Request
+from cluster.scheduler import Scheduler
+from kvstore.client import ClientCounters
+from kvstore.keys import chain_keys, rank_keys
+from workers.forward_batch import ForwardMode
+from workers.messages import StepResult
+from workers.sampling_params import SamplingParams
+
+P = 4
+FP = "ab" * 32
+
+
+class FakeProbe:
+    """The store as the scheduler sees it: the chain keys it holds for every rank."""
+
+    def __init__(self, keys=(), fail=False):
+        self.keys = set(keys)
+        self.fail = fail
+        self.counters = ClientCounters()
+        self.calls = 0
+
+    def count(self, chain):
+        self.calls += 1
+        if self.fail:
+            self.counters.errors += 1
+            return 0
+        n = 0
+        while n < len(chain) and chain[n] in self.keys:
+            n += 1
+        return n
+
+
+def make(policy="write_through", prefetch="timeout", probe=None, num_pages=65, **kw):
+    s = Scheduler(num_pages=num_pages, page_size=P, max_running_requests=8, max_num_batched_tokens=64,
+                  chunked_prefill_size=64, max_context_len=256, eos_token_ids=(2,))
+    off = SchedulerKVOffload(s, fingerprint=FP, layout="mha", tp_size=1, write_policy=policy,
+                             prefetch_policy=prefetch, probe=probe or FakeProbe(), min_pages=1, **kw)
+    return s, off
+
+
+def req(rid, n, first=100, max_tokens=4) -> Request:
+    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def result(plan, loaded=None, prefetched=()) -> StepResult:
+    res = StepResult(plan.step_id, kv_loaded=dict(loaded or {}), kv_prefetched=list(prefetched))
+    for r in plan.reqs:
+        if r.sample:
+            res.sampled_rids.append(r.rid)
+            res.next_token_ids.append(7)
+            res.logprobs.append(None)
+    return res
+
+
+def step(s, **kw):
+    plan = s.schedule()
+    assert plan is not None
+    s.process_result(plan, result(plan, **kw))
+    s.check_integrity()
+    return plan
+
+
+def run_until_idle(s, limit=50):
+    plans = []
+    while s.has_work() and len(plans) < limit:
+        plans.append(step(s))
+    return plans
+
+
+def keys_of(tokens):
+    return chain_keys(tokens, P, FP, "mha")
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler orders
+
+
+def test_write_through_saves_every_page_the_radix_cache_takes():
+    s, _ = make()
+    a = req("a", 40)
+    s.add_request(a)
+    plans = run_until_idle(s)
+    saves = [sv for p in plans for sv in p.kv_saves]
+    # 40 prompt tokens + 3 computed outputs (the 4th is sampled, never fed back): 10 full pages.
+    assert len(saves) == 1 and saves[0].keys == keys_of(a.all_ids[:40])
+    assert len(set(saves[0].page_ids)) == 10
+    # A second request with the same prefix adds only its new pages.
+    b = req("b", 48)
+    s.add_request(b)
+    saves = [sv for p in run_until_idle(s) for sv in p.kv_saves]
+    assert [k for sv in saves for k in sv.keys] == keys_of(b.all_ids[:48])[10:]
+
+
+def test_write_through_selective_saves_pages_matched_twice():
+    s, off = make("write_through_selective")
+    for rid in ("a", "b"):
+        s.add_request(req(rid, 41))
+        assert not [sv for p in run_until_idle(s) for sv in p.kv_saves]
+    s.add_request(req("c", 41))  # the second match of the 10 prompt pages
+    saves = [sv for p in run_until_idle(s) for sv in p.kv_saves]
+    assert [k for sv in saves for k in sv.keys] == keys_of(list(range(100, 140)))
+    assert off.stats.saved_pages == 10
+
+
+def test_write_back_saves_pages_when_the_radix_cache_evicts_them():
+    s, off = make("write_back", num_pages=17)  # 16 usable pages
+    a = req("a", 40)
+    s.add_request(a)
+    assert not [sv for p in run_until_idle(s) for sv in p.kv_saves]
+    assert s.radix.total_cached_pages == 10
+    s.add_request(req("b", 40, first=500))  # needs 11 pages: 5 of a's are evicted
+    plans = run_until_idle(s)
+    saves = [sv for p in plans for sv in p.kv_saves]
+    evicted_keys = [k for sv in saves for k in sv.keys]
+    assert len(evicted_keys) >= 5 and set(evicted_keys) <= set(keys_of(a.all_ids[:40]))
+    # The save rides in the plan that evicted the page, ahead of the forward that reuses it.
+    first = next(p for p in plans if p.kv_saves)
+    reused = {slot // P for r in first.reqs for slot in r.out_cache_loc}
+    assert set(first.kv_saves[0].page_ids) & reused
+
+
+@pytest.mark.parametrize("prefetch", ["timeout", "wait_complete", "best_effort"])
+def test_store_prefix_is_prefetched_loaded_and_only_the_rest_computed(prefetch):
+    prompt = list(range(100, 141))  # prompt[:-1]: 10 whole pages
+    probe = FakeProbe(keys_of(prompt[:40]))
+    s, off = make(prefetch=prefetch, probe=probe, prefetch_timeout_s=60.0)
+    s.add_request(Request("r", prompt, SamplingParams(max_tokens=2, ignore_eos=True)))
+    plan = s.schedule()
+    assert plan.mode == ForwardMode.IDLE and not plan.reqs  # set aside while the ranks prefetch
+    assert [p.keys for p in plan.kv_prefetch] == [keys_of(prompt[:40])]
+    s.process_result(plan, result(plan))
+    s.check_integrity()
+    if prefetch != "best_effort":  # the ranks have not reported the prefetch finished yet
+        plan = s.schedule()
+        assert not plan.kv_loads and not plan.reqs
+        s.process_result(plan, result(plan, prefetched=["r"]))
+    plan = s.schedule()
+    (load,) = plan.kv_loads
+    assert load.keys == keys_of(prompt[:40]) and len(load.page_ids) == 10
+    assert load.wait_s == 0.0 if prefetch == "best_effort" else load.wait_s > 50
+    s.check_integrity()  # the load's pages are accounted as held
+    free_before = s.allocator.num_free
+    s.process_result(plan, result(plan, loaded={"r": 7}))  # a rank had only 7 pages
+    s.check_integrity()
+    assert s.allocator.num_free == free_before + 3 and s.radix.total_cached_pages == 7
+    plan = s.schedule()
+    (sr,) = plan.reqs
+    assert sr.prefix_len == 28 and len(sr.input_ids) == 41 - 28  # only the rest is computed
+    assert plan.table_writes[0][1:] == (0, [p * P + i for p in load.page_ids[:7] for i in range(P)])
+    assert off.stats.hit_pages == 7 and off.stats.query_pages == 10 and off.stats.probe_hit_pages == 10
+    s.process_result(plan, result(plan))
+    run_until_idle(s)
+    assert s.requests == {} and s.radix.protected_pages == 0
+    assert s.stats.prefix_hit_tokens == 28
+
+
+def test_timeout_grows_with_the_prompt_and_stops_early():
+    prompt = list(range(100, 141))
+    s, off = make(prefetch="timeout", probe=FakeProbe(keys_of(prompt[:40])), prefetch_timeout_s=0.05,
+                  prefetch_timeout_per_page_s=0.01)
+    s.add_request(Request("r", prompt, SamplingParams(max_tokens=1)))
+    plan = s.schedule()
+    e = off.loading["r"]
+    assert e.deadline - e.started == pytest.approx(0.05 + 10 * 0.01)
+    s.process_result(plan, result(plan))
+    time.sleep(0.16)
+    plan = s.schedule()  # not reported finished, but the deadline passed
+    assert plan.kv_loads and plan.kv_loads[0].wait_s == 0.0 and off.stats.early_stops == 1
+    s.process_result(plan, result(plan, loaded={"r": 0}))
+    run_until_idle(s)
+    assert s.stats.prefix_hit_tokens == 0 and s.requests == {}
+
+
+def test_abort_while_prefetching_releases_everything():
+    prompt = list(range(100, 141))
+    probe = FakeProbe()
+    s, off = make(probe=probe)
+    s.add_request(req("warm", 9, first=100))  # 2 cached pages under the lock of the set-aside
+    run_until_idle(s)
+    probe.keys = set(keys_of(prompt[:40]))
+    s.add_request(Request("r", prompt, SamplingParams(max_tokens=1)))
+    plan = s.schedule()
+    assert plan.kv_prefetch[0].keys == keys_of(prompt[:40])[2:] and s.radix.protected_pages == 2
+    s.process_result(plan, result(plan))
+    s.abort("r")
+    plan = s.schedule()
+    assert "r" in plan.finished_rids and not plan.kv_loads  # the ranks cancel the prefetch
+    s.process_result(plan, result(plan))
+    assert not s.has_work() and s.radix.protected_pages == 0 and not off.loading
+    s.check_integrity()
+
+
+def test_a_load_lost_with_its_step_frees_its_pages():
+    prompt = list(range(100, 141))
+    s, off = make(prefetch="best_effort", probe=FakeProbe(keys_of(prompt[:40])))
+    s.add_request(Request("r", prompt, SamplingParams(max_tokens=1)))
+    step(s)  # the prefetch
+    assert s.schedule().kv_loads  # ... and its step fails: no result comes back
+    assert s.schedule() is None and not off.held_pages()  # the load counts as 0 pages: requeued
+    s.check_integrity()
+    plan = s.schedule()  # and admitted without it
+    assert [r.prefix_len for r in plan.reqs] == [0]
+    s.process_result(plan, result(plan))
+    s.check_integrity()
+    run_until_idle(s)
+    assert s.requests == {} and s.radix.protected_pages == 0
+
+
+def test_failed_probe_pauses_probing():
+    probe = FakeProbe(fail=True)
+    s, off = make(probe=probe)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 41, first=1000 * (i + 1)))
+    run_until_idle(s)
+    assert probe.calls == 1 and off.stats.probe_skips == 2 and s.requests == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# real Ray, real NIXL
+
+NS = "manta-kvstore-serving-test"
+PAGE = 16  # the store serves replicas with pages of >= 16 tokens (cluster.kv_offload.MIN_PAGE_TOKENS)
+
+
+def greedy(n=6) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, namespace=NS)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from tests.fixtures import tiny_model_dir
+
+    return str(tiny_model_dir(tmp_path_factory, "llama"))
+
+
+@pytest.fixture(scope="module")
+def mla_dir(tmp_path_factory):
+    from tests.fixtures import tiny_model_dir
+
+    return str(tiny_model_dir(tmp_path_factory, "deepseek_v2"))
+
+
+def engine_config(model: str, root, **kw):
+    from cluster.config import EngineConfig
+
+    args = dict(model=model, page_size=PAGE, kv_cache_tokens=4096, max_running_requests=8, kv_store=str(root),
+                kv_store_host_gb=0.01, kv_store_disk_gb=0.1, kv_host_cache_gb=0.001,
+                kv_prefetch_policy="wait_complete")
+    args.update(kw)
+    return EngineConfig(**args)
+
+
+_held: list = []
+
+
+def start_store(root, **kw):
+    from kvstore.store import STORE_NAME, get_or_create_store
+
+    kw = {"ram_bytes": 8 << 20, "file_bytes": 64 << 20, "slot_bytes": 4096, "flush_interval_s": None, **kw}
+    deadline = time.monotonic() + 120
+    while True:  # the name is free once Ray has seen the previous store die
+        try:
+            store = get_or_create_store(str(root), name=STORE_NAME, **kw)
+            ray.get(store.info.remote(), timeout=120)
+            _held.append(store)  # a named actor without a live handle is garbage collected
+            return store
+        except (ray.exceptions.RayActorError, ValueError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def kill_store() -> None:
+    from kvstore.store import lookup_store
+
+    store = lookup_store()
+    _held.clear()
+    if store is None:
+        return
+    ray.kill(store)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(store.info.remote(), timeout=60)
+        except (ray.exceptions.RayActorError, AttributeError):
+            return
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def no_store_after(ray_local):
+    yield
+    kill_store()
+
+
+def wait_for(cond, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def store_keys() -> list[str]:
+    from kvstore.store import lookup_store
+
+    return ray.get(lookup_store().keys.remote())
+
+
+def page_file(root: Path, key: str) -> Path:
+    from kvstore.store import SUFFIX
+
+    return Path(root) / key[:2] / (key + SUFFIX)
+
+
+@pytest.mark.slow
+def test_prefix_prefilled_on_one_replica_is_loaded_by_another(no_store_after, tmp_path, llama_dir):
+    """Replica A prefills a long prompt and writes its pages; replica B, asked the same prompt
+    (round robin), loads them from the store: its prefill computes only the last token, its
+    greedy output equals A's, and the metrics show the hits."""
+    from cluster.launch import ClusterOptions, ServingCluster
+    from cluster.metrics import ServerMetrics
+    from cluster.router import RouterOptions
+
+    cfg = engine_config(llama_dir, tmp_path / "kv")
+    metrics = ServerMetrics()
+    cluster = ServingCluster(ClusterOptions(engine=cfg, replicas=2, namespace=NS,
+                                            router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),
+                             metrics)
+    router = cluster.start()  # starts the store first (cfg.kv_store)
+    prompt = prompt_ids(201, seed=1)  # prompt[:-1]: 12 whole pages (192 tokens)
+
+    async def collect(p):
+        outs = [o async for o in router.generate_stream(p, greedy())]
+        return outs[-1], [t for o in outs for t in o.delta_token_ids]
+
+    async def scenario():
+        await router.start()
+        a, a_tokens = await collect(prompt)
+        # A's 12 full pages (of 201 prompt + 5 computed outputs) reach the store in the background.
+        await asyncio.to_thread(wait_for, lambda: len(store_keys()) >= 2 * 12, 60, "A's pages in the store")
+        b, b_tokens = await collect(prompt)
+
+        def ranks_reported():  # the replica polls its ranks' counters in the background
+            return kv(b.replica)["ranks"][0]["pages_read"] == 12 and kv(a.replica)["ranks"][0]["pages_written"] == 12
+
+        await asyncio.to_thread(wait_for, ranks_reported, 30, "the ranks' counters")
+        await router.poll_once()
+        return a, a_tokens, b, b_tokens
+
+    def kv(replica: str) -> dict:
+        return ray.get(cluster.actors[replica].stats.remote())["kvstore"]
+
+    try:
+        a, a_tokens, b, b_tokens = asyncio.run(scenario())
+        assert {a.replica, b.replica} == {"replica-0", "replica-1"}
+        assert a.cached_tokens == 0 and b.cached_tokens == 192  # B computed only the last 9 tokens
+        assert b_tokens == a_tokens and len(a_tokens) == 6
+        st_b = kv(b.replica)
+        assert st_b["hit_pages"] == 12 and st_b["loads"] == 1 and st_b["errors"] == 0
+        text = metrics.render().decode()
+        assert f'manta:kvstore_hit_pages_total{{replica="{b.replica}"}} 12.0' in text
+        assert f'manta:kvstore_query_pages_total{{replica="{b.replica}"}} 12.0' in text
+        assert f'manta:kvstore_pages_written_total{{layout="mha",replica="{a.replica}",tp_rank="0"}} 12.0' in text
+        assert 'manta:kvstore_usage_bytes{tier="file"}' in text and "manta:kvstore_errors_total" in text
+    finally:
+        asyncio.run(router.aclose())
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["mla", "mha"])
+def test_tp2_keys_per_page_and_writer_ranks(no_store_after, tmp_path, llama_dir, mla_dir, layout):
+    """MLA at TP=2: one key per page, every write from rank 0; MHA: two keys per page per rank.
+    After the radix cache is dropped and another prompt has pushed the first one out of the
+    ranks' host tiers, reloading it reads every page back from the store on both ranks (MLA
+    rank 1 reading the keys rank 0 wrote) and the ranks agree on the count; once more, and it
+    comes from the host tiers."""
+    from cluster.engine import Engine, runner_options
+    from workers.model_config import ModelConfig
+    from workers.ray_group import RayWorkerGroup
+
+    start_store(tmp_path / "kv")
+    model = mla_dir if layout == "mla" else llama_dir
+    mc = ModelConfig.from_pretrained(model, "float32")
+    width = mc.kv_lora_rank + mc.qk_rope_head_dim if layout == "mla" else 2 * mc.per_rank_kv_heads(2) * mc.head_dim
+    page_bytes = -(-PAGE * mc.num_layers * width * 4 // 64) * 64
+    cfg = engine_config(model, tmp_path / "kv", tp_size=2, kv_host_cache_gb=32 * page_bytes / 2**30)  # 32 pages
+    group = RayWorkerGroup(runner_options(cfg), 2, name=f"kv-{layout}-tp2")
+    try:
+        eng = Engine(cfg, workers=group)
+        first, other = prompt_ids(401, seed=2), prompt_ids(401, seed=3)  # prompt[:-1]: 25 pages each
+        a = eng.generate([first], greedy(4))[0]
+        chain = chain_keys(first[:400], PAGE, eng.kv_offload.fingerprint, layout)  # 404 computed: 25 pages
+        want = set(chain) if layout == "mla" else {k for c in chain for r in (0, 1) for k in rank_keys(c, layout, r)}
+        wait_for(lambda: len(store_keys()) >= len(want), 60, "the pages in the store")
+        assert set(store_keys()) == want
+        ranks = ray.get([w.kv_store_stats.remote() for w in group.workers])
+        writers = ray.get(ray.get_actor("manta-kvstore").stats.remote())["writes_by_client"]
+        if layout == "mla":
+            assert writers == {ranks[0]["name"]: 25}
+            assert (ranks[1]["pages_written"], ranks[1]["pages_backup_skipped"], ranks[1]["bytes_written"]) == (0, 25, 0)
+        else:
+            assert writers == {ranks[0]["name"]: 2 * 25, ranks[1]["name"]: 2 * 25}
+        assert eng.kv_offload.probe.count(chain) == 25  # the store's prefix count, all ranks' keys
+        eng.generate([other], greedy(4))
+        eng.scheduler.radix.evict(10**9)
+        b = eng.generate([first], greedy(4))[0]
+        assert b.token_ids == a.token_ids and b.cached_tokens == 400
+        ranks = ray.get([w.kv_store_stats.remote() for w in group.workers])
+        assert [r["pages_read"] for r in ranks] == [25, 25] and all(r["errors"] == 0 for r in ranks), ranks
+        eng.scheduler.radix.evict(10**9)
+        c = eng.generate([first], greedy(4))[0]
+        assert c.token_ids == a.token_ids and c.cached_tokens == 400
+        ranks = ray.get([w.kv_store_stats.remote() for w in group.workers])
+        assert [r["pages_read"] for r in ranks] == [25, 25] and all(r["offload_host_hit_pages"] >= 25 for r in ranks)
+        assert eng.kv_offload.stats.hit_pages == 50 and eng.kv_offload.stats.loads == 2
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.slow
+def test_restart_keeps_prefixes_and_a_damaged_page_misses(no_store_after, tmp_path, llama_dir):
+    """Pages survive a store restart on the same directory; a page file corrupted while the store
+    is down, or truncated under the running store, is a miss from that page on, and the request
+    still answers exactly as without the store."""
+    from cluster.engine import Engine
+
+    root = tmp_path / "kv"
+    start_store(root)
+    cfg = engine_config(llama_dir, root)
+    x, y, z = (prompt_ids(161, seed=s) for s in (10, 11, 12))  # 10 prompt pages each
+    eng = Engine(cfg)
+    ref = [eng.generate([p], greedy(4))[0] for p in (x, y, z)]
+    wait_for(lambda: len(store_keys()) == 3 * 10 * 2, 60, "the pages in the store")
+    chains = {id(p): chain_keys(p[:160], PAGE, eng.kv_offload.fingerprint, "mha") for p in (x, y, z)}
+    from kvstore.store import HEADER_BYTES, lookup_store
+
+    assert ray.get(lookup_store().flush.remote()) == 60
+    kill_store()
+    with open(page_file(root, f"{chains[id(x)][4]}-r0-k"), "r+b") as f:  # a flipped byte in x's page 4
+        f.seek(HEADER_BYTES + 100)
+        b = f.read(1)
+        f.seek(HEADER_BYTES + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    start_store(root)  # the index is rebuilt from the files
+    with open(page_file(root, f"{chains[id(y)][6]}-r0-v"), "r+b") as f:  # y's page 6, under the live store
+        f.truncate(HEADER_BYTES + 10)
+    fresh = Engine(cfg)  # an empty host tier: every page comes from the store's files
+    outs = [fresh.generate([p], greedy(4))[0] for p in (z, x, y)]
+    assert [o.token_ids for o in outs] == [ref[2].token_ids, ref[0].token_ids, ref[1].token_ids]
+    assert [o.cached_tokens for o in outs] == [160, 64, 96]
+    assert fresh.kv_offload.stats.hit_pages == 10 + 4 + 6
+    assert ray.get(lookup_store().stats.remote())["counters"]["corrupt"] >= 2
+    fresh.scheduler.check_integrity()
+
+
+
+@ray.remote(num_cpus=0)
+class HungStore:
+    """A store that answers nothing in time."""
+
+    def _hang(self, *args):
+        time.sleep(30)
+
+    register_client = exists = batch_exists_prefix = reserve = locate = commit = stats = info = _hang
+
+
+@pytest.mark.slow
+def test_dead_hung_or_full_store_never_stops_serving(no_store_after, tmp_path, llama_dir):
+    """A full store refuses writes, a dead one is gone, a hung one never answers: every request
+    still answers exactly as without a store, in bounded time, and the errors are counted."""
+    from cluster.engine import Engine
+    from kvstore.store import STORE_NAME
+
+    prompts = [prompt_ids(161, seed=s) for s in (20, 21, 22, 23)]
+    ref = Engine(engine_config(llama_dir, None, kv_store=None)).generate(prompts, greedy(4))
+    cfg = engine_config(llama_dir, tmp_path / "kv")
+
+    def errors(eng) -> int:  # the scheduler's probe and the rank's client and host tier
+        return eng.kv_offload.probe.counters.errors + eng.workers.runner.kv_offload.stats()["errors"]
+
+    # Full: the RAM tier is smaller than one page key, so every write is refused.
+    start_store(tmp_path / "kv", ram_bytes=1024, slot_bytes=1024)
+    eng = Engine(cfg)
+    assert eng.generate([prompts[0]], greedy(4))[0].token_ids == ref[0].token_ids
+    wait_for(lambda: eng.workers.runner.kv_offload.stats()["errors"] > 0, 30, "a refused write counted")
+    assert ray.get(ray.get_actor(STORE_NAME).stats.remote())["counters"]["refused_full"] > 0
+
+    # Dead: misses at once; the failed probe pauses probing.
+    kill_store()
+    t0 = time.monotonic()
+    assert eng.generate([prompts[1]], greedy(4))[0].token_ids == ref[1].token_ids
+    assert time.monotonic() - t0 < 10
+    assert eng.kv_offload.probe.counters.errors >= 1 and errors(eng) >= 2
+    # The replica's report (what the metrics export) catches up with them in the background.
+    wait_for(lambda: eng.kv_offload.report(eng.workers)["errors"] >= 2, 10, "the errors in the report")
+
+    # Hung: the probe times out once, then probing pauses; writes time out on the I/O thread.
+    hung = HungStore.options(name=STORE_NAME, namespace=NS).remote()
+    try:
+        eng2 = Engine(cfg)
+        eng2.kv_offload.probe.link.timeout_s = 0.5
+        t0 = time.monotonic()
+        outs = eng2.generate(prompts[2:], greedy(4))
+        assert time.monotonic() - t0 < 15
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref[2:]]
+        assert eng2.kv_offload.stats.hit_pages == 0 and eng2.kv_offload.probe.counters.errors >= 1
+    finally:
+        ray.kill(hung)

@@ -1,0 +1,420 @@
+"""One rank's side of the hierarchical KV cache: device KV pool → host tier → shared store.
+
+The host tier (`HostTier`) is one host tensor of page rows (pinned when a GPU is present), keyed
+by chain key, least recently used first out. It sits between the rank's device pool and the
+cluster's store actor (`kvstore.store`, reached through this rank's `kvstore.client`):
+
+- save (`KVSave`, at the start of a step, before the forward): device pages are gathered into
+  host rows now (the device page may be reused by this very step), then an I/O thread writes
+  them on to the store (write-through from host to store). MLA ranks != 0 keep their host copy
+  and write nothing (the client skips: contract 5).
+- prefetch (`KVPrefetch`): the I/O thread reads the request's keys from the store into host
+  rows, a chunk at a time, while the rank keeps computing other requests' steps.
+- load (`KVLoad`): wait up to `wait_s` for the prefetch (the scheduler's stop policy), copy the
+  leading host-resident pages into the device pages, and agree with the other ranks on the
+  count (min over ranks). Every rank runs the same loads in the same order, so the collective
+  lines up; a rank that fails locally contributes 0 and never skips the collective.
+
+Which pages are saved, and when (write-through, selective, write-back), and when a prefetch
+stops, is decided by the scheduler (`cluster.kv_offload`); this file only carries out orders.
+Failures (store down, full, corrupt page) are misses and counted errors, never exceptions
+into the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.kv_messages import KVLoad, KVOffloadOptions, KVPrefetch, KVSave
+
+logger = logging.getLogger(__name__)
+
+
+class HostTier:
+    """Page rows of one rank keyed by chain key: data [capacity, page_bytes] uint8.
+
+    A row is `ready` (holds its key's bytes; evictable, LRU order) or taken (being filled by a
+    prefetch or a save: invisible to lookups) or free. Rows being written to the store are
+    pinned: eviction skips them. Every method takes `lock`; the bytes of a row are read or
+    written outside it only while the row is taken or pinned."""
+
+    def __init__(self, capacity_pages: int, page_bytes: int, pin: bool):
+        self.page_bytes = page_bytes
+        self.data = torch.empty((capacity_pages, page_bytes), dtype=torch.uint8, pin_memory=pin)
+        self.ready: OrderedDict[str, int] = OrderedDict()
+        self.pins: dict[int, int] = {}
+        self.free = list(range(capacity_pages - 1, -1, -1))
+        self.lock = threading.Lock()
+        self.evictions = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.capacity - len(self.free)) * self.page_bytes
+
+    def leading(self, keys: list[str]) -> list[int]:
+        """Rows of the leading keys that are ready (refreshed as most recently used), pinned:
+        `unpin` them once their bytes are copied."""
+        rows: list[int] = []
+        with self.lock:
+            for key in keys:
+                row = self.ready.get(key)
+                if row is None:
+                    break
+                self.ready.move_to_end(key)
+                self.pins[row] = self.pins.get(row, 0) + 1
+                rows.append(row)
+        return rows
+
+    def has(self, key: str) -> bool:
+        with self.lock:
+            return key in self.ready
+
+    def take(self, n: int) -> list[int]:
+        """Up to n rows (free ones first, then the least recently used unpinned ready ones)."""
+        with self.lock:
+            rows = [self.free.pop() for _ in range(min(n, len(self.free)))]
+            if len(rows) < n:
+                for key in list(self.ready):
+                    row = self.ready[key]
+                    if self.pins.get(row):
+                        continue
+                    del self.ready[key]
+                    self.evictions += 1
+                    rows.append(row)
+                    if len(rows) == n:
+                        break
+            return rows
+
+    def publish(self, keys: list[str], rows: list[int], pin: bool = False) -> list[int]:
+        """Rows now hold keys; a key already ready keeps its row and the new one is freed.
+        Returns the rows that hold the keys (pinned when `pin`)."""
+        held = []
+        with self.lock:
+            for key, row in zip(keys, rows):
+                if key in self.ready:
+                    self.free.append(row)
+                    row = self.ready[key]
+                else:
+                    self.ready[key] = row
+                if pin:
+                    self.pins[row] = self.pins.get(row, 0) + 1
+                held.append(row)
+        return held
+
+    def pin_ready(self, key: str) -> int | None:
+        """The row of a ready key, pinned (None when the key is not ready)."""
+        with self.lock:
+            row = self.ready.get(key)
+            if row is not None:
+                self.ready.move_to_end(key)
+                self.pins[row] = self.pins.get(row, 0) + 1
+            return row
+
+    def give(self, rows: list[int]) -> None:
+        with self.lock:
+            self.free.extend(rows)
+
+    def unpin(self, rows: list[int]) -> None:
+        with self.lock:
+            for row in rows:
+                left = self.pins.get(row, 0) - 1
+                if left > 0:
+                    self.pins[row] = left
+                else:
+                    self.pins.pop(row, None)
+
+
+@dataclass(eq=False)
+class _Prefetch:
+    """One request's prefetch. The rows of keys[:ready] stay pinned in the host tier until the
+    load has copied them (or the prefetch is cancelled): the next chunk's reads never evict
+    the chunks before it, so a prefix longer than the host tier stops at its capacity."""
+
+    rid: str
+    keys: list[str]
+    ready: int = 0  # leading keys in the host tier so far
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    rows: list[int] = field(default_factory=list)  # pinned rows of keys[:ready]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, host: HostTier, rows: list[int]) -> bool:
+        """Record pinned rows of the next keys; False (rows unpinned) once cancelled."""
+        with self.lock:
+            if not self.cancelled:
+                self.rows += rows
+                self.ready += len(rows)
+                return True
+        host.unpin(rows)
+        return False
+
+    def cancel(self, host: HostTier) -> None:
+        """Stop the I/O thread after its current chunk and unpin what it fetched."""
+        with self.lock:
+            self.cancelled = True
+            rows, self.rows = self.rows, []
+        host.unpin(rows)
+
+
+class RankKVOffload:
+    """Carries out a plan's KV orders on one rank (`run`, called by the model runner at the
+    start of `execute`). Owns the host tier, the store client and one I/O thread."""
+
+    def __init__(self, opts: KVOffloadOptions, pool, tp):
+        from kvstore.client import KVStoreClient
+        from kvstore.pages import pool_key_bytes, pool_layout, pool_page_bytes
+
+        if pool_layout(pool) != opts.layout:
+            raise ValueError(f"KV store layout {opts.layout!r} for a {pool_layout(pool)!r} pool")
+        self.opts = opts
+        self.pool = pool
+        self.tp = tp
+        self.key_bytes = pool_key_bytes(pool)
+        self.client = KVStoreClient(None, opts.layout, tp.rank, tp.size, pool_page_bytes(pool), opts.fingerprint,
+                                    staging_pages=opts.chunk_pages, timeout_s=opts.timeout_s,
+                                    store_name=opts.store_name, namespace=opts.namespace)
+        self.page_bytes = self.client.page_bytes
+        pages = max(opts.host_cache_bytes // self.page_bytes, opts.chunk_pages)
+        self.host = HostTier(pages, self.page_bytes, pin=torch.cuda.is_available())
+        self.jobs: dict[str, _Prefetch] = {}
+        self._reads: deque[_Prefetch] = deque()
+        self._writes: deque[tuple[list[str], list[int]]] = deque()
+        self._finished: list[str] = []  # prefetches done since the last report
+        self._cv = threading.Condition()
+        self._stop = False
+        self.counters = {"pages_saved_host": 0, "pages_loaded": 0, "loads": 0, "host_hit_pages": 0,
+                         "prefetched_pages": 0, "host_full": 0, "write_failures": 0, "errors": 0}
+        self._thread = threading.Thread(target=RankKVOffload._io_main, args=(weakref.ref(self),),
+                                        name=f"kv-offload-r{tp.rank}", daemon=True)
+        self._thread.start()
+        logger.info("KV store client on rank %d: layout %s, %d-byte pages, host tier %d pages (%.1f MiB)",
+                    tp.rank, opts.layout, self.page_bytes, pages, pages * self.page_bytes / 2**20)
+
+    # ---------------- one step ----------------
+    def run(self, plan, result) -> None:
+        """Saves, then prefetch starts, then loads (see workers.kv_messages for why)."""
+        for rid in plan.finished_rids:
+            job = self.jobs.pop(rid, None)
+            if job is not None:
+                job.cancel(self.host)
+        for save in plan.kv_saves:
+            self._save(save)
+        for pre in plan.kv_prefetch:
+            self._start_prefetch(pre)
+        for load in plan.kv_loads:
+            result.kv_loaded[load.rid] = self._load(load)
+        with self._cv:
+            if not plan.reqs and not plan.kv_loads and not self._finished and any(
+                    not j.done.is_set() for j in self.jobs.values()):
+                # Nothing to compute and the scheduler waits on a prefetch: give it a moment
+                # rather than answer at once (the engine loop would spin on empty steps).
+                self._cv.wait(self.opts.idle_wait_s)
+            finished, self._finished = self._finished, []
+        if self.tp.is_first:
+            result.kv_prefetched = finished
+
+    def _save(self, save: KVSave) -> None:
+        from kvstore.pages import gather_pages
+
+        todo = [(p, k) for p, k in zip(save.page_ids, save.keys) if not self.host.has(k)]
+        rows = self.host.take(len(todo))
+        if len(rows) < len(todo):
+            # The host tier is full of pages still on their way to the store: the rest go
+            # straight from the device pool to the store, now (the pages may be reused next).
+            rest, todo = todo[len(rows) :], todo[: len(rows)]
+            self.counters["host_full"] += len(rest)
+            self._count_write(self.client.save_pages, self.pool, [p for p, _ in rest], [k for _, k in rest])
+        if not todo:
+            return
+        try:
+            stage = torch.empty((len(todo), self.page_bytes), dtype=torch.uint8)
+            gather_pages(self.pool, [p for p, _ in todo], stage)
+            self.host.data[torch.tensor(rows)] = stage
+        except Exception:
+            logger.exception("kv offload: saving %d pages to the host tier failed", len(todo))
+            self.counters["errors"] += 1
+            self.host.give(rows)
+            return
+        keys = [k for _, k in todo]
+        held = self.host.publish(keys, rows, pin=True)  # pinned until the store write is done
+        self.counters["pages_saved_host"] += len(todo)
+        with self._cv:
+            self._writes.append((keys, held))
+            self._cv.notify_all()
+
+    def _start_prefetch(self, pre: KVPrefetch) -> None:
+        old = self.jobs.pop(pre.rid, None)
+        if old is not None:
+            old.cancel(self.host)
+        job = _Prefetch(pre.rid, list(pre.keys))
+        self.jobs[pre.rid] = job
+        with self._cv:
+            self._reads.append(job)
+            self._cv.notify_all()
+
+    def _load(self, load: KVLoad) -> int:
+        from kvstore.client import agree_on_pages
+        from kvstore.pages import scatter_pages
+
+        job = self.jobs.pop(load.rid, None)
+        n_local, rows = 0, []
+        try:
+            if job is not None and load.wait_s > 0:
+                job.done.wait(load.wait_s)
+            rows = self.host.leading(load.keys[: len(load.page_ids)])
+            if rows:
+                stage = self.host.data[torch.tensor(rows)]  # a copy, taken while the rows are pinned
+                scatter_pages(self.pool, load.page_ids[: len(rows)], stage)
+            n_local = len(rows)
+        except Exception:
+            logger.exception("kv offload: loading %d pages failed", len(load.page_ids))
+            self.counters["errors"] += 1
+            n_local = 0
+        finally:
+            self.host.unpin(rows)
+            if job is not None:
+                job.cancel(self.host)  # the I/O thread stops after its current chunk
+        n = agree_on_pages(self.tp, n_local)  # every rank reaches this, whatever happened above
+        self.counters["loads"] += 1
+        self.counters["pages_loaded"] += n
+        return n
+
+    # ---------------- the I/O thread ----------------
+    @staticmethod
+    def _io_main(ref) -> None:
+        """The I/O thread. It holds the offload only weakly between rounds, so an engine that is
+        dropped (its pool, host tier and client with it) ends the thread too."""
+        while True:
+            self = ref()
+            if self is None or not self._io_round():
+                return
+            del self
+
+    def _io_round(self) -> bool:
+        """One read or write (reads first: a request waits on them); False at shutdown."""
+        with self._cv:
+            if not self._stop and not self._reads and not self._writes:
+                self._cv.wait(1.0)
+            if self._stop:
+                return False
+            job = self._reads.popleft() if self._reads else None
+            write = self._writes.popleft() if job is None and self._writes else None
+        try:
+            if job is not None:
+                self._prefetch(job)
+            elif write is not None:
+                self._write(*write)
+        except Exception:
+            logger.exception("kv offload I/O")
+            self.counters["errors"] += 1
+        finally:
+            if job is not None:
+                job.done.set()
+                with self._cv:
+                    self._finished.append(job.rid)
+                    self._cv.notify_all()
+        return True
+
+    def _row_views(self, row: int) -> list[torch.Tensor]:
+        """One host row split into the page's store keys (MHA: K, V; MLA: the latent)."""
+        views, off, data = [], 0, self.host.data[row]
+        for n in self.key_bytes:
+            views.append(data[off : off + n])
+            off += n
+        return views
+
+    def _write(self, keys: list[str], rows: list[int]) -> None:
+        try:
+            self._count_write(self.client.batch_set, keys, [self._row_views(r) for r in rows])
+        finally:
+            self.host.unpin(rows)
+
+    def _count_write(self, write, *args) -> None:
+        """A store write; a failure (store down or full: those pages just miss later) counts
+        once as an error, whether or not the client counted it itself (a refusal it does not)."""
+        before = self.client.counters.errors
+        if not write(*args):
+            self.counters["write_failures"] += 1
+            if self.client.counters.errors == before:
+                self.counters["errors"] += 1
+
+    def _prefetch(self, job: _Prefetch) -> None:
+        keys = job.keys
+        while job.ready < len(keys) and not job.cancelled:
+            row = self.host.pin_ready(keys[job.ready])
+            if row is not None:
+                self.counters["host_hit_pages"] += 1
+                if not job.add(self.host, [row]):
+                    return
+                continue
+            chunk = keys[job.ready : job.ready + self.opts.chunk_pages]
+            rows = self.host.take(len(chunk))
+            if not rows:  # every row is pinned: the prefix is longer than the host tier
+                self.counters["host_full"] += 1
+                return
+            chunk = chunk[: len(rows)]
+            n = self.client.batch_get(chunk, [self._row_views(r) for r in rows])
+            self.host.give(rows[n:])
+            self.counters["prefetched_pages"] += n
+            if not job.add(self.host, self.host.publish(chunk[:n], rows[:n], pin=True)):
+                return
+            if n < len(chunk):
+                return  # the store has no more of this prefix (or failed): a miss from here
+
+    # ---------------- metrics, shutdown ----------------
+    def stats(self) -> dict:
+        """The client's counters (pages/bytes to and from the store, errors) and the host tier's."""
+        st = self.client.stats()
+        st["errors"] += self.counters["errors"]
+        st.update({f"offload_{k}": v for k, v in self.counters.items() if k != "errors"})
+        st["host"] = {"used_bytes": self.host.used_bytes, "capacity_bytes": self.host.capacity * self.page_bytes,
+                      "pages": len(self.host.ready), "evictions": self.host.evictions}
+        return st
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+        self.client.close()
+
+
+class NullKVOffload:
+    """A rank whose offload could not start: it loads nothing but still takes part in every
+    load's agreement (its peers wait on the collective), so the replica just misses."""
+
+    def __init__(self, tp):
+        self.tp = tp
+
+    def run(self, plan, result) -> None:
+        from kvstore.client import agree_on_pages
+
+        for load in plan.kv_loads:
+            result.kv_loaded[load.rid] = agree_on_pages(self.tp, 0)
+
+    def stats(self) -> dict:
+        return {"tp_rank": self.tp.rank, "errors": 1, "connected": False}
+
+    def close(self) -> None:
+        pass
+
+
+def make_rank_offload(opts: KVOffloadOptions | None, pool, tp) -> RankKVOffload | NullKVOffload | None:
+    """The rank's offload; None when the replica runs without a KV store."""
+    if opts is None:
+        return None
+    try:
+        return RankKVOffload(opts, pool, tp)
+    except Exception:
+        logger.exception("KV store off on rank %d: its loads count 0 pages", tp.rank)
+        return NullKVOffload(tp)
