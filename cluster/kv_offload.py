@@ -239,8 +239,7 @@ class SchedulerKVOffload:
         self.stats = KVOffloadStats()
         self._poller: _StatsPoller | None = None
         scheduler.kv_offload = self
-        if write_policy == "write_back":
-            self.radix.on_evict = self._on_evict
+        self.radix.on_evict = self._on_evict  # bookkeeping always; saves only under write_back
 
     # ---------------- hooks of the scheduler ----------------
     def has_work(self) -> bool:
@@ -359,11 +358,12 @@ class SchedulerKVOffload:
         self.stats.saved_pages += 1
 
     def _on_evict(self, leaf, take: int) -> None:
-        """Radix eviction of leaf's last `take` pages (write_back saves them now)."""
+        """Radix eviction of leaf's last `take` pages: forget them (the page ids come back with
+        other tokens); write_back saves them now."""
         for p in leaf.pages[len(leaf.pages) - take :]:
             key = self.tree_keys.pop(p, None)
             self.hits.pop(p, None)
-            if key is not None and p not in self.saved:
+            if self.write_policy == "write_back" and key is not None and p not in self.saved:
                 self._save(p, key)
             self.saved.discard(p)
 
@@ -492,7 +492,10 @@ class _StatsPoller:
             return list(self._ranks), self._store
 
     def _run(self) -> None:
-        while time.monotonic() - self._asked < 30:
+        import ray
+
+        # Never after ray.shutdown(): a Ray call from here would start a new local instance.
+        while time.monotonic() - self._asked < 30 and ray.is_initialized():
             self._poll()
             time.sleep(self.interval_s)
 

@@ -244,6 +244,12 @@ class Router:
     async def _poll_loop(self) -> None:
         while True:
             await asyncio.sleep(self.options.stats_interval_s)
+            if not ray.is_initialized():
+                # Ray was shut down under a router nobody closed: a `.remote()` now would
+                # auto-start Ray or join whatever cluster it finds on this machine.
+                logger.warning("router: Ray is shut down; stats polling stops")
+                self._poller = None
+                return
             try:
                 await self.poll_once()
             except Exception:

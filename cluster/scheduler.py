@@ -96,6 +96,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         self._pending_drop: list[str] = []
+        # Requests the scheduler itself ended (no token event carried the news yet).
+        self._finished_silently: list[Request] = []
         self._step_id = 0
         self.stats = SchedulerStats()
         self.kv_offload = None  # cluster.kv_offload.SchedulerKVOffload when a KV store is on
@@ -278,6 +280,12 @@ class Scheduler:
         # precede `req` in self.running) until the reservation fits or `req` is the victim.
         while slots is None:
             victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                # Alone and still out of memory: the whole KV cache cannot hold this request
+                # one token longer. Preempting it would re-admit and preempt it forever; end it.
+                self.finish(req, FinishReason.LENGTH)
+                self._finished_silently.append(req)
+                return None
             self._preempt(victim)
             if victim is req:
                 return None
@@ -290,7 +298,8 @@ class Scheduler:
 
     # ---------------- results back ----------------
     def process_result(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
-        events: list[TokenEvent] = []
+        events: list[TokenEvent] = [TokenEvent(req, [], []) for req in self._finished_silently]
+        self._finished_silently = []
         if self.kv_offload is not None:  # store loads done: their requests go back to admission
             self.kv_offload.on_result(plan, result)
         logprobs = result.logprobs or [None] * len(result.sampled_rids)

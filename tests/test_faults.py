@@ -13,7 +13,7 @@ replica-1's actor pinned there), so removing node B takes exactly one whole repl
   replaces the replica as soon as a node with room joins, and the replacement serves.
 
 (A rank killed mid-decode: tests/test_ray_cluster.py. The KV store actor killed:
-tests/test_kvstore.py.)
+tests/test_kvstore.py and tests/test_kvstore_serving.py.)
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ NS = "manta-faults"
 
 
 class PinnedCluster(ServingCluster):
-    """Puts the actor of replica `pinned_name` on node `pinned_node` (softly: a replacement of the
-    same name could go elsewhere). Everything else as in production."""
+    """Puts the actor of replica `pinned_name` on node `pinned_node` (hard: with a soft affinity
+    Ray may place it elsewhere, and the node's loss would then only take its rank). Replacements
+    get new names, so they go wherever there is room. Everything else as in production."""
 
     pinned_name: str | None = None
     pinned_node: str | None = None
@@ -54,7 +55,7 @@ class PinnedCluster(ServingCluster):
         opts = self.options
         extra = {}
         if name == self.pinned_name:
-            extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.pinned_node, soft=True)
+            extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.pinned_node, soft=False)
         actor = ray.remote(Replica).options(name=f"manta-{name}", num_cpus=0, max_concurrency=1000, **extra).remote(
             opts.engine, name, opts.placement_strategy, opts.nic, opts.cpus_per_rank)
         self.actors[name] = actor
@@ -112,9 +113,15 @@ def wait_replicas_idle(serving, timeout: float = 30.0) -> dict[str, dict]:
         time.sleep(0.1)
 
 
+def _node_of(actor) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), timeout=30)
+
+
 def test_layout_one_replica_per_node(nodes):
-    ranks = {n: i["group"]["ranks"][0]["node_id"] for n, i in nodes["serving"].infos.items()}
-    assert ranks["replica-1"] == nodes["node_b"].node_id != ranks["replica-0"]
+    serving, node_b = nodes["serving"], nodes["node_b"].node_id
+    ranks = {n: i["group"]["ranks"][0]["node_id"] for n, i in serving.infos.items()}
+    assert ranks["replica-1"] == node_b != ranks["replica-0"]
+    assert _node_of(serving.actors["replica-1"]) == node_b != _node_of(serving.actors["replica-0"])
 
 
 def test_router_bound_burst_then_back_to_zero(nodes):

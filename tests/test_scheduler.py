@@ -183,3 +183,20 @@ def test_rejections_name_the_problem():
     s.add_request(req("ok", 4))
     with pytest.raises(QueueFull):
         s.add_request(req("ok2", 4))
+
+
+def test_request_outgrowing_the_whole_cache_ends_with_length_not_livelock():
+    # 4 usable pages of 4 tokens = 16 tokens; a 10-token prompt asking for 20 more cannot fit.
+    s = make_scheduler(num_pages=5, disable_radix_cache=True, chunked_prefill_size=-1)
+    s.add_request(req("big", 10, max_tokens=20))
+    finished = []
+    for _ in range(50):
+        plan = s.schedule()
+        if plan is None:
+            break
+        finished += [e.req for e in s.process_result(plan, fake_result(plan)) if e.req.finished]
+        s.check_integrity()
+    assert [r.rid for r in finished] == ["big"]
+    assert finished[0].finish_reason == FinishReason.LENGTH
+    assert len(finished[0].output_ids) == 16 - 10 + 1  # filled every slot, then one token more
+    assert s.allocator.num_free == s.allocator.num_total

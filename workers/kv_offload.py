@@ -295,10 +295,10 @@ class RankKVOffload:
         """The I/O thread. It holds the offload only weakly between rounds, so an engine that is
         dropped (its pool, host tier and client with it) ends the thread too."""
         while True:
-            self = ref()
-            if self is None or not self._io_round():
+            offload = ref()
+            if offload is None or not offload._io_round():
                 return
-            del self
+            del offload
 
     def _io_round(self) -> bool:
         """One read or write (reads first: a request waits on them); False at shutdown."""
@@ -309,6 +309,14 @@ class RankKVOffload:
                 return False
             job = self._reads.popleft() if self._reads else None
             write = self._writes.popleft() if job is None and self._writes else None
+        import ray
+
+        if not ray.is_initialized():  # shut down under us: a store call would start a new Ray
+            if job is not None:
+                job.cancelled = True  # ends at once (done is still set below)
+            if write is not None:
+                self.host.unpin(write[1])
+                write = None
         try:
             if job is not None:
                 self._prefetch(job)
