@@ -330,6 +330,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self.kv_offload is not None:
+            self.kv_offload.close()
         self.workers.shutdown()
 
     async def generate_stream(

@@ -444,6 +444,11 @@ class SchedulerKVOffload:
             self.probed.discard(rid)
             self.chains.pop(rid, None)
 
+    def close(self) -> None:
+        """Stop the stats poller (the engine shuts down)."""
+        if self._poller is not None:
+            self._poller.stop()
+
     # ---------------- metrics ----------------
     def report(self, workers) -> dict:
         """Counters for `Replica.stats()` (and so for the router's metrics): the scheduler's,
@@ -482,6 +487,11 @@ class _StatsPoller:
         self._asked = time.monotonic()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+
+    def stop(self) -> None:
+        self._asked = float("-inf")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
     def latest(self) -> tuple[list[dict], dict | None]:
         self._asked = time.monotonic()

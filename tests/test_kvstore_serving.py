@@ -325,6 +325,23 @@ def no_store_after(ray_local):
     kill_store()
 
 
+@pytest.fixture
+def engines(no_store_after):
+    """Make in-process engines with `engines(cfg)`; they are shut down after the test (their
+    ranks' I/O threads must not outlive the test's Ray instance)."""
+    from cluster.engine import Engine
+
+    made = []
+
+    def make(cfg):
+        made.append(Engine(cfg))
+        return made[-1]
+
+    yield make
+    for eng in made:
+        eng.shutdown()
+
+
 def wait_for(cond, timeout=60.0, what="condition"):
     deadline = time.monotonic() + timeout
     while not cond():
@@ -452,17 +469,15 @@ def test_tp2_keys_per_page_and_writer_ranks(no_store_after, tmp_path, llama_dir,
 
 
 @pytest.mark.slow
-def test_restart_keeps_prefixes_and_a_damaged_page_misses(no_store_after, tmp_path, llama_dir):
+def test_restart_keeps_prefixes_and_a_damaged_page_misses(engines, tmp_path, llama_dir):
     """Pages survive a store restart on the same directory; a page file corrupted while the store
     is down, or truncated under the running store, is a miss from that page on, and the request
     still answers exactly as without the store."""
-    from cluster.engine import Engine
-
     root = tmp_path / "kv"
     start_store(root)
     cfg = engine_config(llama_dir, root)
     x, y, z = (prompt_ids(161, seed=s) for s in (10, 11, 12))  # 10 prompt pages each
-    eng = Engine(cfg)
+    eng = engines(cfg)
     ref = [eng.generate([p], greedy(4))[0] for p in (x, y, z)]
     wait_for(lambda: len(store_keys()) == 3 * 10 * 2, 60, "the pages in the store")
     chains = {id(p): chain_keys(p[:160], PAGE, eng.kv_offload.fingerprint, "mha") for p in (x, y, z)}
@@ -478,7 +493,7 @@ def test_restart_keeps_prefixes_and_a_damaged_page_misses(no_store_after, tmp_pa
     start_store(root)  # the index is rebuilt from the files
     with open(page_file(root, f"{chains[id(y)][6]}-r0-v"), "r+b") as f:  # y's page 6, under the live store
         f.truncate(HEADER_BYTES + 10)
-    fresh = Engine(cfg)  # an empty host tier: every page comes from the store's files
+    fresh = engines(cfg)  # an empty host tier: every page comes from the store's files
     outs = [fresh.generate([p], greedy(4))[0] for p in (z, x, y)]
     assert [o.token_ids for o in outs] == [ref[2].token_ids, ref[0].token_ids, ref[1].token_ids]
     assert [o.cached_tokens for o in outs] == [160, 64, 96]
@@ -499,14 +514,13 @@ class HungStore:
 
 
 @pytest.mark.slow
-def test_dead_hung_or_full_store_never_stops_serving(no_store_after, tmp_path, llama_dir):
+def test_dead_hung_or_full_store_never_stops_serving(engines, tmp_path, llama_dir):
     """A full store refuses writes, a dead one is gone, a hung one never answers: every request
     still answers exactly as without a store, in bounded time, and the errors are counted."""
-    from cluster.engine import Engine
     from kvstore.store import STORE_NAME
 
     prompts = [prompt_ids(161, seed=s) for s in (20, 21, 22, 23)]
-    ref = Engine(engine_config(llama_dir, None, kv_store=None)).generate(prompts, greedy(4))
+    ref = engines(engine_config(llama_dir, None, kv_store=None)).generate(prompts, greedy(4))
     cfg = engine_config(llama_dir, tmp_path / "kv")
 
     def errors(eng) -> int:  # the scheduler's probe and the rank's client and host tier
@@ -514,7 +528,7 @@ def test_dead_hung_or_full_store_never_stops_serving(no_store_after, tmp_path, l
 
     # Full: the RAM tier is smaller than one page key, so every write is refused.
     start_store(tmp_path / "kv", ram_bytes=1024, slot_bytes=1024)
-    eng = Engine(cfg)
+    eng = engines(cfg)
     assert eng.generate([prompts[0]], greedy(4))[0].token_ids == ref[0].token_ids
     wait_for(lambda: eng.workers.runner.kv_offload.stats()["errors"] > 0, 30, "a refused write counted")
     assert ray.get(ray.get_actor(STORE_NAME).stats.remote())["counters"]["refused_full"] > 0
@@ -531,7 +545,7 @@ def test_dead_hung_or_full_store_never_stops_serving(no_store_after, tmp_path, l
     # Hung: the probe times out once, then probing pauses; writes time out on the I/O thread.
     hung = HungStore.options(name=STORE_NAME, namespace=NS).remote()
     try:
-        eng2 = Engine(cfg)
+        eng2 = engines(cfg)
         eng2.kv_offload.probe.link.timeout_s = 0.5
         t0 = time.monotonic()
         outs = eng2.generate(prompts[2:], greedy(4))

@@ -39,4 +39,5 @@ class InProcessWorkerGroup(WorkerGroup):
         return self.runner.execute(plan)
 
     def shutdown(self) -> None:
-        pass
+        if self.runner.kv_offload is not None:  # its I/O thread and NIXL agent
+            self.runner.kv_offload.close()

@@ -390,10 +390,14 @@ class RankKVOffload:
         return st
 
     def close(self) -> None:
+        """Stop the I/O thread (after the store call it may be in: bounded by the client's
+        timeouts) and release the client's NIXL agent. Idempotent."""
+        for job in list(self.jobs.values()):
+            job.cancel(self.host)
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=30)
         self.client.close()
 
 

@@ -107,5 +107,7 @@ class RankWorker:
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self.runner is not None and self.runner.kv_offload is not None:
+            self.runner.kv_offload.close()
         if dist.is_initialized():
             dist.destroy_process_group()
