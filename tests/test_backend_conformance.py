@@ -18,9 +18,18 @@ from attention.base import AttentionBackend
 HOOKS = sorted(AttentionBackend.__abstractmethods__)
 
 
+# GPU-only kernel modules need these; the backends never import them at module level, so a
+# CPU machine without them still sees every backend class.
+OPTIONAL_GPU_DEPS = {"triton", "flash_attn"}
+
+
 def all_backend_classes() -> list[type]:
     for mod in pkgutil.iter_modules(attention.__path__):
-        importlib.import_module(f"attention.{mod.name}")
+        try:
+            importlib.import_module(f"attention.{mod.name}")
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] not in OPTIONAL_GPU_DEPS:
+                raise
     seen, stack = [], [AttentionBackend]
     while stack:
         for sub in stack.pop().__subclasses__():
