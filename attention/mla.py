@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from attention.base import AttentionBackend, AttentionLayer
+from attention.graph_buffers import GraphMetadataBuffers
 from attention.metadata import AttentionMetadata, build_attention_metadata
 from attention.mla_ops import merge_attn_states, ragged_attention_lse
 
@@ -99,15 +100,16 @@ def plan_prefix_chunks(meta: AttentionMetadata, chunk_tokens: int) -> MHAChunkPl
     return MHAChunkPlan(chunk_tokens, prefix, chunks)
 
 
-class MLAAttentionBackend(AttentionBackend):
+class MLAAttentionBackend(GraphMetadataBuffers, AttentionBackend):
     """MLA over the latent cache. Decode uses the absorbed kernel chosen once at start-up by
     `attention.kernels.select_kernels` (Triton on CUDA, torch on CPU) and logged; prefill uses
-    the torch ops of `attention.mla_ops`."""
+    the torch ops of `attention.mla_ops`. Decode is CUDA-graph safe: the kernel reads only the
+    page table and lengths, which replay keeps in the static buffers of `GraphMetadataBuffers`."""
 
     name = "mla"
     supports_mla = True
     supports_mha = False
-    supports_cuda_graph = False
+    supports_cuda_graph = True
     supports_encoder_decoder = False
     supported_page_sizes = None
 
@@ -127,6 +129,7 @@ class MLAAttentionBackend(AttentionBackend):
         # Set by init_mha_chunk_metadata for extend batches; None for decode.
         self.chunk_plan: MHAChunkPlan | None = None
         self._graph_max_bs = 0
+        self._static: AttentionMetadata | None = None
         logger.info(
             "MLA attention on %s: %s kernels, prefix chunks of %d tokens",
             device,
@@ -147,22 +150,6 @@ class MLAAttentionBackend(AttentionBackend):
         if self.metadata is None:
             self.metadata = build_attention_metadata(forward_batch, self.page_size)
         self.chunk_plan = plan_prefix_chunks(self.metadata, self.prefix_chunk_tokens)
-
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self._graph_max_bs = max_bs
-
-    def init_forward_metadata_capture_cuda_graph(
-        self, bs: int, num_tokens: int, forward_batch: ForwardBatch
-    ) -> None:
-        self.metadata = build_attention_metadata(forward_batch, self.page_size)
-        self.chunk_plan = None
-
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch: ForwardBatch) -> None:
-        self.metadata = build_attention_metadata(forward_batch, self.page_size)
-        self.chunk_plan = None
-
-    def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return 1
 
     # ---- forward ----
     @staticmethod

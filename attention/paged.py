@@ -4,13 +4,13 @@ buffers. Subclasses choose the kernels (`_extend_kernel`, `_decode_kernel`) and 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from attention.base import AttentionBackend, AttentionLayer
+from attention.graph_buffers import GraphMetadataBuffers
 from attention.metadata import AttentionMetadata, build_attention_metadata
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ def should_skip_kv_cache(
     return is_embedding and chunked_prefill_size == -1 and disable_radix_cache and not use_mla
 
 
-class PagedAttentionBackend(AttentionBackend):
+class PagedAttentionBackend(GraphMetadataBuffers, AttentionBackend):
     """Base for backends over `MHATokenToKVPool`."""
 
     supports_mla = False
@@ -53,116 +53,6 @@ class PagedAttentionBackend(AttentionBackend):
     def init_mha_chunk_metadata(self, forward_batch: ForwardBatch) -> None:
         # MHA reads its cached prefix directly from the paged cache: no chunk plan needed.
         return None
-
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self._graph_max_bs = max_bs
-        self._static: AttentionMetadata | None = None  # allocated at the first capture
-
-    def _alloc_static(self, forward_batch: ForwardBatch) -> AttentionMetadata:
-        width = forward_batch.req_to_token_pool.max_context_len
-        dev, n = forward_batch.seq_lens.device, self._graph_max_bs
-        i32 = dict(dtype=torch.int32, device=dev)
-        pages = (width + self.page_size - 1) // self.page_size
-        enc: dict = {}
-        if forward_batch.encoder_lens is not None:  # encoder-decoder: per-request encoder fields
-            enc = dict(
-                encoder_lens_int32=torch.ones(n, **i32),
-                encoder_cu_seqlens_k=torch.arange(n + 1, **i32),
-                encoder_max_seqlen_k=width,
-                encoder_token_table=torch.zeros(n, width, **i32),
-                encoder_page_table=torch.zeros(n, pages, **i32),
-                encoder_lens_cpu=[width] * n,
-            )
-        return AttentionMetadata(
-            cache_seqlens_int32=torch.ones(n, **i32),
-            cu_seqlens_q=torch.arange(n + 1, **i32),
-            cu_seqlens_k=torch.zeros(n + 1, **i32),
-            max_seqlen_q=1,
-            max_seqlen_k=width,
-            token_table=torch.zeros(n, width, **i32),
-            page_table=torch.zeros(n, pages, **i32),
-            extend_seq_lens_cpu=[1] * n,
-            cache_seqlens_cpu=[width] * n,
-            **enc,
-        )
-
-    def _graph_view(self, bs: int) -> AttentionMetadata:
-        st = self._static
-        assert st is not None
-        enc: dict = {}
-        if st.encoder_lens_int32 is not None:
-            assert st.encoder_cu_seqlens_k is not None and st.encoder_token_table is not None
-            assert st.encoder_page_table is not None
-            enc = dict(
-                encoder_lens_int32=st.encoder_lens_int32[:bs],
-                encoder_cu_seqlens_k=st.encoder_cu_seqlens_k[: bs + 1],
-                encoder_max_seqlen_k=st.encoder_max_seqlen_k,  # static: masked by encoder_lens_int32
-                encoder_token_table=st.encoder_token_table[:bs],
-                encoder_page_table=st.encoder_page_table[:bs],
-                encoder_lens_cpu=[st.encoder_max_seqlen_k] * bs,
-            )
-        return AttentionMetadata(
-            cache_seqlens_int32=st.cache_seqlens_int32[:bs],
-            cu_seqlens_q=st.cu_seqlens_q[: bs + 1],
-            cu_seqlens_k=st.cu_seqlens_k[: bs + 1],
-            max_seqlen_q=1,
-            max_seqlen_k=st.max_seqlen_k,  # static: kernels mask by cache_seqlens_int32
-            token_table=st.token_table[:bs],
-            page_table=st.page_table[:bs],
-            extend_seq_lens_cpu=[1] * bs,
-            cache_seqlens_cpu=[st.max_seqlen_k] * bs,
-            **enc,
-        )
-
-    def _fill_static(self, bs: int, forward_batch: ForwardBatch) -> AttentionMetadata:
-        """Build this step's metadata with the one builder and copy it into the buffers the
-        captured kernels read."""
-        meta = build_attention_metadata(forward_batch, self.page_size)
-        st = self._static
-        assert st is not None
-        st.cache_seqlens_int32[:bs].copy_(meta.cache_seqlens_int32)
-        st.cu_seqlens_q[: bs + 1].copy_(meta.cu_seqlens_q)
-        st.cu_seqlens_k[: bs + 1].copy_(meta.cu_seqlens_k)
-        cols = meta.token_table.shape[1]
-        st.token_table[:bs, :cols].copy_(meta.token_table)
-        st.page_table[:bs, : meta.page_table.shape[1]].copy_(meta.page_table)
-        if meta.encoder_token_table is not None:
-            # Contract 4: every row's own encoder length and table, for the whole batch.
-            assert st.encoder_lens_int32 is not None and st.encoder_cu_seqlens_k is not None
-            assert st.encoder_token_table is not None and st.encoder_page_table is not None
-            assert meta.encoder_lens_int32 is not None and meta.encoder_cu_seqlens_k is not None
-            assert meta.encoder_page_table is not None
-            st.encoder_lens_int32[:bs].copy_(meta.encoder_lens_int32)
-            st.encoder_cu_seqlens_k[: bs + 1].copy_(meta.encoder_cu_seqlens_k)
-            st.encoder_token_table[:bs, : meta.encoder_token_table.shape[1]].copy_(meta.encoder_token_table)
-            st.encoder_page_table[:bs, : meta.encoder_page_table.shape[1]].copy_(meta.encoder_page_table)
-        return meta
-
-    def _replay_view(self, bs: int, meta: AttentionMetadata, forward_batch: ForwardBatch) -> AttentionMetadata:
-        """The static buffers as this step's metadata. A decode graph's host-side lengths are
-        static (its kernels read only the buffers). A ragged batch (TARGET_VERIFY,
-        DRAFT_EXTEND_V2) through the static buffers takes this step's host-side q lengths and
-        cache extents from the same builder (prefix + extend per request; max_seqlen_k =
-        max_i(prefix_i + extend_i)): its kernels take them as arguments."""
-        view = self._graph_view(bs)
-        if forward_batch.forward_mode.is_decode():
-            return view
-        return dataclasses.replace(view, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                                   extend_seq_lens_cpu=meta.extend_seq_lens_cpu,
-                                   cache_seqlens_cpu=meta.cache_seqlens_cpu)
-
-    def init_forward_metadata_capture_cuda_graph(
-        self, bs: int, num_tokens: int, forward_batch: ForwardBatch
-    ) -> None:
-        if self._static is None:
-            self._static = self._alloc_static(forward_batch)
-        self.metadata = self._replay_view(bs, self._fill_static(bs, forward_batch), forward_batch)
-
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch: ForwardBatch) -> None:
-        self.metadata = self._replay_view(bs, self._fill_static(bs, forward_batch), forward_batch)
-
-    def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return 1
 
     # ---- kernels chosen by subclasses ----
     def _extend_kernel(self, q, k_cache, v_cache, table, q_lens, kv_lens, layer: AttentionLayer, causal):

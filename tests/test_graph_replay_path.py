@@ -3,6 +3,8 @@ by the one builder) run eagerly on CPU: its tokens equal the plain eager path's.
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.config import EngineConfig
 from cluster.engine import Engine
 from tests.fixtures import tiny_model_dir
@@ -10,8 +12,9 @@ from tests.test_engine import PROMPTS, greedy, run_staggered
 from workers.cuda_graph import CudaGraphRunner
 
 
-def test_static_buffer_replay_equals_eager(tmp_path_factory):
-    d = tiny_model_dir(tmp_path_factory, "llama")
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])  # paged MHA/GQA and MLA decode
+def test_static_buffer_replay_equals_eager(tmp_path_factory, arch):
+    d = tiny_model_dir(tmp_path_factory, arch)
     for page_size in (1, 4):
         cfg = EngineConfig(model=str(d), page_size=page_size, max_running_requests=16)
         eager = run_staggered(Engine(cfg), PROMPTS, greedy())
