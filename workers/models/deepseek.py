@@ -44,6 +44,7 @@ from torch import nn
 
 from attention.mla import MLAAttentionLayer
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.fused_moe import select_moe
 from workers.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -275,6 +276,7 @@ class DeepseekExperts(nn.Module):
         self.w2 = make_param(
             (num_experts, hidden, local), dtype, device, self._load_w2, tuple(range(num_experts))
         )
+        self._moe = select_moe(torch.device(device).type)
 
     def _load_w13(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
         e, j = shard_id
@@ -290,14 +292,9 @@ class DeepseekExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights [T, k] float32, ids [T, k] -> this rank's partial sum [T, hidden].
-        A loop over the experts hit, in ascending order (as transformers sums them)."""
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            tok, pos = torch.where(ids == e)
-            gate, up = F.linear(x[tok], self.w13[e]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.w2[e]) * weights[tok, pos, None]
-            out.index_add_(0, tok, h.to(out.dtype))
-        return out
+        `fused_moe` (Triton grouped GEMM, graph-capturable) on CUDA with triton, else `moe_loop`
+        (a loop over the experts hit, in ascending order, as transformers sums them)."""
+        return self._moe(x, self.w13, self.w2, weights, ids)
 
 
 class DeepseekRouter(nn.Module):
