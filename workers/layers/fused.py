@@ -47,8 +47,19 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# Specialisations one process may need per function: each dtype, tensor rank and model family
+# (a target and its draft, every checkpoint a test process loads) compiles its own graph. Past
+# dynamo's default of 8, a fullgraph compile fails instead of running.
+RECOMPILE_LIMIT = 64
+
+
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch._dynamo.config.accumulated_recompile_limit = max(
+        torch._dynamo.config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
