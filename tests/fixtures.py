@@ -15,6 +15,7 @@ see a half-written checkpoint. Treat the returned directory as read-only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -85,3 +86,21 @@ def tiny_model_dir(base: Any, arch: str, **kw: Any) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
     _built[memo] = final
     return final
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, port: int, world_size: int):
+    """One rank of a gloo process group on loopback (for `torch.multiprocessing.spawn`ed test
+    workers). On success every rank meets at a barrier before the group is torn down: a rank
+    that tears down while another still talks to it aborts that one ("terminate called
+    without an active exception")."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -25,7 +25,7 @@ from attention.linear_attn import LinearAttentionBackend
 from attention.mla import MLAAttentionBackend
 from cluster.config import EngineConfig
 from cluster.engine import Engine
-from tests.fixtures import tiny_model_dir
+from tests.fixtures import gloo_rank, tiny_model_dir
 from tests.test_engine import MAX_NEW, PROMPTS, greedy, run_staggered
 from tests.test_mla import CHUNK, Cache, _free_port, _load, _logits, _prompts
 from workers.forward_batch import ForwardMode
@@ -177,8 +177,8 @@ def test_engine_greedy_equals_transformers(model_dir, variant, options):
     runner = engine.workers.runner
     assert runner.kv_pool.num_layers == 2  # KV for the full-attention layers only
     assert runner.state_pool is not None and runner.state_pool.num_layers == 2
-    modes, execute = [], runner.execute
-    runner.execute = lambda plan: (modes.append(plan.mode), execute(plan))[1]
+    modes, build = [], runner.build_forward_batch  # called by every step, overlapped or not
+    runner.build_forward_batch = lambda plan: (modes.append(plan.mode), build(plan))[1]
     check_against_hf(engine, path)
     assert {ForwardMode.EXTEND, ForwardMode.DECODE} <= set(modes)
     if "chunked_prefill_size" in options:
@@ -298,16 +298,10 @@ def _tp_run(model, cfg, out_dir: str, tag: str, tp_size: int) -> None:
 
 
 def _tp_worker(rank: int, port: int, paths: list[str], out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port, 2):
         for i, path in enumerate(paths):
             cfg, model = _load(path, TPGroup(rank=rank, size=2))
             _tp_run(model, cfg, out_dir, f"{i}-rank{rank}", 2)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tp2_logits_equal_tp1(model_dir):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from attention.reference import TorchReferenceBackend
-from tests.fixtures import tiny_model_dir
+from tests.fixtures import gloo_rank, tiny_model_dir
 from workers.forward_batch import ForwardBatch, ForwardMode
 from workers.layers.rotary import RopeConfig, compute_inv_freq
 from workers.loader import CheckpointReader, load_model
@@ -345,18 +345,12 @@ def _free_port() -> int:
 
 
 def _tp_worker(rank: int, port: int, paths: list[str], out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port, 2):
         tp = TPGroup(rank=rank, size=2)
         for i, path in enumerate(paths):
             cfg, model = _load(path, tp)
             logits, _ = run_prefill(model, cfg, 2, _prompts(), page_size=4)
             torch.save(logits, os.path.join(out_dir, f"logits-{i}-rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tp2_logits_equal_tp1(model_dir):

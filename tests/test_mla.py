@@ -22,7 +22,7 @@ from attention.mla import MLAAttentionBackend, MLAAttentionLayer
 from attention.torch_ops import paged_attention_ref
 from cluster.config import EngineConfig
 from cluster.engine import Engine
-from tests.fixtures import tiny_model_dir
+from tests.fixtures import gloo_rank, tiny_model_dir
 from tests.test_engine import PROMPTS, check_against_hf, greedy
 from workers.forward_batch import ForwardBatch, ForwardMode
 from workers.loader import load_model
@@ -349,16 +349,10 @@ def _tp_run(model, cfg, out_dir: str, tag: str) -> None:
 
 
 def _tp_worker(rank: int, port: int, paths: list[str], out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port, 2):
         for i, path in enumerate(paths):
             cfg, model = _load(path, TPGroup(rank=rank, size=2))
             _tp_run(model, cfg, out_dir, f"{i}-rank{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tp2_logits_and_latents_equal_tp1(model_dir):
