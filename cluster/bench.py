@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -68,26 +69,27 @@ def bench_offline(engine: Engine, num_prompts: int, input_len: int, output_len: 
 
 
 def _decode_step_times(engine: Engine, batch: int, input_len: int, steps: int) -> tuple[list[float], list[float]]:
-    """Wall time and worker compute time of each pure-decode step at a fixed batch size."""
+    """Per pure-decode step at a fixed batch size: the wall time between the completions of
+    consecutive steps (the engine's whole loop: planning, forward, sampling, detokenizing; with
+    overlapped scheduling the steps overlap, so this is the rate they complete at) and the
+    worker's own time for the step."""
     prompts = _random_prompts(batch, input_len, engine.model_config.vocab_size, 1)
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    walls: list[float] = []
-    computes: list[float] = []
-    original = engine.workers.execute
+    stamps: list[tuple[float, float]] = []
+    original = engine.scheduler.process_result
 
-    def timed(plan):
-        t0 = time.perf_counter()
-        res = original(plan)
+    def timed(plan, result):
         if plan.mode.is_decode() and len(plan.reqs) == batch:
-            walls.append(time.perf_counter() - t0)
-            computes.append(res.compute_s)
-        return res
+            stamps.append((time.perf_counter(), result.compute_s))
+        return original(plan, result)
 
-    engine.workers.execute = timed
+    engine.scheduler.process_result = timed
     try:
         engine.generate(prompts, params)
     finally:
-        engine.workers.execute = original
+        engine.scheduler.process_result = original
+    walls = [t1 - t0 for (t0, _), (t1, _) in zip(stamps, stamps[1:])]
+    computes = [c for _, c in stamps[1:]]
     return walls[2:], computes[2:]  # drop warm-up steps
 
 
@@ -120,8 +122,8 @@ def bench_overhead(config: EngineConfig, batch: int, input_len: int, steps: int,
     from workers.ray_group import RayWorkerGroup
 
     out = {}
-    if config.tp_size == 1:
-        eng = Engine(config)
+    if config.tp_size == 1:  # one step at a time, as the Ray group runs them
+        eng = Engine(dataclasses.replace(config, disable_overlap_schedule=True))
         walls, computes = _decode_step_times(eng, batch, input_len, steps)
         out["in_process"] = _overhead_row(walls, computes)
     ray.init(address="local", num_cpus=max(4, config.tp_size), include_dashboard=False, ignore_reinit_error=True)

@@ -47,6 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context-len", type=int, default=None)
     p.add_argument("--max-waiting", type=int, default=0)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="plan each step after the previous one's tokens are known")
     p.add_argument("--speculative-draft-model", default=None,
                    help="draft model directory (same tokenizer) for speculative decoding")
     p.add_argument("--speculative-num-tokens", type=int, default=4, help="draft tokens proposed per round")
@@ -57,7 +59,7 @@ ENGINE_ARG_NAMES = (
     "tokenizer", "served_model_name", "device", "dtype", "tp_size", "page_size", "kv_cache_tokens",
     "mem_fraction", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
     "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len", "max_waiting",
-    "disable_cuda_graph", "speculative_draft_model", "speculative_num_tokens",
+    "disable_cuda_graph", "disable_overlap_schedule", "speculative_draft_model", "speculative_num_tokens",
 )
 
 

@@ -46,6 +46,8 @@ class EngineConfig:
     # Waiting requests beyond this are refused (overload); 0: unbounded.
     max_waiting: int = 0
     disable_cuda_graph: bool = False
+    # Plan step k+1 while step k runs (cluster/scheduler.py); on where the workers allow it.
+    disable_overlap_schedule: bool = False
     seed: int = 0
     # Speculative decoding: a draft model (same tokenizer) proposes this many tokens per round;
     # the target verifies them in one forward (cluster/spec_scheduler.py, workers/spec_runner.py).

@@ -12,6 +12,7 @@ added while a step is in flight.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import threading
@@ -137,6 +138,12 @@ class Engine:
             max_waiting=config.max_waiting,
         )
         self.kv_offload = attach_kv_offload(self)  # the shared KV store (None: off)
+        # Overlapped scheduling: plan and launch step k+1 before step k's tokens are read.
+        self.overlap = (not config.disable_overlap_schedule and self.workers.supports_overlap
+                        and self.kv_offload is None and not config.speculative_draft_model
+                        and not self.serving.is_embedding)
+        self.scheduler.overlap = self.overlap
+        self._inflight: collections.deque = collections.deque()  # launched plans, oldest first
         self._tracked: dict[str, _Tracked] = {}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -190,19 +197,36 @@ class Engine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return self.scheduler.has_work()
+            return self._has_work()
+
+    def _has_work(self) -> bool:  # under the lock
+        return bool(self._inflight) or self.scheduler.has_work()
 
     # ---------------- the loop ----------------
     def step(self) -> bool:
-        """Run one scheduled step; False when there was nothing to run."""
+        """Run one scheduled step; False when there was nothing to run.
+
+        Overlapped, a step launches the next plan and then completes the previous one: the
+        device computes plan k+1 while the host reads plan k's tokens, detokenizes and plans
+        k+2. A step with no new plan completes the last launched one."""
         t0 = time.perf_counter()
         with self._lock:
             plan = self.scheduler.schedule()
-        if plan is None:
+        if self.overlap:
+            if plan is not None:
+                self.workers.launch(plan)
+                self._inflight.append(plan)
+            if not self._inflight:
+                return False
+            if plan is not None and len(self._inflight) < 2:
+                return True  # the first plan of a burst: nothing to complete yet
+            done, result = self._inflight.popleft(), self.workers.collect()
+        elif plan is None:
             return False
-        result = self.workers.execute(plan)
+        else:
+            done, result = plan, self.workers.execute(plan)
         with self._lock:
-            events = self.scheduler.process_result(plan, result)
+            events = self.scheduler.process_result(done, result)
             outputs = [self._emit(ev) for ev in events]
         for tracked, out in outputs:
             if tracked is not None:
@@ -221,7 +245,8 @@ class Engine:
         text, hit_stop, used = self.detokenizer.add_tokens_until_stop(tracked.detok, ev.token_ids,
                                                                      final=req.finished)
         if used < len(ev.token_ids):  # a speculative round's tokens after a stop string: dropped
-            del req.output_ids[len(req.output_ids) - len(ev.token_ids) + used :]
+            end = req.num_output_tokens
+            del req.output_ids[end - len(ev.token_ids) + used : end]
             ev = TokenEvent(req, ev.token_ids[:used], ev.logprobs[:used], ev.embedding)
         if hit_stop and not req.finished:
             self.scheduler.finish(req, FinishReason.STOP)
@@ -235,7 +260,7 @@ class Engine:
             delta_token_ids=list(ev.token_ids),
             delta_logprobs=list(ev.logprobs),
             prompt_tokens=req.num_prompt_tokens,
-            completion_tokens=len(req.output_ids),
+            completion_tokens=req.num_output_tokens,
             cached_tokens=req.cached_tokens,
             embedding=ev.embedding,
         )
@@ -252,7 +277,7 @@ class Engine:
                       error_type: str | None = None) -> RequestOutput:
         return RequestOutput(
             rid=req.rid, finished=True, finish_reason=reason, error=error, error_type=error_type,
-            prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_ids),
+            prompt_tokens=req.num_prompt_tokens, completion_tokens=req.num_output_tokens,
             cached_tokens=req.cached_tokens,
         )
 
@@ -260,12 +285,15 @@ class Engine:
         """Finish every request with an error (the worker group died). Requests that had no
         token yet are marked `unavailable`, so a router may retry them elsewhere."""
         with self._lock:
+            if self._inflight:
+                self._inflight.clear()
+                self.workers.discard_inflight()
             tracked = list(self._tracked.values())
             self._tracked.clear()
             for t in tracked:
                 self.scheduler.finish(t.req, FinishReason.ERROR)
         for t in tracked:
-            etype = "unavailable" if not t.req.output_ids else "internal"
+            etype = "unavailable" if not t.req.num_output_tokens else "internal"
             t.sink(self._final_output(t.req, FinishReason.ERROR.value, error, etype))
 
     # ---------------- offline API ----------------
@@ -308,7 +336,7 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and not self.scheduler.has_work():
+                while not self._stop and not self._has_work():
                     self._wake.wait(timeout=0.5)
                 if self._stop:
                     return

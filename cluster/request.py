@@ -25,6 +25,11 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the replica failed the request
 
 
+# The input id of a decode piece whose token is still being sampled by the step in flight: the
+# worker reads the real id from its device-side buffer of each row's last sampled token.
+PENDING_TOKEN = -1
+
+
 @dataclass
 class Request:
     rid: str
@@ -49,6 +54,19 @@ class Request:
     # prompt_ids is the decoder's start) and its KV pages while running.
     encoder_ids: list[int] | None = None
     encoder_pages: list[int] = field(default_factory=list)
+    # Overlapped scheduling (cluster/scheduler.py): output tokens still being sampled by a step
+    # in flight; they sit at the end of output_ids as PENDING_TOKEN until the result arrives.
+    pending: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens known so far (without the ones still in flight)."""
+        return len(self.output_ids) - self.pending
+
+    @property
+    def known_ids(self) -> list[int]:
+        """Prompt and output tokens known so far (all_ids without the in-flight placeholders)."""
+        return self.prompt_ids + self.output_ids[: self.num_output_tokens]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,6 +17,15 @@ Guarantees:
 - Every finished, aborted or preempted request's rid goes to the workers in the next plan's
   `finished_rids`, after its pages are back in the free lists.
 - `check_integrity()` holds between steps: free + cached + owned pages == all pages.
+
+Overlapped scheduling (`overlap = True`, set by the engine when its workers support it): the
+engine plans step k+1 while step k runs, before k's tokens are known. A request sampled by a
+plan gets a PENDING_TOKEN placeholder at the end of its output_ids at once (`pending` counts
+them); its next decode piece has that placeholder as input, which the worker resolves on the
+device from the token it sampled; `process_result` then writes the real token in its place.
+A request that will end by length when its pending token lands is not planned again; one that
+ends on a stop token or string has one wasted step in flight, whose token is dropped. A
+preempted request with a token in flight is not re-admitted until the token is known.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from dataclasses import dataclass
 from cluster import encoder_decoder as encdec
 from cluster.kv_allocator import PageAllocator, RequestKV, slots_for
 from cluster.radix_cache import RadixCache
-from cluster.request import FinishReason, Request, RequestStatus
+from cluster.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from workers.forward_batch import ForwardMode
 from workers.messages import NewRequest, ScheduledReq, StepPlan, StepResult, TokenLogprobs
 from workers.sampling_params import SamplingParamsError
@@ -101,6 +110,7 @@ class Scheduler:
         self._step_id = 0
         self.stats = SchedulerStats()
         self.kv_offload = None  # cluster.kv_offload.SchedulerKVOffload when a KV store is on
+        self.overlap = False  # plans may run ahead of results (see the module docstring)
 
     # ---------------- requests in ----------------
     @property
@@ -164,7 +174,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.pending and self._ends_by_length(req, len(req.output_ids)):
+                i += 1  # its last token is in flight: nothing more to compute
+                continue
             n = self._piece(req, budget)
+            if n == 0:  # overlapped: an embedding's last piece is in flight; its result ends it
+                i += 1
+                continue
             slots = self._reserve_or_preempt(req, n)
             if slots is None:  # req itself was preempted
                 continue
@@ -174,6 +190,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_running and self._free_rows:
             req = self.waiting[0]
+            if req.pending:
+                break  # preempted with a token in flight: re-admit once it is known
             if self.kv_offload is not None and self.kv_offload.set_aside(req):
                 self.waiting.popleft()  # its prefix is fetched from the KV store first
                 continue
@@ -220,7 +238,7 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int, slots: list[int]) -> ScheduledReq:
         start = req.num_computed - n  # reserve() has already advanced num_tokens
         ids = req.all_ids[start : start + n]
-        return ScheduledReq(
+        sr = ScheduledReq(
             rid=req.rid,
             req_pool_idx=req.req_pool_idx,
             input_ids=ids,
@@ -229,6 +247,10 @@ class Scheduler:
             sample=(start + n == req.num_tokens) and not req.is_embedding,
             encoder_len=encdec.encoder_len(req),
         )
+        if self.overlap and sr.sample:  # the next piece may be planned before this token is known
+            req.output_ids.append(PENDING_TOKEN)
+            req.pending += 1
+        return sr
 
     def _admit(self, req: Request, budget: int) -> tuple[int, list[int], list[int]] | None:
         """Give `req` a row, its cached prefix and pages for its first piece, or change nothing."""
@@ -306,12 +328,25 @@ class Scheduler:
         for rid, tok, lp in zip(result.sampled_rids, result.next_token_ids, logprobs):
             req = self.requests.get(rid)
             if req is None or req.finished:
-                continue  # aborted while the step ran
-            req.output_ids.append(tok)
+                continue  # aborted (or ended on a stop string) while the step ran
+            if req.pending:  # overlapped: the oldest placeholder is this token
+                n_out = req.num_output_tokens + 1
+                req.output_ids[n_out - 1] = tok
+                req.pending -= 1
+            else:
+                req.output_ids.append(tok)
+                n_out = len(req.output_ids)
             events.append(TokenEvent(req, [tok], [lp]))
-            reason = self._token_finish_reason(req, tok)
+            reason = self._token_finish_reason(req, tok, n_out)
             if reason is not None:
                 self.finish(req, reason)
+        if self.overlap:  # a planned sample that never came back (never expected): unblock it
+            sampled = set(result.sampled_rids)
+            for sr in plan.reqs:
+                req = self.requests.get(sr.rid)
+                if sr.sample and sr.rid not in sampled and req is not None and req.pending:
+                    req.pending -= 1
+                    del req.output_ids[req.num_output_tokens]
         for rid, emb in result.embeddings.items():
             req = self.requests.get(rid)
             if req is None or req.finished:
@@ -320,16 +355,17 @@ class Scheduler:
             self.finish(req, FinishReason.STOP)
         return events
 
-    def _token_finish_reason(self, req: Request, tok: int) -> FinishReason | None:
+    def _token_finish_reason(self, req: Request, tok: int, n_out: int) -> FinishReason | None:
+        """Why `req` ends with `tok` as its n_out-th output token (None: it goes on)."""
         p = req.params
-        n_out = len(req.output_ids)
         if n_out >= p.min_tokens and (
             (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
         ):
             return FinishReason.STOP
-        if n_out >= p.max_tokens or req.num_tokens >= self.max_context_len:
-            return FinishReason.LENGTH
-        return None
+        return FinishReason.LENGTH if self._ends_by_length(req, n_out) else None
+
+    def _ends_by_length(self, req: Request, n_out: int) -> bool:
+        return n_out >= req.params.max_tokens or len(req.prompt_ids) + n_out >= self.max_context_len
 
     # ---------------- leaving ----------------
     def finish(self, req: Request, reason: FinishReason) -> None:
@@ -362,7 +398,11 @@ class Scheduler:
         if req.encoder_ids is not None:  # never cached: its K/V depend on its encoder input
             encdec.release(req, self.allocator)
         else:
-            kept = self.radix.release(req.kv, req.all_ids, req.prefix_node)
+            ids = req.all_ids
+            if req.pending:  # cache only tokens that are known (the in-flight one is not)
+                ids = req.known_ids
+                req.kv.num_tokens = min(req.kv.num_tokens, len(ids))
+            kept = self.radix.release(req.kv, ids, req.prefix_node)
             if self.kv_offload is not None:
                 self.kv_offload.on_cached(req, pages, computed, kept)
         self._free_rows.append(req.req_pool_idx)

@@ -166,7 +166,7 @@ class SpecScheduler(Scheduler):
             for tok in toks:
                 req.output_ids.append(tok)
                 kept += 1
-                reason = self._token_finish_reason(req, tok)
+                reason = self._token_finish_reason(req, tok, len(req.output_ids))
                 if reason is not None:
                     self.finish(req, reason)  # the tokens after a stop are dropped
                     break

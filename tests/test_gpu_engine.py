@@ -51,6 +51,7 @@ def test_gpu_mla_greedy_equals_cpu(dirs, arch):
     d = dirs[arch]
     want = cpu_tokens(d, page_size=4)
     engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="float32", page_size=4))
+    assert engine.workers.runner.graph_runner is not None  # MLA decode (and the fused MoE) in graphs
     assert [r.token_ids for r in run_staggered(engine, PROMPTS, greedy())] == want
 
 

@@ -1,5 +1,6 @@
 """A replica's TP workers behind one interface: `execute(plan)` runs a step on every rank and
-returns rank 0's result. Implementations: in-process (TP=1, and tests), Ray actors
+returns rank 0's result; where `supports_overlap`, `launch(plan)` / `collect()` run plans ahead
+of their results instead (overlapped scheduling). Implementations: in-process (TP=1, and tests), Ray actors
 (`workers.ray_group`), torch multiprocessing (TP>1 where Ray is not installed)."""
 
 from __future__ import annotations
@@ -23,6 +24,22 @@ class WorkerGroup(ABC):
     def shutdown(self) -> None:
         """Release every rank (idempotent)."""
 
+    @property
+    def supports_overlap(self) -> bool:
+        return False
+
+    def launch(self, plan: StepPlan) -> None:
+        """Enqueue a step without waiting for it (only where `supports_overlap`)."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps one at a time")
+
+    def collect(self) -> StepResult:
+        """The oldest launched step's result, in launch order."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps one at a time")
+
+    def discard_inflight(self) -> None:
+        """Forget launched steps whose results will never be collected."""
+        return None
+
     def describe(self) -> dict:
         return {"kind": type(self).__name__}
 
@@ -37,6 +54,19 @@ class InProcessWorkerGroup(WorkerGroup):
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
+
+    @property
+    def supports_overlap(self) -> bool:
+        return self.runner.can_overlap
+
+    def launch(self, plan: StepPlan) -> None:
+        self.runner.launch(plan)
+
+    def collect(self) -> StepResult:
+        return self.runner.collect()
+
+    def discard_inflight(self) -> None:
+        self.runner.discard_inflight()
 
     def shutdown(self) -> None:
         if self.runner.kv_offload is not None:  # its I/O thread and NIXL agent

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,12 +29,23 @@ from workers.messages import StepPlan, StepResult
 from workers.model_config import ModelConfig, ServingMode, serving_mode
 from workers.parallel import TPGroup
 from workers.pooling import PoolingState, default_pooling
-from workers.sampler import RequestSamplingState, Sampler
+from workers.sampler import PendingSample, RequestSamplingState, Sampler
 from workers.spec_messages import SpecStepPlan
 from workers.spec_runner import DraftRunner
 from workers.state_pool import LinearStatePool
 
 logger = logging.getLogger(__name__)
+
+@dataclass
+class _InFlight:
+    """A launched step: its plan and partial result, and the draw still on the device."""
+
+    plan: StepPlan
+    result: StepResult
+    t0: float
+    sample: PendingSample | None = None
+    rids: list[str] = field(default_factory=list)
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -149,6 +161,11 @@ class ModelRunner:
             self.drafter.attach()
         # Embedding requests (rid -> pooling accumulated over their prefill pieces).
         self.pooling_states: dict[str, PoolingState] = {}
+        # Overlapped execution (launch/collect): each row's last sampled token on the device,
+        # the launched step whose draw is in flight, and completed results not collected yet.
+        self.last_token = torch.zeros(opts.max_running_requests + 1, dtype=torch.long, device=self.device)
+        self._inflight: _InFlight | None = None
+        self._ready: deque[StepResult] = deque()
 
     # ---------------- memory ----------------
     def _kv_tokens(self, bytes_per_token: int) -> int:
@@ -190,9 +207,45 @@ class ModelRunner:
         return self.kv_pool.num_pages
 
     # ---------------- one step ----------------
+    @property
+    def can_overlap(self) -> bool:
+        """Whether `launch`/`collect` may run plans ahead of their results: a single rank that
+        samples every token itself (TP=1), without a draft model or a KV store (their steps
+        need the tokens on the host)."""
+        return self.tp.size == 1 and self.drafter is None and self.kv_offload is None
+
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def launch(self, plan: StepPlan) -> None:
+        """Overlapped execution: enqueue `plan`'s forward and sampling without waiting for
+        them. The previous launched plan's result is completed here, after this plan's forward
+        is enqueued (so the device stays busy while the host reads it) and before this plan's
+        sampling (which reads the tokens it appended). `collect()` returns results in order."""
         t0 = time.perf_counter()
+        self._prepare(plan)
+        result = StepResult(plan.step_id)
+        fb = hidden = logits = None
+        if plan.mode != ForwardMode.IDLE and plan.reqs:
+            fb = self.build_forward_batch(plan)
+            hidden, logits = self.forward(fb)
+        if self._inflight is not None:
+            self._ready.append(self._complete(self._inflight))
+        self._inflight = (self._launch_sampling(plan, fb, hidden, logits, result, t0) if fb is not None
+                          else _InFlight(plan, result, t0))
+
+    def collect(self) -> StepResult:
+        """The result of the oldest launched plan not collected yet (waits for it if needed)."""
+        if not self._ready:
+            assert self._inflight is not None, "collect() without a launched plan"
+            self._ready.append(self._complete(self._inflight))
+            self._inflight = None
+        return self._ready.popleft()
+
+    def discard_inflight(self) -> None:
+        """Forget launched plans (the engine failed them)."""
+        self._inflight = None
+        self._ready.clear()
+
+    def _prepare(self, plan: StepPlan) -> None:
         for rid in plan.finished_rids:
             self.states.pop(rid, None)
             self.pooling_states.pop(rid, None)
@@ -204,7 +257,17 @@ class ModelRunner:
         if self.state_pool is not None:
             self.state_pool.reset_admitted(plan)
         for row, start, slots in plan.table_writes:
-            self.req_to_token_pool.write(row, start, torch.tensor(slots, dtype=torch.int32, device=self.device))
+            self.req_to_token_pool.write(row, start, self._upload(slots, torch.int32))
+
+    def _upload(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A host list on the device without waiting for the stream (pinned, non-blocking)."""
+        host = torch.tensor(values, dtype=dtype)
+        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        self._prepare(plan)
         result = StepResult(plan.step_id)
         if self.kv_offload is not None:  # KV store saves/prefetches/loads, before the forward
             self.kv_offload.run(plan, result)
@@ -217,9 +280,7 @@ class ModelRunner:
         hidden, logits = self.forward(fb)
         if self.drafter is not None:  # the draft computes the same tokens into its own pool
             self.drafter.follow(fb)
-        self._finish_step(plan, fb, hidden, logits, result)
-        result.compute_s = time.perf_counter() - t0
-        return result
+        return self._complete(self._launch_sampling(plan, fb, hidden, logits, result, t0))
 
     def build_forward_batch(self, plan: StepPlan) -> ForwardBatch:
         dev = self.device
@@ -237,15 +298,20 @@ class ModelRunner:
             + [r.req_pool_idx for r in reqs] + seq + ext + prefix,
             dtype=torch.long,
         )
-        packed = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
+        # Pinned: a copy from pageable memory may wait for the stream to drain, which would
+        # stall the host behind the step in flight (overlapped scheduling).
+        packed = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
         input_ids, positions, out_loc, rows, seq_lens, ext_t, prefix_t = packed.split([n, n, n, bs, bs, bs, bs])
         # Record the new tokens' slots in the request table before the attention reads it (an
         # encoder-decoder request's decoder columns start after its own encoder pages).
         cols = (encoder_decoder.decoder_columns(plan, positions, ext_t, self.opts.page_size)
                 if self.model_config.is_encoder_decoder else positions)
-        self.req_to_token_pool.req_to_token[rows.repeat_interleave(ext_t, output_size=n), cols] = (
-            out_loc.to(torch.int32)
-        )
+        row_of_token = rows.repeat_interleave(ext_t, output_size=n)
+        self.req_to_token_pool.req_to_token[row_of_token, cols] = out_loc.to(torch.int32)
+        if any(len(r.input_ids) == 1 and r.input_ids[0] < 0 for r in reqs):
+            # Overlapped scheduling: a decode whose input was still being sampled when the plan
+            # was made reads it from its row's last sampled token (cluster/scheduler.py).
+            input_ids = torch.where(input_ids < 0, self.last_token[row_of_token], input_ids)
         seq_lens_cpu = host[3 * n + bs : 3 * n + 2 * bs].to(torch.int32)
         ext_t = ext_t.to(torch.int32)
         start_loc = torch.nn.functional.pad(torch.cumsum(ext_t, 0, dtype=torch.int32), (1, 0))
@@ -282,28 +348,47 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb.input_ids, fb.positions, fb), None
 
-    def _finish_step(self, plan: StepPlan, fb: ForwardBatch, hidden: torch.Tensor,
-                     all_logits: torch.Tensor | None, result: StepResult) -> None:
+    def _launch_sampling(self, plan: StepPlan, fb: ForwardBatch, hidden: torch.Tensor,
+                         all_logits: torch.Tensor | None, result: StepResult, t0: float) -> _InFlight:
+        """Pool embeddings, compute the logits of the sampled rows and enqueue their draw; each
+        row's token also lands in `last_token` on the device (the next plan may read it)."""
         if self.pooling_states:
             self._pool(plan, hidden, result)
         sample_idx = [i for i, r in enumerate(plan.reqs) if r.sample and r.rid in self.states]
         assert fb.logits_indices is not None
+        inflight = _InFlight(plan, result, t0)
         if sample_idx:
+            every_row = len(sample_idx) == fb.batch_size
+            idx = None if every_row else self._upload(sample_idx, torch.long)
             if all_logits is not None:  # decode graph: one row per request
-                logits = all_logits[sample_idx]
+                logits = all_logits if idx is None else all_logits[idx]
             else:
-                logits = self.model.compute_logits(hidden[fb.logits_indices[sample_idx]])  # all ranks gather
+                at = fb.logits_indices if idx is None else fb.logits_indices[idx]
+                logits = self.model.compute_logits(hidden[at])  # all ranks gather
             if self.sampler is not None:
                 states = [self.states[plan.reqs[i].rid] for i in sample_idx]
                 if self.generation_rules is not None:  # generate's forced bos/eos tokens
                     logits = self.generation_rules.force(logits, states)
-                out = self.sampler.sample(logits, states)
-                for i, tok, lp in zip(sample_idx, out.token_ids, out.logprobs):
-                    rid = plan.reqs[i].rid
-                    self.states[rid].output_ids.append(tok)
-                    result.sampled_rids.append(rid)
-                    result.next_token_ids.append(tok)
-                    result.logprobs.append(lp)
+                inflight.sample = self.sampler.launch(logits, states)
+                inflight.rids = [plan.reqs[i].rid for i in sample_idx]
+                rows = fb.req_pool_indices if idx is None else fb.req_pool_indices[idx]
+                self.last_token[rows] = inflight.sample.token_ids
+        return inflight
+
+    def _complete(self, inflight: _InFlight) -> StepResult:
+        """Wait for a launched step's draw; its tokens go to the sampling states and the result."""
+        result = inflight.result
+        if inflight.sample is not None:
+            out = inflight.sample.wait()
+            for rid, tok, lp in zip(inflight.rids, out.token_ids, out.logprobs):
+                state = self.states.get(rid)
+                if state is not None:  # else finished or preempted since the launch
+                    state.output_ids.append(tok)
+                result.sampled_rids.append(rid)
+                result.next_token_ids.append(tok)
+                result.logprobs.append(lp)
+        result.compute_s = time.perf_counter() - inflight.t0
+        return result
 
     def _pool(self, plan: StepPlan, hidden: torch.Tensor, result: StepResult) -> None:
         """Feed each embedding request's new hidden states to its pooling; a request whose

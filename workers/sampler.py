@@ -102,6 +102,27 @@ class SampleOutput:
     logprobs: list[TokenLogprobs | None]  # [B]: None where params.logprobs is None
 
 
+class PendingSample:
+    """A draw in flight: `token_ids` [B] on the device now, the host lists after `wait()`."""
+
+    def __init__(self, token_ids: torch.Tensor, fetched: list[torch.Tensor], lp_counts: list[int],
+                 lp_rows: list[int] | None, event: torch.cuda.Event | None = None):
+        self.token_ids = token_ids
+        self._fetched, self._lp_counts, self._lp_rows, self._event = fetched, lp_counts, lp_rows or [], event
+
+    def wait(self) -> SampleOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        fetched = [t.tolist() for t in self._fetched]
+        if not fetched:
+            return SampleOutput(token_ids=[], logprobs=[])
+        out_logprobs: list[TokenLogprobs | None] = [None] * len(fetched[0])
+        for j, (i, k) in enumerate(zip(self._lp_rows, self._lp_counts)):
+            top = list(zip(fetched[3][j][:k], fetched[2][j][:k], strict=True)) if k > 0 else []
+            out_logprobs[i] = TokenLogprobs(token_logprob=fetched[1][j], top=top)
+        return SampleOutput(token_ids=fetched[0], logprobs=out_logprobs)
+
+
 class Sampler:
     """Samples one token per row of a batch of logits.
 
@@ -154,15 +175,6 @@ class Sampler:
             state._prompt_dev = self._upload(ids[(ids >= 0) & (ids < self.vocab_size)].unique())[0]
         return state._prompt_dev
 
-    def _to_host(self, tensors: list[torch.Tensor]) -> list[list]:
-        """Device tensors to Python lists with one synchronisation for all of them."""
-        if self.device.type != "cuda":
-            return [t.tolist() for t in tensors]
-        # A non-blocking copy to the CPU lands in pinned memory; one stream sync covers all.
-        host = [t.to("cpu", non_blocking=True) for t in tensors]
-        torch.cuda.current_stream(self.device).synchronize()
-        return [h.tolist() for h in host]
-
     # -- the step ---------------------------------------------------------------------------
 
     def sample(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> SampleOutput:
@@ -170,11 +182,17 @@ class Sampler:
         per state, in the same order. The caller's tensor is not modified; `states` are read,
         not changed (appending the sampled tokens to output_ids is the caller's job).
         """
+        return self.launch(logits, states).wait()
+
+    def launch(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> PendingSample:
+        """`sample` without waiting: the draw is enqueued on the device, its results start
+        their copy to the host, and `PendingSample.wait()` returns them. Meanwhile the caller
+        may enqueue more work (and read `token_ids` on the device)."""
         B, V = len(states), self.vocab_size
         if logits.dim() != 2 or logits.shape[0] != B or logits.shape[1] < V:
             raise ValueError(f"logits must be [{B}, >= {V}], got {list(logits.shape)}")
         if B == 0:
-            return SampleOutput(token_ids=[], logprobs=[])
+            return PendingSample(torch.empty(0, dtype=torch.long, device=self.device), [], [], None)
         # The slice drops the padded vocabulary, so ids >= vocab_size can never be chosen; the
         # copy makes the in-place masking below safe for the caller's tensor.
         logits = logits[:, :V].to(torch.float32, copy=True).contiguous()
@@ -202,13 +220,13 @@ class Sampler:
                 top_lp, top_ids = logprobs.topk(k_max, dim=-1)  # sorted, best first
                 to_fetch += [top_lp.clamp_min(LOGPROB_FLOOR), top_ids]
 
-        fetched = self._to_host(to_fetch)
-        out_logprobs: list[TokenLogprobs | None] = [None] * B
-        for j, i in enumerate(lp_rows):
-            k = min(params[i].logprobs, V)
-            top = list(zip(fetched[3][j][:k], fetched[2][j][:k], strict=True)) if k > 0 else []
-            out_logprobs[i] = TokenLogprobs(token_logprob=fetched[1][j], top=top)
-        return SampleOutput(token_ids=fetched[0], logprobs=out_logprobs)
+        if self.device.type != "cuda":
+            return PendingSample(token_ids, to_fetch, [min(params[i].logprobs, V) for i in lp_rows], lp_rows)
+        # Non-blocking copies to pinned host memory; one event covers them all.
+        host = [t.to("cpu", non_blocking=True) for t in to_fetch]
+        event = torch.cuda.Event()
+        event.record()
+        return PendingSample(token_ids, host, [min(params[i].logprobs, V) for i in lp_rows], lp_rows, event)
 
     # -- 1. penalties -----------------------------------------------------------------------
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU benchmark runs quoted in BENCHMARKS.md, on a device with torch + triton + transformers
+# (no install: run from the repository root). Stages: tests l8 l8serve dsv2 spec (default: all).
+# Each writes JSON to ${OUT:-/tmp/out}; models are built once under /tmp.
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+M="python3 -m cluster.cli"
+F="--device cuda --page-size 16 --max-context-len 4096 --mem-fraction 0.6"
+stages=${*:-tests l8 l8serve dsv2 spec}
+build() {  # build DIR ARGS...: a random-weight checkpoint, once
+  local d=$1; shift
+  [ -f "$d/config.json" ] || $M make-model "$d" "$@" --dtype bfloat16 >/dev/null
+}
+for s in $stages; do
+  echo "=== $s $(date -u +%FT%TZ)"
+  case $s in
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_gpu_kernels.py \
+             tests/test_gpu_engine.py tests/test_gpu_speculative.py tests/test_gpu_encoder_decoder.py 2>&1 | tail -15 ;;
+    l8) build /tmp/l8 --preset llama-3.1-8b
+        $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --out "$OUT/l8_latency.json"
+        $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --disable-overlap-schedule \
+          --out "$OUT/l8_latency_no_overlap.json" ;;
+    l8serve) build /tmp/l8 --preset llama-3.1-8b
+        $M bench serve --model /tmp/l8 $F --num-prompts 200 --input-len 1024 --output-len 1024 \
+          --request-rate 16 --out "$OUT/l8_serve.json" ;;
+    dsv2) build /tmp/dsv2 --preset deepseek-v2-lite
+        $M bench latency --model /tmp/dsv2 $F --batch 1 16 --steps 24 --input-len 512 --out "$OUT/dsv2_latency.json"
+        $M bench offline --model /tmp/dsv2 $F --num-prompts 64 --input-len 512 --output-len 128 \
+          --out "$OUT/dsv2_offline.json" ;;
+    spec) build /tmp/l8 --preset llama-3.1-8b
+        build /tmp/l1b --arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256
+        $M bench spec --model /tmp/l8 $F --speculative-draft-model /tmp/l1b --speculative-num-tokens 4 \
+          --max-running-requests 32 --batch 1 4 --input-len 512 --output-len 128 --out "$OUT/spec.json" ;;
+  esac
+done
