@@ -33,7 +33,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--router-max-inflight", type=int, default=None,
                    help="requests the router holds at once before answering 503 (default: with --max-waiting W, "
                         "replicas x (max-running-requests + W); else unbounded)")
-    p.set_defaults(func=cmd_serve, kv_store_embedded=True)  # no --kv-store: <cache dir>/kvstore
+    # No --kv-store: <cache dir>/kvstore. Pages of 16 tokens by default: the shared KV store
+    # serves pages of at least 16 (cluster/kv_offload.py), and GPU kernels prefer them.
+    p.set_defaults(func=cmd_serve, kv_store_embedded=True, page_size=16)
 
 
 def router_max_inflight(args: argparse.Namespace) -> int:
