@@ -140,7 +140,6 @@ class Engine:
         self.kv_offload = attach_kv_offload(self)  # the shared KV store (None: off)
         # Overlapped scheduling: plan and launch step k+1 before step k's tokens are read.
         self.overlap = (not config.disable_overlap_schedule and self.workers.supports_overlap
-                        and self.kv_offload is None and not config.speculative_draft_model
                         and not self.serving.is_embedding)
         self.scheduler.overlap = self.overlap
         self._inflight: collections.deque = collections.deque()  # launched plans, oldest first

@@ -198,6 +198,7 @@ class _Loading:
     executed: bool = False  # the prefetch order has run on the ranks
     finished: bool = False  # rank 0 reported its prefetch done
     pages: list[int] = field(default_factory=list)  # allocated for the KVLoad in flight
+    load_step: int = 0  # the step id of the plan carrying that KVLoad
 
 
 class SchedulerKVOffload:
@@ -315,6 +316,7 @@ class SchedulerKVOffload:
                 continue
             load = self._start_load(e, now)
             if load is not None:
+                e.load_step = self.sched._step_id + 1  # the plan these orders go into
                 loads.append(load)
         saves = [KVSave([p for p, _ in self.pending_saves], [k for _, k in self.pending_saves])]
         saves = saves if self.pending_saves else []
@@ -426,8 +428,12 @@ class SchedulerKVOffload:
     def _sweep(self) -> None:
         """Forget requests that finished (aborted) while set aside or held. A load still
         holding pages here belongs to a step that failed (its result never came back: a
-        successful step's `on_result` ends every load of its plan): it loaded nothing."""
+        successful step's `on_result` ends every load of its plan): it loaded nothing. Under
+        overlapped scheduling the newest plan may still be in flight: its loads wait."""
+        in_flight_step = self.sched._step_id if self.sched.overlap else None
         for rid, e in list(self.loading.items()):
+            if e.pages and e.load_step == in_flight_step:
+                continue
             if e.pages:
                 del self.loading[rid]
                 self._finish_load(e, 0)

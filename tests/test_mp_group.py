@@ -17,6 +17,9 @@ def test_multiprocess_tp2_equals_tp1(tmp_path_factory):
     tp2 = Engine(EngineConfig(model=str(d), tp_size=2, page_size=4))
     try:
         assert type(tp2.workers).__name__ == "MultiprocessWorkerGroup"
+        # Overlapped: rank 1 resolves each decode's input from rank 0's broadcast tokens (a
+        # wrong one would change its embedding rows and with them every logit).
+        assert tp2.overlap
         got = run_staggered(tp2, PROMPTS, greedy())
     finally:
         tp2.shutdown()

@@ -5,9 +5,10 @@ of their results instead (overlapped scheduling). Implementations: in-process (T
 
 from __future__ import annotations
 
+import collections
 from abc import ABC, abstractmethod
 
-from workers.messages import StepPlan, StepResult
+from workers.messages import OverlapCall, StepPlan, StepResult
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner, RunnerOptions
 
@@ -42,6 +43,49 @@ class WorkerGroup(ABC):
 
     def describe(self) -> dict:
         return {"kind": type(self).__name__}
+
+
+class RemoteOverlap:
+    """`launch`/`collect` for groups whose ranks run in other processes and answer an
+    `OverlapCall` per step (Ray actors, torch multiprocessing). A launch call returns the result
+    that became ready on the rank (the previous plan's), so a steady stream of steps costs one
+    round trip each; `collect` with nothing outstanding sends an empty call to flush."""
+
+    def _submit(self, msg: OverlapCall):
+        """Send `msg` to every rank; a handle for rank 0's answer."""
+        raise NotImplementedError
+
+    def _wait(self, handle) -> StepResult | None:
+        raise NotImplementedError
+
+    @property
+    def supports_overlap(self) -> bool:
+        return self._overlap_ok
+
+    def launch(self, plan: StepPlan) -> None:
+        self._calls.append(self._submit(OverlapCall(plan)))
+
+    def collect(self) -> StepResult:
+        while self._calls:
+            result = self._wait(self._calls.popleft())
+            if result is not None:
+                return result
+        result = self._wait(self._submit(OverlapCall()))
+        assert result is not None, "collect() without a launched plan"
+        return result
+
+    def discard_inflight(self) -> None:
+        calls, self._calls = list(self._calls), collections.deque()
+        try:
+            for handle in calls:
+                self._wait(handle)
+            self._wait(self._submit(OverlapCall(discard=True)))
+        except Exception:  # the group is failing anyway; the engine has failed its requests
+            pass
+
+    def _init_overlap(self, opts: RunnerOptions) -> None:
+        self._calls: collections.deque = collections.deque()
+        self._overlap_ok = opts.speculative_draft_model is None  # as ModelRunner.can_overlap
 
 
 class InProcessWorkerGroup(WorkerGroup):

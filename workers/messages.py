@@ -62,6 +62,16 @@ class StepPlan:
 
 
 @dataclass
+class OverlapCall:
+    """Overlapped execution on a rank process (`workers.group.RemoteOverlap`): with a plan,
+    launch it and return the result that became ready (the previous plan's, or None); without
+    one, wait for the plan in flight and return its result; `discard` forgets launched plans."""
+
+    plan: StepPlan | None = None
+    discard: bool = False
+
+
+@dataclass
 class TokenLogprobs:
     token_logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first

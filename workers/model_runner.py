@@ -43,6 +43,7 @@ class _InFlight:
     plan: StepPlan
     result: StepResult
     t0: float
+    sampled: bool = False  # rows were sampled (on rank 0; the same on every rank)
     sample: PendingSample | None = None
     rids: list[str] = field(default_factory=list)
 
@@ -209,10 +210,10 @@ class ModelRunner:
     # ---------------- one step ----------------
     @property
     def can_overlap(self) -> bool:
-        """Whether `launch`/`collect` may run plans ahead of their results: a single rank that
-        samples every token itself (TP=1), without a draft model or a KV store (their steps
-        need the tokens on the host)."""
-        return self.tp.size == 1 and self.drafter is None and self.kv_offload is None
+        """Whether `launch`/`collect` may run plans ahead of their results: not with a draft
+        model (a speculative round needs its tokens on the host). Under TP, rank 0 broadcasts
+        each step's sampled tokens (`last_token`) so that every rank resolves placeholders."""
+        return self.drafter is None
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> None:
@@ -223,6 +224,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._prepare(plan)
         result = StepResult(plan.step_id)
+        if self.kv_offload is not None:  # KV store saves/prefetches/loads, before the forward
+            self.kv_offload.run(plan, result)
         fb = hidden = logits = None
         if plan.mode != ForwardMode.IDLE and plan.reqs:
             fb = self.build_forward_batch(plan)
@@ -231,6 +234,8 @@ class ModelRunner:
             self._ready.append(self._complete(self._inflight))
         self._inflight = (self._launch_sampling(plan, fb, hidden, logits, result, t0) if fb is not None
                           else _InFlight(plan, result, t0))
+        if self._inflight.sampled and self.tp.size > 1:
+            self.tp.broadcast(self.last_token)  # rank 0 sampled; every rank reads placeholders
 
     def collect(self) -> StepResult:
         """The result of the oldest launched plan not collected yet (waits for it if needed)."""
@@ -239,6 +244,10 @@ class ModelRunner:
             self._ready.append(self._complete(self._inflight))
             self._inflight = None
         return self._ready.popleft()
+
+    def take_ready(self) -> StepResult | None:
+        """A completed result not collected yet, without waiting (None: none is ready)."""
+        return self._ready.popleft() if self._ready else None
 
     def discard_inflight(self) -> None:
         """Forget launched plans (the engine failed them)."""
@@ -356,7 +365,7 @@ class ModelRunner:
             self._pool(plan, hidden, result)
         sample_idx = [i for i, r in enumerate(plan.reqs) if r.sample and r.rid in self.states]
         assert fb.logits_indices is not None
-        inflight = _InFlight(plan, result, t0)
+        inflight = _InFlight(plan, result, t0, sampled=bool(sample_idx))
         if sample_idx:
             every_row = len(sample_idx) == fb.batch_size
             idx = None if every_row else self._upload(sample_idx, torch.long)

@@ -1,6 +1,7 @@
 """TP ranks as torch.multiprocessing processes, for machines without Ray (the GPU image) and
 for tests. The same `RankWorker` and model runner code runs as in the Ray actors; only the
-transport differs: a pipe per rank carries each StepPlan in and rank 0's StepResult out.
+transport differs: a pipe per rank carries each StepPlan (or OverlapCall) in and rank 0's
+StepResult out.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from workers.group import WorkerGroup
-from workers.messages import StepPlan, StepResult
+from workers.group import RemoteOverlap, WorkerGroup
+from workers.messages import OverlapCall, StepPlan, StepResult
 from workers.model_runner import RunnerOptions
 from workers.worker import RankWorker, free_port
 
@@ -39,7 +40,7 @@ def _rank_main(opts: RunnerOptions, rank: int, world: int, port: int, conn, env:
         conn.send(("error", traceback.format_exc()))
 
 
-class MultiprocessWorkerGroup(WorkerGroup):
+class MultiprocessWorkerGroup(RemoteOverlap, WorkerGroup):
     def __init__(self, opts: RunnerOptions, tp_size: int, start_timeout_s: float = 600.0):
         ctx = mp.get_context("spawn")
         port = free_port()
@@ -66,10 +67,16 @@ class MultiprocessWorkerGroup(WorkerGroup):
         self.model_config = info["model_config"]
         self.num_pages = info["num_pages"]
         self.tp_size = tp_size
+        self._init_overlap(opts)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        for conn in self.conns:
-            conn.send(plan)
+        return self._wait(self._submit(plan))
+
+    def _submit(self, msg: StepPlan | OverlapCall) -> None:
+        for conn in self.conns:  # answers come back in order on rank 0's pipe
+            conn.send(msg)
+
+    def _wait(self, handle: None) -> StepResult | None:
         kind, payload = self.conns[0].recv()
         if kind == "error":
             raise RuntimeError(f"TP rank 0 failed:\n{payload}")

@@ -45,6 +45,12 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s x on every rank, in place; returns x."""
+        if self.size > 1:
+            dist.broadcast(x, src=src, group=self.group)
+        return x
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.group)

@@ -16,7 +16,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from workers.messages import StepPlan, StepResult
+from workers.messages import OverlapCall, StepPlan, StepResult
 from workers.model_runner import ModelRunner, RunnerOptions
 from workers.parallel import TPGroup
 
@@ -91,9 +91,17 @@ class RankWorker:
         return {"num_pages": self.runner.num_pages, "model_config": self.runner.model_config,
                 "attention": attention_description(self.runner.attn_backend)}
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, msg: StepPlan | OverlapCall) -> StepResult | None:
         assert self.runner is not None, "init() first"
-        return self.runner.execute(plan)
+        if not isinstance(msg, OverlapCall):
+            return self.runner.execute(msg)
+        if msg.discard:
+            self.runner.discard_inflight()
+            return None
+        if msg.plan is None:
+            return self.runner.collect()
+        self.runner.launch(msg.plan)
+        return self.runner.take_ready()
 
     def kv_store_stats(self) -> dict | None:
         """This rank's KV store client and host-tier counters (None: no store). Runs beside
