@@ -115,23 +115,27 @@ def bench_latency(engine: Engine, batches: list[int], input_len: int, steps: int
 
 
 def bench_overhead(config: EngineConfig, batch: int, input_len: int, steps: int, cpus_per_rank: float) -> dict:
-    """Decode step through the in-process group and through Ray rank actors."""
+    """Decode step through the in-process group and through Ray rank actors, one step at a
+    time (step = worker compute + the overhead of driving the group), and through the actors
+    overlapped (step only: planning and the round trip hide behind the ranks' compute)."""
     import ray
 
     from cluster.engine import runner_options
     from workers.ray_group import RayWorkerGroup
 
+    serial = dataclasses.replace(config, disable_overlap_schedule=True)
     out = {}
-    if config.tp_size == 1:  # one step at a time, as the Ray group runs them
-        eng = Engine(dataclasses.replace(config, disable_overlap_schedule=True))
-        walls, computes = _decode_step_times(eng, batch, input_len, steps)
+    if config.tp_size == 1:
+        walls, computes = _decode_step_times(Engine(serial), batch, input_len, steps)
         out["in_process"] = _overhead_row(walls, computes)
     ray.init(address="local", num_cpus=max(4, config.tp_size), include_dashboard=False, ignore_reinit_error=True)
     group = RayWorkerGroup(runner_options(config), config.tp_size, cpus_per_rank=cpus_per_rank, name="bench")
     try:
-        eng = Engine(config, workers=group)
-        walls, computes = _decode_step_times(eng, batch, input_len, steps)
+        walls, computes = _decode_step_times(Engine(serial, workers=group), batch, input_len, steps)
         out["ray_actors"] = _overhead_row(walls, computes)
+        walls, _ = _decode_step_times(Engine(dataclasses.replace(config, disable_overlap_schedule=False),
+                                             workers=group), batch, input_len, steps)
+        out["ray_actors_overlapped"] = {"step_ms": 1e3 * statistics.mean(walls)}
     finally:
         group.shutdown()
         ray.shutdown()
