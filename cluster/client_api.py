@@ -88,6 +88,7 @@ class LocalEngineClient:
         self.tokenizer = engine.tokenizer
         self.max_context_len = engine.max_context_len
         self.vocab_size = engine.model_config.vocab_size
+        self.is_encoder_decoder = engine.model_config.is_encoder_decoder  # the prompt is the encoder's input
         self.replica = replica
         self._metrics = metrics
         self._closed = False

@@ -79,7 +79,8 @@ class ServingCluster:
 
         tokenizer = AutoTokenizer.from_pretrained(opts.engine.tokenizer or opts.engine.model)
         self.router = Router(opts.router, self.metrics, tokenizer, opts.engine.model_name,
-                             first["max_context_len"], first["vocab_size"])
+                             first["max_context_len"], first["vocab_size"],
+                             is_encoder_decoder=first.get("is_encoder_decoder", False))
         for n, h in handles.items():
             self.router.add_replica(n, h)
         self.infos = infos
@@ -177,7 +178,8 @@ class ServingCluster:
         first = next(iter(found.values()))[1]
         tokenizer = AutoTokenizer.from_pretrained(opts.engine.tokenizer or opts.engine.model)
         router = Router(opts.router, self.metrics, tokenizer, opts.engine.model_name,
-                        first["max_context_len"], first["vocab_size"])
+                        first["max_context_len"], first["vocab_size"],
+                             is_encoder_decoder=first.get("is_encoder_decoder", False))
         for name, (actor, info) in found.items():
             router.add_replica(name, actor)
             self.actors[name], self.infos[name] = actor, info

@@ -140,7 +140,8 @@ class Replica:
                 "attention": self.group.attention, "model": self.config.model,
                 "kv_pages": self.group.num_pages, "page_size": self.config.page_size,
                 "max_context_len": self.engine.max_context_len if self.engine else 0,
-                "vocab_size": self.engine.model_config.vocab_size if self.engine else 0}
+                "vocab_size": self.engine.model_config.vocab_size if self.engine else 0,
+                "is_encoder_decoder": bool(self.engine and self.engine.model_config.is_encoder_decoder)}
 
     def ping(self) -> bool:
         return True

@@ -74,13 +74,14 @@ class ReplicaHandle:
 
 class Router:
     def __init__(self, options: RouterOptions, metrics, tokenizer, model_name: str,
-                 max_context_len: int, vocab_size: int):
+                 max_context_len: int, vocab_size: int, is_encoder_decoder: bool = False):
         self.options = options
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context_len = max_context_len
         self.vocab_size = vocab_size
+        self.is_encoder_decoder = is_encoder_decoder  # the prompt is the encoder's input
         self.replicas: dict[str, ReplicaHandle] = {}
         self._rr = itertools.count()
         self._poller: asyncio.Task | None = None

@@ -190,9 +190,29 @@ class _Serving:
             raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", param=param)
         return list(prompt)
 
+    @property
+    def _encoder_decoder(self) -> bool:
+        return bool(getattr(self.client, "is_encoder_decoder", False))
+
+    def default_max_tokens(self, n_prompt: int) -> int:
+        """What a request may generate when it names no limit."""
+        if self._encoder_decoder:  # the decoder starts from one token, whatever the prompt's length
+            return self.client.max_context_len - 1
+        return self.client.max_context_len - n_prompt
+
     def check_context(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens",
                       prompt_param: str = "prompt") -> None:
         limit = self.client.max_context_len
+        if self._encoder_decoder:
+            # The prompt is the encoder's input; the decoder has positions of its own.
+            if n_prompt > limit:
+                raise APIError(400, f"This model's encoder takes at most {limit} tokens, but the prompt has "
+                               f"{n_prompt} tokens", param=prompt_param, code="context_length_exceeded")
+            if max_tokens is not None and 1 + max_tokens > limit:
+                raise APIError(400, f"This model's decoder context is {limit} tokens; you requested "
+                               f"{max_tokens} tokens to generate after its start token", param=param,
+                               code="context_length_exceeded")
+            return
         if n_prompt >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
                            f"has {n_prompt} tokens (at least one token must be generated)",
@@ -309,7 +329,7 @@ class _Serving:
         ids = P.render_chat(self.client.tokenizer, req.chat_dicts())
         requested = req.requested_max_tokens()
         self.check_context(len(ids), None, prompt_param="messages")
-        max_tokens = requested if requested is not None else self.client.max_context_len - len(ids)
+        max_tokens = requested if requested is not None else self.default_max_tokens(len(ids))
         jobs = []
         for j in range(req.n):
             try:

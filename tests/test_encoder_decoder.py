@@ -224,6 +224,18 @@ def test_completions_endpoint_takes_the_encoder_input(bart):
         body = r.json()
         assert body["choices"][0]["text"] == expected.text
         assert body["usage"]["prompt_tokens"] == len(engine.tokenize(prompt))
+        # The context limit applies to the encoder input and to the decoder separately: a
+        # prompt of the whole context with a long generation is valid, one token more is not.
+        limit = engine.max_context_len
+        full = [7] * limit
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "tiny-bart", "prompt": full, "max_tokens": limit - 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        for prompt_ids, max_tokens, param in ((full + [7], 2, "prompt"), ([7, 8], limit, "max_tokens")):
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": "tiny-bart", "prompt": prompt_ids, "max_tokens": max_tokens})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert r.json()["error"]["code"] == "context_length_exceeded"
     finally:
         server.stop()
         asyncio.run(client.aclose())
