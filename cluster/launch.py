@@ -118,6 +118,27 @@ class ServingCluster:
             _stop_actor(actor)
 
     # ---------------- replacing replicas, rebuilding the router (cluster/supervisor.py) ----------------
+    def restore_kv_store(self, ping_timeout_s: float = 5.0) -> bool:
+        """Start the KV store again if this cluster started it and it is gone (blocking: run it
+        off the event loop). The new store rebuilds its index from the same directory, so the
+        pages that reached its files are served again; the ranks' clients find it by name and
+        register anew. True when it was restarted."""
+        if self.kv_store is None:
+            return False
+        try:
+            ray.get(self.kv_store.info.remote(), timeout=ping_timeout_s)
+            return False  # alive (a slow answer counts as alive: a busy store is not restarted)
+        except ray.exceptions.GetTimeoutError:
+            return False
+        except ray.exceptions.RayError:
+            pass
+        store, _created = ensure_kv_store(self.options.engine)
+        if store is None:
+            return False  # not yet (the old name may still be registered): the next check retries
+        self.kv_store = store
+        logger.warning("KV store: it had died; started again on %s", self.options.engine.kv_store)
+        return True
+
     def start_replica(self, ready_timeout_s: float | None = None) -> tuple[str, object]:
         """Spawn one more replica actor and wait until it is ready (blocking: run it off the
         event loop). The caller puts it into rotation (`router.add_replica`) on its own loop.

@@ -16,6 +16,10 @@ then
    node gets its replica back once the capacity returns.
 
 Meanwhile the remaining replicas serve everything.
+
+It also keeps the shared KV store up: a store actor this cluster started that no longer answers
+is started again on the same directory (`ServingCluster.restore_kv_store`); meanwhile every
+replica serves without it (its misses and errors are counted, nothing waits on it).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class SupervisorStats:
     replaced: int = 0  # dead replicas taken out of rotation
     started: int = 0  # replacements that came up and joined the router
     failed_starts: int = 0
+    store_restarts: int = 0  # the KV store actor died and was started again
     missing: int = 0  # replacements still to start
     events: list[str] = field(default_factory=list)  # what happened, in order (bounded)
 
@@ -54,13 +59,14 @@ class ReplicaSupervisor:
         self.stats = SupervisorStats()
         self._task: asyncio.Task | None = None
         self._starting: asyncio.Task | None = None
+        self._store_check: asyncio.Task | None = None
 
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._loop())
 
     async def aclose(self) -> None:
-        for t in (self._task, self._starting):
+        for t in (self._task, self._starting, self._store_check):
             if t is not None:
                 t.cancel()
         self._task = self._starting = None
@@ -87,6 +93,14 @@ class ReplicaSupervisor:
                 self.stats.log(f"replica {name} died ({handle.reason}); starting a replacement")
         if self.stats.missing and (self._starting is None or self._starting.done()):
             self._starting = asyncio.create_task(self._replace())
+        if getattr(self.cluster, "kv_store", None) is not None and (
+                self._store_check is None or self._store_check.done()):
+            self._store_check = asyncio.create_task(self._restore_store())
+
+    async def _restore_store(self) -> None:
+        if await asyncio.to_thread(self.cluster.restore_kv_store):
+            self.stats.store_restarts += 1
+            self.stats.log("the KV store died; started it again on its directory")
 
     async def _replace(self) -> None:
         backoff = self.backoff_s

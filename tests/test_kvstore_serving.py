@@ -503,6 +503,56 @@ def test_restart_keeps_prefixes_and_a_damaged_page_misses(engines, tmp_path, lla
 
 
 
+@pytest.mark.slow
+def test_killed_store_comes_back_and_serves_its_pages_from_disk(no_store_after, tmp_path, llama_dir):
+    """The store actor killed under a serving cluster: requests go on without it, the
+    supervisor starts it again on its directory, and a replica that never saw the prompt
+    loads the pages the dead store had written to its files."""
+    from cluster.launch import ClusterOptions, ServingCluster
+    from cluster.metrics import ServerMetrics
+    from cluster.router import RouterOptions
+    from cluster.supervisor import ReplicaSupervisor
+    from kvstore.store import lookup_store
+
+    cfg = engine_config(llama_dir, tmp_path / "kv")
+    cluster = ServingCluster(ClusterOptions(engine=cfg, replicas=2, namespace=NS,
+                                            router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),
+                             ServerMetrics())
+    router = cluster.start()
+    prompt = prompt_ids(201, seed=5)  # 12 whole pages
+    short = [prompt_ids(9, seed=s) for s in (6, 7)]  # no whole page: they never touch the store
+
+    async def collect(p):
+        outs = [o async for o in router.generate_stream(p, greedy())]
+        return outs[-1], [t for o in outs for t in o.delta_token_ids]
+
+    async def scenario():
+        await router.start()
+        supervisor = ReplicaSupervisor(cluster, interval_s=0.2)
+        await supervisor.start()
+        try:
+            a, a_tokens = await collect(prompt)  # replica A prefills and writes 12 pages
+            await asyncio.to_thread(wait_for, lambda: len(store_keys()) >= 12, 60, "A's pages in the store")
+            await asyncio.to_thread(lambda: ray.get(lookup_store().flush.remote()))  # ... onto disk
+            await asyncio.to_thread(kill_store)
+            served = [await collect(p) for p in short]  # B, then A: no store, still served
+            await asyncio.to_thread(wait_for, lambda: supervisor.stats.store_restarts == 1, 60, "the store back")
+            b, b_tokens = await collect(prompt)  # replica B: from the restarted store's files
+            return a, a_tokens, served, b, b_tokens, supervisor.stats
+        finally:
+            await supervisor.aclose()
+
+    try:
+        a, a_tokens, served, b, b_tokens, stats = asyncio.run(scenario())
+        assert [o.finish_reason for o, _ in served] == ["length", "length"]
+        assert a.replica != b.replica and b_tokens == a_tokens
+        assert b.cached_tokens == 192  # 12 pages loaded, not computed
+        assert any("KV store died" in e for e in stats.events)
+    finally:
+        asyncio.run(router.aclose())
+        cluster.shutdown()
+
+
 @ray.remote(num_cpus=0)
 class HungStore:
     """A store that answers nothing in time."""
