@@ -152,48 +152,66 @@ class MLAAttentionBackend(GraphMetadataBuffers, AttentionBackend):
         self.chunk_plan = plan_prefix_chunks(self.metadata, self.prefix_chunk_tokens)
 
     # ---- forward ----
-    @staticmethod
-    def _pool(forward_batch: ForwardBatch) -> MLATokenToKVPool:
-        pool = forward_batch.kv_pool
-        assert pool is not None and pool.use_mla, "MLA layers need an MLATokenToKVPool"
-        return pool  # type: ignore[return-value]
-
-    @staticmethod
-    def _save(pool: MLATokenToKVPool, layer: AttentionLayer, forward_batch: ForwardBatch, k) -> None:
-        entry = k[:, 0]
-        c = layer.kv_lora_rank
-        pool.set_mla_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, entry[:, :c], entry[:, c:])
-
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        meta, plan = self.metadata, self.chunk_plan
-        assert meta is not None and plan is not None, "init_forward_metadata was not called"
-        assert isinstance(layer, MLAAttentionLayer) and layer.expand_kv is not None
-        assert q.shape[-1] == layer.head_dim, "extend takes the MHA-form query [T, H, N + R]"
-        pool = self._pool(forward_batch)
-        if save_kv_cache:
-            self._save(pool, layer, forward_batch, k)
-        lens = meta.extend_seq_lens_cpu
-        # The new tokens over themselves (causal), from the in-batch entries just written.
-        k_new, v_new = layer.expand_kv(k[:, 0])
-        out, lse = ragged_attention_lse(q, k_new, v_new, lens, lens, layer.scaling, causal=True)
-        # Then the cached prefix, chunk by chunk: every prefix token precedes every new token.
-        cache = pool.get_key_buffer(layer.layer_id)
-        for chunk in plan.chunks:
-            k_c, v_c = layer.expand_kv(cache[chunk.slots, 0].to(q.dtype))
-            out_c, lse_c = ragged_attention_lse(q, k_c, v_c, lens, chunk.kv_lens, layer.scaling, causal=False)
-            out, lse = merge_attn_states(out, lse, out_c, lse_c)
-        return out.to(q.dtype).reshape(q.shape[0], -1)
+        return mla_extend(self.metadata, self.chunk_plan, q, k, layer, forward_batch, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        meta = self.metadata
-        assert meta is not None, "init_forward_metadata was not called"
-        c = layer.kv_lora_rank
-        assert q.shape[-1] == c + layer.qk_rope_head_dim, "decode takes the absorbed query [B, H, C + R]"
-        pool = self._pool(forward_batch)
-        if save_kv_cache:
-            self._save(pool, layer, forward_batch, k)
-        out = self.kernels.mla_decode(
-            q, pool.get_key_buffer(layer.layer_id), meta.page_table, meta.cache_seqlens_int32,
-            layer.scaling, self.page_size, c,
-        )
-        return out.to(q.dtype).reshape(q.shape[0], -1)
+        return mla_decode(self.metadata, self.kernels, self.page_size, q, k, layer, forward_batch, save_kv_cache)
+
+
+# The MLA attention math over the latent cache, shared by this backend and the FA backend's MLA
+# mode (`attention.flash.FlashAttentionBackend(use_mla=True)`): one implementation of the write
+# and of every read.
+
+
+def _pool(forward_batch: ForwardBatch) -> MLATokenToKVPool:
+    pool = forward_batch.kv_pool
+    assert pool is not None and pool.use_mla, "MLA layers need an MLATokenToKVPool"
+    return pool  # type: ignore[return-value]
+
+
+def _save(pool: MLATokenToKVPool, layer: AttentionLayer, forward_batch: ForwardBatch, k) -> None:
+    entry = k[:, 0]
+    c = layer.kv_lora_rank
+    pool.set_mla_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, entry[:, :c], entry[:, c:])
+
+
+def mla_extend(meta: AttentionMetadata | None, plan: MHAChunkPlan | None, q, k, layer, forward_batch,
+               save_kv_cache: bool = True) -> torch.Tensor:
+    """The MHA-style extend of an MLA layer (module docstring): write the new entries, attend
+    the new tokens causally over their own decompressed K/V, then the cached prefix chunk by
+    chunk, merging by log-sum-exp. Returns [T, H * V]."""
+    assert meta is not None and plan is not None, "init_forward_metadata was not called"
+    assert isinstance(layer, MLAAttentionLayer) and layer.expand_kv is not None
+    assert q.shape[-1] == layer.head_dim, "extend takes the MHA-form query [T, H, N + R]"
+    pool = _pool(forward_batch)
+    if save_kv_cache:
+        _save(pool, layer, forward_batch, k)
+    lens = meta.extend_seq_lens_cpu
+    # The new tokens over themselves (causal), from the in-batch entries just written.
+    k_new, v_new = layer.expand_kv(k[:, 0])
+    out, lse = ragged_attention_lse(q, k_new, v_new, lens, lens, layer.scaling, causal=True)
+    # Then the cached prefix, chunk by chunk: every prefix token precedes every new token.
+    cache = pool.get_key_buffer(layer.layer_id)
+    for chunk in plan.chunks:
+        k_c, v_c = layer.expand_kv(cache[chunk.slots, 0].to(q.dtype))
+        out_c, lse_c = ragged_attention_lse(q, k_c, v_c, lens, chunk.kv_lens, layer.scaling, causal=False)
+        out, lse = merge_attn_states(out, lse, out_c, lse_c)
+    return out.to(q.dtype).reshape(q.shape[0], -1)
+
+
+def mla_decode(meta: AttentionMetadata | None, kernels, page_size: int, q, k, layer, forward_batch,
+               save_kv_cache: bool = True) -> torch.Tensor:
+    """The absorbed decode of an MLA layer: write the new entries, MQA over the latent cache
+    (graph-safe: reads only the page table and lengths). Returns [B, H * C]."""
+    assert meta is not None, "init_forward_metadata was not called"
+    c = layer.kv_lora_rank
+    assert q.shape[-1] == c + layer.qk_rope_head_dim, "decode takes the absorbed query [B, H, C + R]"
+    pool = _pool(forward_batch)
+    if save_kv_cache:
+        _save(pool, layer, forward_batch, k)
+    out = kernels.mla_decode(
+        q, pool.get_key_buffer(layer.layer_id), meta.page_table, meta.cache_seqlens_int32, layer.scaling,
+        page_size, c,
+    )
+    return out.to(q.dtype).reshape(q.shape[0], -1)

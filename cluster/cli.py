@@ -42,7 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
     p.add_argument("--disable-radix-cache", action="store_true")
-    p.add_argument("--attention-backend", default="flash", choices=["flash", "reference"])
+    p.add_argument("--attention-backend", default="flash", choices=["flash", "reference", "mla"],
+                   help="flash: MHA/GQA and MLA models (kernels chosen at start-up); reference: the torch "
+                        "reference (MHA/GQA); mla: the dedicated MLA backend (MLA models)")
     p.add_argument("--is-embedding", action="store_true")
     p.add_argument("--max-context-len", type=int, default=None)
     p.add_argument("--max-waiting", type=int, default=0)

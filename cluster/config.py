@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-ATTENTION_BACKENDS = ("flash", "reference")
+ATTENTION_BACKENDS = ("flash", "reference", "mla")  # mla: the dedicated MLA backend (MLA models only)
 KV_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # cluster/kv_offload.py
 KV_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 

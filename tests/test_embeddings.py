@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention.mla import MLAAttentionBackend
+from attention.flash import FlashAttentionBackend
 from attention.paged import should_skip_kv_cache
 from attention.torch_ops import paged_attention_ref, ragged_attention_sdpa, ragged_self_table
 from cluster.client_api import LocalEngineClient
@@ -322,7 +322,9 @@ def test_mla_embedding_with_every_fast_path_condition_writes_reads_and_is_right(
                                     use_mla=True)
     run = run_embed(d, PROMPTS, **FAST)
     runner = run.engine.workers.runner
-    assert isinstance(runner.attn_backend, MLAAttentionBackend) and run.engine.serving == (True, -1, True)
+    backend = runner.attn_backend  # the FA backend in MLA mode: the fast path stays off
+    assert isinstance(backend, FlashAttentionBackend) and backend.use_mla and not backend.skip_kv_cache
+    assert run.engine.serving == (True, -1, True)
     assert run.writes > 0 and run.reads > 0
     # Every slot the requests were given holds a fresh latent in every layer, not the NaN
     # poison: whatever reads this cache next reads this run's values, never stale ones.

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from attention.base import AttentionBackend, AttentionLayer
+from attention.flash import FlashAttentionBackend
 from attention.hybrid_linear import HybridLinearAttnBackend
 from attention.linear_attn import LinearAttentionBackend
-from attention.mla import MLAAttentionBackend
 from cluster.config import EngineConfig
 from cluster.engine import Engine
 from tests.fixtures import gloo_rank, tiny_model_dir
@@ -154,7 +154,8 @@ def _engine(path: str, **kw) -> Engine:
     engine = Engine(EngineConfig(model=path, **kw))
     backend = engine.workers.runner.attn_backend
     assert isinstance(backend, HybridLinearAttnBackend)
-    assert isinstance(backend.full_attn_backend, MLAAttentionBackend)
+    full = backend.full_attn_backend
+    assert isinstance(full, FlashAttentionBackend) and full.use_mla
     backend.full_attn_backend.prefix_chunk_tokens = CHUNK  # cached prefixes in several chunks
     return engine
 

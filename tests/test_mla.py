@@ -18,6 +18,7 @@ import tempfile
 import pytest
 import torch
 
+from attention.flash import FlashAttentionBackend
 from attention.mla import MLAAttentionBackend, MLAAttentionLayer
 from attention.torch_ops import paged_attention_ref
 from cluster.config import EngineConfig
@@ -170,9 +171,13 @@ def test_prefill_and_decode_logits_match_transformers(model_dir, variant):
 
 
 def _engine(path: str, **kw) -> Engine:
+    """The default (FA backend in MLA mode) or, with attention_backend="mla", the MLA backend."""
     engine = Engine(EngineConfig(model=path, **kw))
     backend = engine.workers.runner.attn_backend
-    assert isinstance(backend, MLAAttentionBackend)
+    if kw.get("attention_backend") == "mla":
+        assert isinstance(backend, MLAAttentionBackend)
+    else:
+        assert isinstance(backend, FlashAttentionBackend) and backend.use_mla
     backend.prefix_chunk_tokens = CHUNK  # read cached prefixes in several chunks
     return engine
 
@@ -184,6 +189,9 @@ def _engine(path: str, **kw) -> Engine:
         ("v2_qlora_grouped", dict(page_size=4, chunked_prefill_size=3, max_num_batched_tokens=7)),
         ("v3_moe", dict(page_size=1, chunked_prefill_size=5, max_num_batched_tokens=9)),
         ("v3_dense", dict(page_size=4)),
+        # The dedicated MLA backend: the same shared MLA functions behind another class.
+        ("v2_qlora_grouped", dict(page_size=4, chunked_prefill_size=3, max_num_batched_tokens=7,
+                                  attention_backend="mla")),
     ],
 )
 def test_engine_greedy_equals_transformers(model_dir, variant, options):
@@ -325,7 +333,8 @@ def test_runner_uses_mla_pool_and_backend(model_dir):
 
     runner = ModelRunner(RunnerOptions(model=model_dir("v3_moe"), kv_cache_tokens=64, page_size=4))
     cfg = runner.model_config
-    assert cfg.use_mla and isinstance(runner.attn_backend, MLAAttentionBackend)
+    assert cfg.use_mla and isinstance(runner.attn_backend, FlashAttentionBackend) and runner.attn_backend.use_mla
+    assert not runner.attn_backend.skip_kv_cache
     assert isinstance(runner.kv_pool, MLATokenToKVPool)
     per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
     assert runner.kv_pool.bytes_per_token() == per_layer * cfg.num_layers

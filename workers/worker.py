@@ -37,7 +37,7 @@ def attention_description(backend) -> str:
     if isinstance(backend, MLAAttentionBackend):
         return f"{backend.name}: {backend.kernel}"
     if isinstance(backend, FlashAttentionBackend):
-        return f"{backend.name}: {backend.kernels.description}"
+        return f"{backend.name}{' (MLA)' if backend.use_mla else ''}: {backend.kernels.description}"
     from attention.hybrid_linear import HybridLinearAttnBackend
 
     if isinstance(backend, HybridLinearAttnBackend):
