@@ -89,6 +89,8 @@ class LocalEngineClient:
         self.max_context_len = engine.max_context_len
         self.vocab_size = engine.model_config.vocab_size
         self.is_encoder_decoder = engine.model_config.is_encoder_decoder  # the prompt is the encoder's input
+        self.matryoshka_dimensions = engine.model_config.matryoshka_dimensions  # `dimensions` it allows
+        self.embedding_size = engine.model_config.hidden_size
         self.replica = replica
         self._metrics = metrics
         self._closed = False

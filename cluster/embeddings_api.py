@@ -5,8 +5,10 @@ pooled vector is returned. The route itself lives with the others in `cluster.se
   `MAX_EMBEDDING_INPUTS`); none may be empty.
 - `encoding_format`: "float" (a JSON list) or "base64" (the little-endian float32 bytes, as
   OpenAI encodes them; the `openai` client asks for base64 by default and decodes it).
-- `dimensions`: keep the first d components and renormalise them to unit length (matryoshka
-  truncation); larger than the model's embedding size is a 400.
+- `dimensions`: keep the first d components and renormalise them to unit length (Matryoshka
+  truncation), where the model allows it: its config.json declares `matryoshka_dimensions`
+  (then d must be one of them) or `is_matryoshka: true` (any d up to its size). Any other model
+  answers 400 unless d is its full size; larger than the embedding size is a 400.
 - `usage`: prompt_tokens == total_tokens, the tokens of every input.
 """
 
@@ -75,13 +77,28 @@ class EmbeddingResponse(_Out):
     usage: EmbeddingUsage
 
 
-def format_embedding(vector: list[float], encoding_format: str, dimensions: int | None) -> list[float] | str:
-    """One vector as the API returns it (see the module docstring)."""
-    if dimensions is not None:
-        if dimensions > len(vector):
-            raise SamplingParamsError(
-                "dimensions", f"this model's embeddings have {len(vector)} dimensions; {dimensions} were requested"
-            )
+def check_dimensions(dimensions: int, size: int, matryoshka: tuple[int, ...] | None) -> None:
+    """Raise (a 400 naming `dimensions`) unless the model's `size`-long embeddings may be cut to
+    `dimensions` (see the module docstring)."""
+    if dimensions == size:
+        return
+    if dimensions > size:
+        raise SamplingParamsError(
+            "dimensions", f"this model's embeddings have {size} dimensions; {dimensions} were requested")
+    if matryoshka is None:
+        raise SamplingParamsError(
+            "dimensions", f"this model does not support shorter embeddings (its checkpoint declares no "
+            f"Matryoshka dimensions); it returns {size} dimensions")
+    if matryoshka and dimensions not in matryoshka:
+        raise SamplingParamsError("dimensions", f"this model supports dimensions {list(matryoshka)}, not {dimensions}")
+
+
+def format_embedding(vector: list[float], encoding_format: str, dimensions: int | None,
+                     matryoshka: tuple[int, ...] | None = None) -> list[float] | str:
+    """One vector as the API returns it (see the module docstring). `matryoshka`: the sizes the
+    model allows (() any, None none)."""
+    if dimensions is not None and dimensions != len(vector):
+        check_dimensions(dimensions, len(vector), matryoshka)
         vector = vector[:dimensions]
         norm = math.sqrt(sum(x * x for x in vector))
         if norm > 0:
@@ -91,12 +108,13 @@ def format_embedding(vector: list[float], encoding_format: str, dimensions: int 
     return vector
 
 
-def embedding_response(req: EmbeddingRequest, choices: list[ChoiceResult], model: str) -> EmbeddingResponse:
+def embedding_response(req: EmbeddingRequest, choices: list[ChoiceResult], model: str,
+                       matryoshka: tuple[int, ...] | None = None) -> EmbeddingResponse:
     data = []
     for i, c in enumerate(choices):
         if c.embedding is None:
             raise GenerationFailed(f"input {i} finished without an embedding")
         data.append(EmbeddingData(index=i, embedding=format_embedding(c.embedding, req.encoding_format,
-                                                                      req.dimensions)))
+                                                                      req.dimensions, matryoshka)))
     tokens = sum(c.prompt_tokens for c in choices)
     return EmbeddingResponse(data=data, model=model, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))

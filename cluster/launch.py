@@ -80,7 +80,9 @@ class ServingCluster:
         tokenizer = AutoTokenizer.from_pretrained(opts.engine.tokenizer or opts.engine.model)
         self.router = Router(opts.router, self.metrics, tokenizer, opts.engine.model_name,
                              first["max_context_len"], first["vocab_size"],
-                             is_encoder_decoder=first.get("is_encoder_decoder", False))
+                             is_encoder_decoder=first.get("is_encoder_decoder", False),
+                             matryoshka_dimensions=first.get("matryoshka_dimensions"),
+                             embedding_size=first.get("embedding_size"))
         for n, h in handles.items():
             self.router.add_replica(n, h)
         self.infos = infos
@@ -200,7 +202,9 @@ class ServingCluster:
         tokenizer = AutoTokenizer.from_pretrained(opts.engine.tokenizer or opts.engine.model)
         router = Router(opts.router, self.metrics, tokenizer, opts.engine.model_name,
                         first["max_context_len"], first["vocab_size"],
-                             is_encoder_decoder=first.get("is_encoder_decoder", False))
+                             is_encoder_decoder=first.get("is_encoder_decoder", False),
+                             matryoshka_dimensions=first.get("matryoshka_dimensions"),
+                             embedding_size=first.get("embedding_size"))
         for name, (actor, info) in found.items():
             router.add_replica(name, actor)
             self.actors[name], self.infos[name] = actor, info

@@ -141,7 +141,9 @@ class Replica:
                 "kv_pages": self.group.num_pages, "page_size": self.config.page_size,
                 "max_context_len": self.engine.max_context_len if self.engine else 0,
                 "vocab_size": self.engine.model_config.vocab_size if self.engine else 0,
-                "is_encoder_decoder": bool(self.engine and self.engine.model_config.is_encoder_decoder)}
+                "is_encoder_decoder": bool(self.engine and self.engine.model_config.is_encoder_decoder),
+                "matryoshka_dimensions": self.engine.model_config.matryoshka_dimensions if self.engine else None,
+                "embedding_size": self.engine.model_config.hidden_size if self.engine else None}
 
     def ping(self) -> bool:
         return True

@@ -74,7 +74,8 @@ class ReplicaHandle:
 
 class Router:
     def __init__(self, options: RouterOptions, metrics, tokenizer, model_name: str,
-                 max_context_len: int, vocab_size: int, is_encoder_decoder: bool = False):
+                 max_context_len: int, vocab_size: int, is_encoder_decoder: bool = False,
+                 matryoshka_dimensions: tuple[int, ...] | None = None, embedding_size: int | None = None):
         self.options = options
         self.metrics = metrics
         self.tokenizer = tokenizer
@@ -82,6 +83,8 @@ class Router:
         self.max_context_len = max_context_len
         self.vocab_size = vocab_size
         self.is_encoder_decoder = is_encoder_decoder  # the prompt is the encoder's input
+        self.matryoshka_dimensions = matryoshka_dimensions  # `dimensions` the model allows
+        self.embedding_size = embedding_size
         self.replicas: dict[str, ReplicaHandle] = {}
         self._rr = itertools.count()
         self._poller: asyncio.Task | None = None

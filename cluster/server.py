@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster import protocol as P
 from cluster.client_api import ChoiceResult, FanOut, GenerationFailed, NoReplicaAvailable, ServingClient
 from cluster.deadline import RequestTimedOut, stamp, stream_within, within
-from cluster.embeddings_api import EmbeddingRequest, embedding_response
+from cluster.embeddings_api import EmbeddingRequest, check_dimensions, embedding_response
 from cluster.metrics import CONTENT_TYPE, ServerMetrics
 from cluster.request import RequestOutput
 from cluster.scheduler import QueueFull, RequestRejected
@@ -374,6 +374,10 @@ class _Serving:
         req = _parse(EmbeddingRequest, body)
         self.check_model(req.model)
         limit, jobs = self.client.max_context_len, []
+        matryoshka = getattr(self.client, "matryoshka_dimensions", None)
+        size = getattr(self.client, "embedding_size", None)
+        if req.dimensions is not None and size is not None:  # refused before anything is computed
+            check_dimensions(req.dimensions, size, matryoshka)
         params = SamplingParams(max_tokens=1).validate(self.client.vocab_size)
         for i, ids in enumerate(self.prompt_ids(x, param="input") for x in req.inputs()):
             if len(ids) > limit:
@@ -382,7 +386,7 @@ class _Serving:
             jobs.append((ids, params))
         fan = await self.open(request, jobs, f"embd-{uuid.uuid4().hex}", is_embedding=True)
         choices = await self.collect(request, fan)
-        out = embedding_response(req, choices, self.client.model_name)
+        out = embedding_response(req, choices, self.client.model_name, matryoshka)
         return Response(out.model_dump_json(), media_type="application/json")
 
     # ---------------- /generate (native) ----------------

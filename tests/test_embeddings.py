@@ -138,16 +138,42 @@ def test_base64_round_trips_and_dimensions(stack):
         raw = base64.b64decode(b["embedding"])
         decoded = struct.unpack(f"<{len(raw) // 4}f", raw)  # little-endian float32
         assert list(decoded) == [struct.unpack("<f", struct.pack("<f", x))[0] for x in f["embedding"]]
-    short = post(stack, "/v1/embeddings", {**base, "dimensions": 64, "encoding_format": "float"}).json()
-    for f, s in zip(floats["data"], short["data"]):
-        v = torch.tensor(s["embedding"], dtype=torch.float64)
-        assert v.numel() == 64 and abs(v.norm().item() - 1) < 1e-6
-        assert torch.allclose(v, F.normalize(torch.tensor(f["embedding"][:64], dtype=torch.float64), dim=0), atol=1e-6)
+    # all-MiniLM-L6-v2 was not trained for truncation (no Matryoshka dimensions declared): a
+    # shorter size is refused before anything runs; its full size is allowed.
+    err = assert_error(post(stack, "/v1/embeddings", {**base, "dimensions": 64}), 400, "dimensions")
+    assert "Matryoshka" in err["message"]
     full = post(stack, "/v1/embeddings", {**base, "dimensions": 384, "encoding_format": "float"}).json()
     assert cosines([d["embedding"] for d in full["data"]], [d["embedding"] for d in floats["data"]]).min() > 0.999999
     err = assert_error(post(stack, "/v1/embeddings", {**base, "dimensions": 385}), 400, "dimensions")
     assert "384" in err["message"]
     assert_error(post(stack, "/v1/embeddings", {**base, "dimensions": 0}), 400, "dimensions")
+
+
+def test_dimensions_where_the_checkpoint_declares_matryoshka_sizes(tmp_path):
+    """A checkpoint whose config.json lists `matryoshka_dimensions` is cut to those sizes (and
+    renormalised); other sizes are a 400 naming the allowed ones."""
+    d = tmp_path / "minilm-matryoshka"
+    shutil.copytree(minilm_dir(), d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [64, 128, 384]}))
+    engine = Engine(EngineConfig(model=str(d), served_model_name=MODEL, kv_cache_tokens=4096))
+    client = LocalEngineClient(engine, metrics=ServerMetrics())
+    server = BackgroundServer(build_app(client, ServerMetrics()))
+    stack = {"engine": engine, "url": server.url}
+    try:
+        base = {"model": MODEL, "input": SENTENCES[10:13], "encoding_format": "float"}
+        full = post(stack, "/v1/embeddings", base).json()
+        short = post(stack, "/v1/embeddings", {**base, "dimensions": 64}).json()
+        for f, s in zip(full["data"], short["data"]):
+            v = torch.tensor(s["embedding"], dtype=torch.float64)
+            assert v.numel() == 64 and abs(v.norm().item() - 1) < 1e-6
+            want = F.normalize(torch.tensor(f["embedding"][:64], dtype=torch.float64), dim=0)
+            assert torch.allclose(v, want, atol=1e-6)
+        err = assert_error(post(stack, "/v1/embeddings", {**base, "dimensions": 100}), 400, "dimensions")
+        assert "[64, 128, 384]" in err["message"]
+    finally:
+        server.stop()
+        asyncio.run(client.aclose())
 
 
 @pytest.mark.parametrize("bad", ["", [], [""], [[]], ["ok", ""]], ids=["str", "list", "empty-str", "empty-ids", "one-empty"])

@@ -91,6 +91,10 @@ class ModelConfig:
     # Hybrid models (Kimi-Linear, Bailing hybrid): the layers whose config layer type is
     # "linear_attention" keep per-request state (workers.state_pool) instead of KV.
     linear_attn_layers: tuple[int, ...] = ()
+    # Embedding sizes a request's `dimensions` may ask for (Matryoshka truncation), from the
+    # checkpoint's config.json: `matryoshka_dimensions` (those sizes) or `is_matryoshka: true`
+    # (any size). None: the model was not trained for truncation, `dimensions` is refused.
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str, dtype: str | torch.dtype | None = None) -> ModelConfig:
@@ -168,6 +172,7 @@ class ModelConfig:
             linear_attn_layers=tuple(
                 i for i, t in enumerate(getattr(hf_config, "layer_types", None) or []) if t == "linear_attention"
             ),
+            matryoshka_dimensions=_matryoshka(hf_config),
         )
 
     # ---- MLA (DeepSeek-V2/V3) head shapes; only meaningful when use_mla ----
@@ -241,3 +246,10 @@ def serving_mode(
         disable_radix_cache = True
     needs_all = mc.pooling is not None and mc.pooling.needs_all_tokens
     return ServingMode(embedding, chunked_prefill_size, disable_radix_cache or (embedding and needs_all))
+
+
+def _matryoshka(hf_config: Any) -> tuple[int, ...] | None:
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    if dims:
+        return tuple(sorted(int(d) for d in dims))
+    return () if getattr(hf_config, "is_matryoshka", False) else None
