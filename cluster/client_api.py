@@ -102,16 +102,8 @@ class LocalEngineClient:
     def stats(self) -> dict:
         """The replica-stats dict of `ServerMetrics.update_replica_stats`.
 
-        Read without the engine's lock: each value is one attribute read, so a concurrent
-        step can at worst make the numbers one step stale."""
-        sched = self.engine.scheduler
-        return {
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
-            "kv_usage": sched.kv_usage(),
-            "prefix_hit_tokens": sched.stats.prefix_hit_tokens,
-            "prefix_query_tokens": sched.stats.prefix_query_tokens,
-        }
+        The engine's own counters (`Engine.stats`), speculative decoding's included."""
+        return self.engine.stats()
 
     def _on_step(self, engine: Engine, dt: float) -> None:  # runs on the engine thread
         if self._metrics is not None:

@@ -194,6 +194,23 @@ class Engine:
         if req is not None and tracked is not None:
             tracked.sink(self._final_output(req, FinishReason.ABORT.value))
 
+    def stats(self) -> dict:
+        """What a replica reports (`ServerMetrics.update_replica_stats`). Read without the lock:
+        each value is one attribute read, so a concurrent step makes them at worst one step stale."""
+        sch = self.scheduler
+        return {
+            "num_running": len(sch.running),
+            "num_waiting": len(sch.waiting),
+            "kv_usage": sch.kv_usage(),
+            "prefix_hit_tokens": sch.stats.prefix_hit_tokens,
+            "prefix_query_tokens": sch.stats.prefix_query_tokens,
+            "preemptions": sch.stats.preemptions,
+            # Speculative decoding (zero without a draft model): cluster/spec_metrics.py
+            "spec_draft_tokens": sch.stats.spec_draft_tokens,
+            "spec_accepted_tokens": sch.stats.spec_accepted_tokens,
+            "spec_verify_requests": sch.stats.spec_verify_requests,
+        }
+
     def has_work(self) -> bool:
         with self._lock:
             return self._has_work()

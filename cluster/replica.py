@@ -117,20 +117,10 @@ class Replica:
         eng = self.engine
         if eng is None:
             return {"healthy": False, "reason": self.unhealthy_reason}
-        sch = eng.scheduler
         return {
             "healthy": self.healthy,
             "reason": self.unhealthy_reason,
-            "num_running": len(sch.running),
-            "num_waiting": len(sch.waiting),
-            "kv_usage": sch.kv_usage(),
-            "prefix_hit_tokens": sch.stats.prefix_hit_tokens,
-            "prefix_query_tokens": sch.stats.prefix_query_tokens,
-            "preemptions": sch.stats.preemptions,
-            # Speculative decoding (zero without a draft model): cluster/spec_metrics.py
-            "spec_draft_tokens": sch.stats.spec_draft_tokens,
-            "spec_accepted_tokens": sch.stats.spec_accepted_tokens,
-            "spec_verify_requests": sch.stats.spec_verify_requests,
+            **eng.stats(),
             "restarts": self.restarts,
             "kvstore": kv_store_stats(eng),  # None without a KV store (cluster/kv_offload.py)
         }

@@ -410,6 +410,36 @@ def test_config_validation():
         EngineConfig(model="x", speculative_draft_model="y", is_embedding=True)
 
 
+def test_encoder_decoder_target_is_refused_at_start(tmp_path_factory, dirs):
+    bart = tiny_model_dir(tmp_path_factory, "bart")
+    with pytest.raises(ValueError, match="causal decoder targets"):
+        Engine(EngineConfig(model=str(bart), speculative_draft_model=str(dirs["target"])))
+
+
+def test_in_process_server_exports_spec_metrics(dirs):
+    """The in-process client pushes the engine's speculative counters after every step."""
+    import asyncio
+    import re
+
+    from cluster.client_api import LocalEngineClient
+    from cluster.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    client = LocalEngineClient(spec_engine(dirs, "target", k=3, page_size=4), metrics=metrics)
+
+    async def run() -> str:
+        try:
+            async for _ in client.generate_stream(MIXED_PROMPTS[0], greedy()):
+                pass
+            return metrics.render().decode()
+        finally:
+            await client.aclose()
+
+    text = asyncio.run(run())
+    drafted = re.search(r'manta:spec_draft_tokens_total\{replica="local"\} (\S+)', text)
+    assert drafted and float(drafted.group(1)) > 0, text
+
+
 def test_spec_metrics_exported():
     from cluster.metrics import ServerMetrics
 

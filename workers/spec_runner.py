@@ -149,6 +149,10 @@ class DraftRunner:
                              f"the target serves {target.max_context_len} (lower --max-context-len)")
         if mc.is_encoder_decoder or not mc.is_causal:
             raise ValueError("the draft model must be a causal decoder")
+        if tmc.is_encoder_decoder or not tmc.is_causal or tmc.is_embedding_model:
+            # Its rounds verify decoder tokens only; cross-attention and pooling take no part.
+            raise ValueError(f"speculative decoding serves causal decoder targets; {opts.model} "
+                             f"({tmc.architecture}) is not one")
         for m in (mc, tmc):
             # A recurrent state cannot take back the rejected tokens that a round feeds it.
             if len(m.full_attn_layers) != m.num_layers:
