@@ -101,23 +101,17 @@ class ServingCluster:
         self.actors[name] = actor
         return actor
 
-    def add_replica(self) -> str:
-        """Start one more replica and put it into rotation (while serving)."""
-        assert self.router is not None
-        name = self._new_name()
-        actor = self._spawn(name)
-        self.infos[name] = ray.get(actor.info.remote())
-        _log_replica(name, self.infos[name], self.options.placement_strategy, self.options.nic)
-        self.router.add_replica(name, actor)
-        return name
-
-    def remove_replica(self, name: str) -> None:
-        """Take a replica out of rotation and stop it (requests on it end with an error)."""
-        assert self.router is not None
-        self.router.remove_replica(name)
+    def stop_replica(self, name: str) -> bool:
+        """Stop a replica that is out of rotation (blocking): its engine, ranks and placement
+        group. Adding one is `start_replica`; `cluster.admin_api` drains before it stops one.
+        False when this cluster has no replica of that name."""
+        self.infos.pop(name, None)
         actor = self.actors.pop(name, None)
-        if actor is not None:
-            _stop_actor(actor)
+        if actor is None:
+            return False
+        _stop_actor(actor)
+        logger.info("replica %s stopped", name)
+        return True
 
     # ---------------- replacing replicas, rebuilding the router (cluster/supervisor.py) ----------------
     def restore_kv_store(self, ping_timeout_s: float = 5.0) -> bool:

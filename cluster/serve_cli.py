@@ -78,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         router = cluster.start()
         app = build_app(router, metrics, api_key=args.api_key, metrics_public=args.metrics_public,
-                        request_timeout_s=args.request_timeout)
+                        request_timeout_s=args.request_timeout, admin=cluster)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on")
         server = uvicorn.Server(config)
 

@@ -463,11 +463,12 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None = None, *,
               metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              request_timeout_s: float | None = None) -> FastAPI:
+              request_timeout_s: float | None = None, admin=None) -> FastAPI:
     """The HTTP app. With `api_key`, every route but /health (and /metrics when `metrics_public`)
     needs `Authorization: Bearer <api_key>`. With `request_timeout_s`, a POST request (reading its
-    body included) that runs longer is aborted and answered 504 (`cluster.deadline`). The app does
-    not close `client`: its owner does."""
+    body included) that runs longer is aborted and answered 504 (`cluster.deadline`). With
+    `admin` (the `ServingCluster` behind `client`), the operator routes of `cluster.admin_api`.
+    The app does not close `client`: its owner does."""
     app = FastAPI(title="manta", docs_url=None, redoc_url=None, openapi_url=None)
     serving = _Serving(client, metrics)
 
@@ -514,6 +515,10 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
 
     guarded = APIRouter(dependencies=[Depends(require_key)])
     metrics_router = APIRouter() if metrics_public else guarded
+    if admin is not None:
+        from cluster.admin_api import add_admin_routes
+
+        add_admin_routes(guarded, admin)
 
     @app.get("/health")
     async def health() -> Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 
 import pytest
@@ -98,5 +99,58 @@ def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
             time.sleep(0.5)
         assert stats["healthy"] and stats["restarts"] == 1
     finally:
+        asyncio.run(router.aclose())
+        cluster.shutdown()
+
+
+def test_replicas_added_and_drained_while_serving(ray_local, tmp_path_factory):
+    """The operator routes: a replica added while serving takes requests; one removed is drained
+    first (its long request finishes normally, no new request reaches it); the last one is kept."""
+    import httpx
+
+    from cluster.server import BackgroundServer, build_app
+
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    metrics = ServerMetrics()
+    cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d)), replicas=1,
+                                            router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),
+                             metrics)
+    router = cluster.start()
+    server = BackgroundServer(build_app(router, metrics, admin=cluster))
+    url = server.url
+
+    def complete(prompt: str, n: int) -> dict:
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": router.model_name, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    try:
+        added = httpx.post(url + "/admin/replicas", timeout=300)
+        assert added.status_code == 201, added.text
+        new = added.json()["name"]
+        names = {r["name"] for r in httpx.get(url + "/admin/replicas").json()["replicas"]}
+        assert names == {"replica-0", new}
+        # Round robin: a long request on each replica, then drain replica-0 while they run.
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            long = [pool.submit(complete, f"{PROMPTS[i]} long", 480) for i in range(2)]
+            time.sleep(1.0)
+            assert {h.inflight for h in router.replicas.values()} == {1}
+            drain = pool.submit(httpx.delete, url + "/admin/replicas/replica-0", timeout=300)
+            time.sleep(0.5)
+            during = [complete(p, 4) for p in PROMPTS[:3]]  # only the new replica takes these
+            removed = drain.result()
+            finished = [f.result() for f in long]
+        assert removed.status_code == 200 and removed.json()["drained"] is True, removed.text
+        assert [c["choices"][0]["finish_reason"] for c in finished] == ["length", "length"]
+        assert all(c["usage"]["completion_tokens"] == 480 for c in finished)
+        assert all(c["choices"][0]["finish_reason"] == "length" for c in during)
+        assert list(router.replicas) == [new] and "replica-0" not in cluster.actors
+        last = httpx.delete(url + f"/admin/replicas/{new}")
+        assert last.status_code == 409 and last.json()["error"]["code"] == "last_replica"
+        assert httpx.delete(url + "/admin/replicas/nope").status_code == 404
+        assert complete(PROMPTS[4], 3)["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.stop()
         asyncio.run(router.aclose())
         cluster.shutdown()
