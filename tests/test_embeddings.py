@@ -149,6 +149,22 @@ def test_base64_round_trips_and_dimensions(stack):
     assert_error(post(stack, "/v1/embeddings", {**base, "dimensions": 0}), 400, "dimensions")
 
 
+@pytest.mark.parametrize("mode", ["cls_token", "max_tokens"])
+def test_pooling_modes_of_the_checkpoint_equal_sentence_transformers(tmp_path, mode):
+    """The same weights with 1_Pooling/config.json switched to CLS (or max) pooling: the engine
+    reads the mode from the checkpoint and matches sentence-transformers on it."""
+    from sentence_transformers import SentenceTransformer
+
+    d = tmp_path / f"minilm-{mode}"
+    shutil.copytree(minilm_dir(), d)
+    pooling = json.loads((d / "1_Pooling" / "config.json").read_text())
+    pooling.update({"pooling_mode_mean_tokens": False, f"pooling_mode_{mode}": True})
+    (d / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    ref = SentenceTransformer(str(d), device="cpu").encode(SENTENCES[:6], convert_to_tensor=True)
+    got = Engine(EngineConfig(model=str(d), kv_cache_tokens=4096)).embed(SENTENCES[:6])
+    assert cosines([r.embedding for r in got], ref).min() >= 0.99999
+
+
 def test_dimensions_where_the_checkpoint_declares_matryoshka_sizes(tmp_path):
     """A checkpoint whose config.json lists `matryoshka_dimensions` is cut to those sizes (and
     renormalised); other sizes are a 400 naming the allowed ones."""
