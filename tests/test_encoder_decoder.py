@@ -135,14 +135,17 @@ def test_other_families_equal_transformers(tmp_path_factory, arch):
     assert_equal_to_hf(d, prompts, run(engine, prompts, greedy(), stagger=4))
 
 
-def test_mixed_batch_equals_each_request_alone(bart):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
+def test_mixed_batch_equals_each_request_alone(bart, overlap):
     """Greedy and seeded-sampling requests with different encoder lengths and max_tokens in one
-    batch give what each gives alone."""
+    batch give what each gives alone, with steps planned ahead of their results or one at a
+    time (the forced first/last tokens of generate read the tokens so far either way)."""
     prompts = PROMPTS[:10]
     params = [SamplingParams(max_tokens=3 + i % 5, temperature=0.0) if i % 2 else
               SamplingParams(max_tokens=4 + i % 4, temperature=0.9, seed=100 + i, ignore_eos=True)
               for i in range(len(prompts))]
-    engine = Engine(EngineConfig(model=str(bart), page_size=16))
+    engine = Engine(EngineConfig(model=str(bart), page_size=16, disable_overlap_schedule=not overlap))
+    assert engine.overlap == overlap
     alone = [engine.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
     together = engine.generate(prompts, params)
     assert [r.token_ids for r in together] == alone
