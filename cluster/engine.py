@@ -143,6 +143,10 @@ class Engine:
                         and not self.serving.is_embedding)
         self.scheduler.overlap = self.overlap
         self._inflight: collections.deque = collections.deque()  # launched plans, oldest first
+        # fail_all() ended the requests of the launched plans: the engine thread forgets them
+        # (and has the workers forget them) before its next step. Only that thread calls the
+        # workers, and never under the lock.
+        self._discard = False
         self._tracked: dict[str, _Tracked] = {}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -216,7 +220,7 @@ class Engine:
             return self._has_work()
 
     def _has_work(self) -> bool:  # under the lock
-        return bool(self._inflight) or self.scheduler.has_work()
+        return bool(self._inflight) or self._discard or self.scheduler.has_work()
 
     # ---------------- the loop ----------------
     def step(self) -> bool:
@@ -226,6 +230,10 @@ class Engine:
         device computes plan k+1 while the host reads plan k's tokens, detokenizes and plans
         k+2. A step with no new plan completes the last launched one."""
         t0 = time.perf_counter()
+        if self._discard:
+            self._discard = False
+            self._inflight.clear()
+            self.workers.discard_inflight()
         with self._lock:
             plan = self.scheduler.schedule()
         if self.overlap:
@@ -301,9 +309,7 @@ class Engine:
         """Finish every request with an error (the worker group died). Requests that had no
         token yet are marked `unavailable`, so a router may retry them elsewhere."""
         with self._lock:
-            if self._inflight:
-                self._inflight.clear()
-                self.workers.discard_inflight()
+            self._discard = self.overlap
             tracked = list(self._tracked.values())
             self._tracked.clear()
             for t in tracked:

@@ -161,3 +161,39 @@ def test_abort_with_a_step_in_flight_frees_everything(llama):
     assert sink.outputs[-1].completion_tokens == sum(len(o.delta_token_ids) for o in sink.outputs)
     assert other.summary()[3] == "length" and len(other.summary()[0]) == 5
     check_pages_back(engine)
+
+
+def test_a_failed_step_fails_its_requests_and_the_next_ones_are_served(llama):
+    """A step that raises with another step in flight: the engine loop fails every request
+    (none hangs), forgets the launched steps on both sides, and later requests come out exactly
+    as on a fresh engine (no stale result is taken for a new plan)."""
+    import asyncio
+
+    engine, serial = pair(llama, page_size=4)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [r.token_ids for r in serial.generate(PROMPTS[:3], params)]
+    runner = engine.workers.runner
+    launch, calls = runner.launch, []
+
+    def flaky(plan):
+        calls.append(plan.step_id)
+        if len(calls) == 4:  # a decode step, with the previous one still in flight
+            raise RuntimeError("injected failure")
+        return launch(plan)
+
+    runner.launch = flaky
+    engine.start()
+
+    async def run(prompts):
+        async def one(p):
+            return [o async for o in engine.generate_stream(p, params)]
+        return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=60)
+
+    try:
+        failed = asyncio.run(run(PROMPTS[:3]))
+        assert all(outs[-1].finished and outs[-1].finish_reason == "error" for outs in failed)
+        assert all("injected failure" in outs[-1].error for outs in failed)
+        later = asyncio.run(run(PROMPTS[:3]))
+        assert [[t for o in outs for t in o.delta_token_ids] for outs in later] == want
+    finally:
+        engine.shutdown()
