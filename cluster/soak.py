@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -318,11 +319,13 @@ def _scrape(text: str, name: str) -> dict[str, float]:
     return out
 
 
-def start_server(serve_args: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
+def start_server(serve_args: list[str], timeout_s: float, log_path: str | None = None) -> tuple[subprocess.Popen, str]:
+    """`manta serve` on a free loopback port; its output goes to `log_path` (None: discarded)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args]
     env = {**os.environ, "RAY_ADDRESS": ""}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 (the child writes it)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -432,8 +435,10 @@ def _ms(x: float | None) -> float | None:
 def run_soak(opts: SoakOptions) -> dict:
     proc = None
     url, pid = opts.url, opts.server_pid
+    log_path = None
     if url is None:
-        proc, url = start_server(opts.serve_args, opts.start_timeout_s)
+        log_path = os.path.join(tempfile.mkdtemp(prefix="manta-soak-"), "serve.log")
+        proc, url = start_server(opts.serve_args, opts.start_timeout_s, log_path)
         pid = proc.pid
     try:
         res = asyncio.run(_drive(opts, url, pid))
@@ -442,8 +447,20 @@ def run_soak(opts: SoakOptions) -> dict:
             res_rc = stop_server(proc)
     if proc is not None:
         res["server_exit_code"] = res_rc
+        res["server_log"] = log_path
+        res["kv_store"] = _startup_line(log_path, "KV store: ")  # what the server said it ran with
     res["url"], res["serve_args"] = url, opts.serve_args
     return res
+
+
+def _startup_line(log_path: str, marker: str) -> str | None:
+    try:
+        for line in Path(log_path).read_text(errors="replace").splitlines():
+            if marker in line:
+                return line.split(marker, 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def print_report(res: dict) -> None:
@@ -453,7 +470,7 @@ def print_report(res: dict) -> None:
             ("requests/s", res["requests_per_s"]),
             ("latency p50 / p99 (ms)", f"{res['latency_ms']['p50']} / {res['latency_ms']['p99']}"),
             ("TTFT p50 / p99 (ms)", f"{res['ttft_ms']['p50']} / {res['ttft_ms']['p99']}"),
-            ("idle after", res["idle_after"])]
+            ("idle after", res["idle_after"]), ("KV store", res.get("kv_store"))]
     mem = res.get("memory_mib")
     if mem:
         for part in ("server_mib", "ray_workers_mib", "ray_daemons_mib", "total_mib"):
