@@ -294,12 +294,13 @@ class SchedulerKVOffload:
                 if self.hits[p] >= HIT_THRESHOLD and p not in self.saved and p in self.tree_keys:
                     self._save(p, self.tree_keys[p])
 
-    def on_cached(self, req, pages: list[int], num_tokens: int, kept: int) -> None:
-        """`release` put req's full pages into the radix cache; it took pages[kept:n_full]."""
+    def on_cached(self, req, pages: list[int], num_tokens: int, kept: int, token_ids: list[int]) -> None:
+        """`release` put req's full pages into the radix cache; it took pages[kept:n_full].
+        token_ids: the request's known tokens (without one still being sampled)."""
         n_full = num_tokens // self.P
         if n_full <= kept:
             return
-        chain = self._chain(req, n_full, token_ids=req.all_ids)
+        chain = self._chain(req, n_full, token_ids=token_ids)
         for i in range(kept, n_full):
             self.tree_keys[pages[i]] = chain[i]
             if self.write_policy == "write_through":

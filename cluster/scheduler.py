@@ -394,17 +394,17 @@ class Scheduler:
         """Return a running request's pages: whole pages of computed tokens go to the prefix
         cache (it keeps one copy; our duplicates are freed), the rest to the allocator."""
         assert req.kv is not None
+        ids = req.all_ids
+        if req.pending:  # cache (and save) only tokens that are known: not the one in flight
+            ids = req.known_ids
+            req.kv.num_tokens = min(req.kv.num_tokens, len(ids))
         pages, computed = req.kv.pages, req.kv.num_tokens
         if req.encoder_ids is not None:  # never cached: its K/V depend on its encoder input
             encdec.release(req, self.allocator)
         else:
-            ids = req.all_ids
-            if req.pending:  # cache only tokens that are known (the in-flight one is not)
-                ids = req.known_ids
-                req.kv.num_tokens = min(req.kv.num_tokens, len(ids))
             kept = self.radix.release(req.kv, ids, req.prefix_node)
             if self.kv_offload is not None:
-                self.kv_offload.on_cached(req, pages, computed, kept)
+                self.kv_offload.on_cached(req, pages, computed, kept, ids)
         self._free_rows.append(req.req_pool_idx)
         req.kv, req.prefix_node, req.req_pool_idx = None, None, -1
 
