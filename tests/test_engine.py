@@ -108,10 +108,13 @@ def test_chunked_prefill_small_chunks(model_dirs, page_size):
     check_against_hf(engine, d)
 
 
-def test_preemption_when_kv_pool_is_too_small(model_dirs):
-    d = model_dirs["llama"]
-    # 5 prompts of up to ~25 tokens + 12 new each need ~150 tokens; give the pool 64.
-    engine = Engine(EngineConfig(model=str(d), kv_cache_tokens=64, page_size=4))
+@pytest.mark.parametrize("arch,page_size,kv_tokens", [("llama", 1, 64), ("llama", 4, 64), ("llama", 16, 80),
+                                                      ("qwen3", 4, 64)])
+def test_preemption_when_kv_pool_is_too_small(model_dirs, arch, page_size, kv_tokens):
+    d = model_dirs[arch]
+    # 5 prompts of up to ~25 tokens + 12 new each need ~150 tokens; the pool holds far fewer
+    # (with 16-token pages: 5 pages).
+    engine = Engine(EngineConfig(model=str(d), kv_cache_tokens=kv_tokens, page_size=page_size))
     check_against_hf(engine, d)
     assert engine.scheduler.stats.preemptions > 0
 
