@@ -12,8 +12,9 @@ from tests.test_engine import PROMPTS, greedy, run_staggered
 pytestmark = pytest.mark.slow
 
 
-def test_multiprocess_tp2_equals_tp1(tmp_path_factory):
-    d = tiny_model_dir(tmp_path_factory, "qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "deepseek_v2"])  # GQA; MLA with MoE experts sharded
+def test_multiprocess_tp2_equals_tp1(tmp_path_factory, arch):
+    d = tiny_model_dir(tmp_path_factory, arch)
     tp2 = Engine(EngineConfig(model=str(d), tp_size=2, page_size=4))
     try:
         assert type(tp2.workers).__name__ == "MultiprocessWorkerGroup"
