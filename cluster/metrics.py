@@ -121,6 +121,11 @@ class ServerMetrics:
         self.router_requests = Counter(
             "manta:router_requests", "Routing decisions.", ["policy", "replica"], registry=r
         )
+        self.router_retries = Counter(
+            "manta:router_retries", "Requests moved to another replica before their first token, by the "
+            "replica that could not serve them and why (unavailable, queue_full, replica_failed).",
+            ["replica", "reason"], registry=r,
+        )
         self.request_errors = Counter(
             "manta:request_errors", "HTTP error responses, by status code.", ["code"], registry=r
         )
@@ -167,6 +172,9 @@ class ServerMetrics:
     # ---------------- written by the router ----------------
     def record_route(self, policy: str, replica: str) -> None:
         self.router_requests.labels(policy, replica).inc()
+
+    def record_retry(self, replica: str, reason: str) -> None:
+        self.router_retries.labels(replica, reason).inc()
 
     def update_replica_stats(self, replica: str, stats: dict) -> None:
         """Set a replica's polled state: num_running, num_waiting, kv_usage (0..1) and the

@@ -158,7 +158,9 @@ class Router:
                     async for ref in gen:
                         out: RequestOutput = await ref
                         if out.error_type is not None and not first_seen:
-                            saw_full |= self._admission_failed(handle, out) == "queue_full"
+                            why = self._admission_failed(handle, out)
+                            saw_full |= why == "queue_full"
+                            self._record_retry(handle, why)
                             break
                         first_seen = True
                         finished = out.finished
@@ -175,6 +177,7 @@ class Router:
                     if first_seen:
                         yield self._failed(rid, handle.name, f"replica {handle.name} failed: {type(exc).__name__}")
                         return
+                    self._record_retry(handle, "replica_failed")
                     continue  # nothing sent yet: retry elsewhere
                 finally:
                     handle.inflight -= 1
@@ -203,6 +206,12 @@ class Router:
     def _failed(rid: str, replica: str, error: str) -> RequestOutput:
         return RequestOutput(rid, finished=True, finish_reason="error", error=error, error_type="internal",
                              replica=replica)
+
+    def _record_retry(self, handle: ReplicaHandle, reason: str) -> None:
+        """Count a request leaving `handle` before its first token (it is tried elsewhere if
+        another replica can take it)."""
+        if self.metrics is not None:
+            self.metrics.record_retry(handle.name, reason)
 
     def _mark_unhealthy(self, handle: ReplicaHandle, reason: str) -> None:
         if handle.healthy:

@@ -75,3 +75,61 @@ def test_prefix_tree_evicts_least_recently_used_tokens_within_its_budget():
     assert (t.size, t.match(old), t.match(new), t.match(third)) == (8, 2, 2, 4)
     t.insert(list(range(200, 220)))  # one prompt larger than the whole budget
     assert t.size <= 8
+
+
+class _Stream:
+    """What `actor.generate.remote(...)` returns: an async iterator of awaitable outputs."""
+
+    def __init__(self, outs):
+        self.outs = list(outs)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.outs:
+            raise StopAsyncIteration
+        out = self.outs.pop(0)
+
+        async def ready():
+            return out
+        return ready()
+
+
+class _Actor:
+    def __init__(self, *outs):
+        from types import SimpleNamespace
+
+        self.calls = 0
+
+        def generate(*args):
+            self.calls += 1
+            return _Stream(outs)
+
+        self.generate = SimpleNamespace(remote=generate)
+        self.abort = SimpleNamespace(remote=lambda rid: None)
+
+
+def test_a_request_refused_before_its_first_token_is_retried_and_counted():
+    import asyncio
+
+    from cluster.metrics import ServerMetrics
+    from cluster.request import RequestOutput
+    from workers.sampling_params import SamplingParams
+
+    metrics = ServerMetrics()
+    r = Router(RouterOptions(policy="round_robin"), metrics, None, "m", max_context_len=1000, vocab_size=1000)
+    sick = _Actor(RequestOutput("x", finished=True, finish_reason="error", error_type="unavailable",
+                                error="replica is restarting"))
+    well = _Actor(RequestOutput("x", delta_token_ids=[5], finished=True, finish_reason="length"))
+    r.add_replica("a", sick)
+    r.add_replica("b", well)
+    r._poller = object()  # no stats polling in this test
+
+    async def run():
+        return [o async for o in r.generate_stream([1, 2, 3], SamplingParams(max_tokens=1))]
+
+    outs = asyncio.run(run())
+    assert [o.replica for o in outs] == ["b"] and outs[-1].finish_reason == "length"
+    assert sick.calls == well.calls == 1 and not r.replicas["a"].healthy
+    assert 'manta:router_retries_total{reason="unavailable",replica="a"} 1.0' in metrics.render().decode()
