@@ -88,9 +88,9 @@ def test_greedy_equals_transformers(model_dirs, arch):
     check_against_hf(engine, model_dirs[arch])
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_prefix_cache_hits_give_same_tokens(model_dirs, page_size):
-    d = model_dirs["llama"]
+@pytest.mark.parametrize("arch,page_size", [("llama", 1), ("llama", 16), ("qwen2", 4), ("qwen3", 16), ("mistral", 1)])
+def test_prefix_cache_hits_give_same_tokens(model_dirs, arch, page_size):
+    d = model_dirs[arch]
     engine = Engine(EngineConfig(model=str(d), page_size=page_size))
     shared = PROMPTS[2] + " and then"
     engine.generate([shared], greedy())
@@ -100,9 +100,9 @@ def test_prefix_cache_hits_give_same_tokens(model_dirs, page_size):
     assert engine.scheduler.stats.prefix_hit_tokens > 0
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_chunked_prefill_small_chunks(model_dirs, page_size):
-    d = model_dirs["llama"]
+@pytest.mark.parametrize("arch,page_size", [("llama", 1), ("llama", 16), ("qwen2", 16), ("qwen3", 1), ("mistral", 4)])
+def test_chunked_prefill_small_chunks(model_dirs, arch, page_size):
+    d = model_dirs[arch]
     engine = Engine(EngineConfig(model=str(d), chunked_prefill_size=3, max_num_batched_tokens=7,
                                  page_size=page_size))
     check_against_hf(engine, d)
