@@ -231,8 +231,12 @@ def _log_cluster(how: str) -> None:
     logger.info("Ray cluster: %s (gcs %s, namespace %s): %d node(s), %s", how, ctx.gcs_address,
                 ctx.namespace, len(nodes), _resources(ray.cluster_resources()))
     for n in nodes:
-        logger.info("  node %s at %s: %s%s", n["NodeID"][:12], n["NodeManagerAddress"],
-                    _resources(n.get("Resources", {})), " (this process)" if n["NodeID"] == ctx.get_node_id() else "")
+        # Ray's own metrics of the node (deploy/prometheus.yml's `ray` job scrapes them).
+        port = n.get("MetricsExportPort")
+        metrics = f"; Ray metrics at {n['NodeManagerAddress']}:{port}" if port else ""
+        logger.info("  node %s at %s: %s%s%s", n["NodeID"][:12], n["NodeManagerAddress"],
+                    _resources(n.get("Resources", {})), metrics,
+                    " (this process)" if n["NodeID"] == ctx.get_node_id() else "")
 
 
 def _log_replica(name: str, info: dict, strategy: str, nic: str | None) -> None:

@@ -93,8 +93,13 @@ def test_prometheus_scrapes_manta_serve(tmp_path):
         _wait("manta serve /health", lambda: httpx.get(f"{base}/health", timeout=2).status_code == 200, 300, serve)
         model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
 
+        # Ray's own metrics: the node's exporter that `manta serve` names in its start-up log, in
+        # the file format of Ray's service discovery (what the `ray` job reads on a cluster).
+        serve_log.flush()
+        ray_targets = re.findall(r"Ray metrics at (\S+:\d+)", (tmp_path / "serve.log").read_text())
+        assert ray_targets, (tmp_path / "serve.log").read_text()
         sd = tmp_path / "ray_sd.json"
-        sd.write_text("[]")
+        sd.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": ray_targets}]))
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(port, sd)))
         prom = subprocess.Popen(
             [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
@@ -134,6 +139,9 @@ def test_prometheus_scrapes_manta_serve(tmp_path):
         targets = httpx.get(f"{api}/targets", timeout=5).json()["data"]["activeTargets"]
         manta = [t for t in targets if t["labels"]["job"] == "manta"]
         assert len(manta) == 1 and manta[0]["health"] == "up", json.dumps(targets)
+        ray_up = _wait("Ray's exporter scraped", lambda: query('up{job="ray"} == 1'), 60, prom)
+        assert len(ray_up) == len(ray_targets)
+        assert query('count({job="ray", __name__=~"ray_.+"})'), "no ray_* series from Ray's exporter"
         # A dashboard query, evaluated by Prometheus itself: rate() needs the counters to grow
         # after their first scrape, so more requests first.
         send(2)
