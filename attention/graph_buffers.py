@@ -5,6 +5,12 @@ A capture allocates the buffers once (at the largest batch size) and each captur
 builds this step's metadata with the one builder (`build_attention_metadata`, as in eager mode)
 and copies it into them; the captured kernels read only the buffers. Padded rows of a graph
 batch read `get_cuda_graph_seq_len_fill_value()` tokens of the reserved page 0.
+
+With `metadata_in_graph` the capture hook runs inside the graph capture: the builder's gather
+and the copies into the buffers are recorded with the model and run at every replay from the
+graph's static inputs (over the buffers' whole width: the kernels mask by the lengths), so a
+step costs the host one input copy and one graph launch, and the replay hook is never called.
+That build asks for the page table alone (decode kernels read nothing else).
 """
 
 from __future__ import annotations
@@ -29,8 +35,11 @@ class GraphMetadataBuffers:
     _graph_max_bs: int = 0
     _static: AttentionMetadata | None = None
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    _in_graph: bool = False
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, metadata_in_graph: bool = False) -> None:
         self._graph_max_bs = max_bs
+        self._in_graph = metadata_in_graph
         self._static: AttentionMetadata | None = None  # allocated at the first capture
 
     def _alloc_static(self, forward_batch: ForwardBatch) -> AttentionMetadata:
@@ -54,7 +63,7 @@ class GraphMetadataBuffers:
             cu_seqlens_k=torch.zeros(n + 1, **i32),
             max_seqlen_q=1,
             max_seqlen_k=width,
-            token_table=torch.zeros(n, width, **i32),
+            token_table=None if self._in_graph else torch.zeros(n, width, **i32),
             page_table=torch.zeros(n, pages, **i32),
             extend_seq_lens_cpu=[1] * n,
             cache_seqlens_cpu=[width] * n,
@@ -82,7 +91,7 @@ class GraphMetadataBuffers:
             cu_seqlens_k=st.cu_seqlens_k[: bs + 1],
             max_seqlen_q=1,
             max_seqlen_k=st.max_seqlen_k,  # static: kernels mask by cache_seqlens_int32
-            token_table=st.token_table[:bs],
+            token_table=None if st.token_table is None else st.token_table[:bs],
             page_table=st.page_table[:bs],
             extend_seq_lens_cpu=[1] * bs,
             cache_seqlens_cpu=[st.max_seqlen_k] * bs,
@@ -92,14 +101,15 @@ class GraphMetadataBuffers:
     def _fill_static(self, bs: int, forward_batch: ForwardBatch) -> AttentionMetadata:
         """Build this step's metadata with the one builder and copy it into the buffers the
         captured kernels read."""
-        meta = build_attention_metadata(forward_batch, self.page_size)
+        meta = build_attention_metadata(forward_batch, self.page_size, with_token_table=not self._in_graph)
         st = self._static
         assert st is not None
         st.cache_seqlens_int32[:bs].copy_(meta.cache_seqlens_int32)
         st.cu_seqlens_q[: bs + 1].copy_(meta.cu_seqlens_q)
         st.cu_seqlens_k[: bs + 1].copy_(meta.cu_seqlens_k)
-        cols = meta.token_table.shape[1]
-        st.token_table[:bs, :cols].copy_(meta.token_table)
+        if meta.token_table is not None:
+            assert st.token_table is not None
+            st.token_table[:bs, : meta.token_table.shape[1]].copy_(meta.token_table)
         st.page_table[:bs, : meta.page_table.shape[1]].copy_(meta.page_table)
         if meta.encoder_token_table is not None:
             # Contract 4: every row's own encoder length and table, for the whole batch.
@@ -134,6 +144,7 @@ class GraphMetadataBuffers:
         self.metadata = self._replay_view(bs, self._fill_static(bs, forward_batch), forward_batch)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch: ForwardBatch) -> None:
+        assert not self._in_graph, "metadata_in_graph: the graph fills its metadata itself"
         self.metadata = self._replay_view(bs, self._fill_static(bs, forward_batch), forward_batch)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

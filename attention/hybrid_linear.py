@@ -89,9 +89,9 @@ class HybridLinearAttnBackend(AttentionBackend):
         self.full_attn_backend.init_mha_chunk_metadata(forward_batch)
         self.linear_attn_backend.init_mha_chunk_metadata(forward_batch)
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self.full_attn_backend.init_cuda_graph_state(max_bs, max_num_tokens)
-        self.linear_attn_backend.init_cuda_graph_state(max_bs, max_num_tokens)
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, metadata_in_graph: bool = False) -> None:
+        self.full_attn_backend.init_cuda_graph_state(max_bs, max_num_tokens, metadata_in_graph)
+        self.linear_attn_backend.init_cuda_graph_state(max_bs, max_num_tokens, metadata_in_graph)
 
     def init_forward_metadata_capture_cuda_graph(
         self, bs: int, num_tokens: int, forward_batch: ForwardBatch

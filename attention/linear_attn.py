@@ -168,7 +168,7 @@ class LinearAttentionBackend(AttentionBackend):
     def init_mha_chunk_metadata(self, forward_batch: ForwardBatch) -> None:
         """Nothing to plan: a linear layer reads its prefix as one state, not in chunks."""
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, metadata_in_graph: bool = False) -> None:
         self._graph_max_bs = max_bs
 
     def init_forward_metadata_capture_cuda_graph(

@@ -33,8 +33,9 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     # [B, max_seqlen_k] KV slot of each cached token (columns past a request's length are
-    # stale and must be masked by cache_seqlens_int32).
-    token_table: torch.Tensor
+    # stale and must be masked by cache_seqlens_int32). None where the builder was asked for
+    # the page table alone (decode graphs whose metadata is filled inside the graph).
+    token_table: torch.Tensor | None
     # [B, ceil(max_seqlen_k / P)] page ids: column j holds tokens [j*P, (j+1)*P).
     page_table: torch.Tensor
     # [B] new tokens per request and their prefix lengths (all 1 / seq_len-1 for decode).
@@ -58,8 +59,12 @@ def encoder_columns(encoder_lens_cpu: list[int], page_size: int) -> list[int]:
     return [round_up(e, page_size) for e in encoder_lens_cpu]
 
 
-def build_attention_metadata(fb: ForwardBatch, page_size: int) -> AttentionMetadata:
-    """The one builder of attention metadata for every mode, eager or graph replay."""
+def build_attention_metadata(fb: ForwardBatch, page_size: int, *, with_token_table: bool = True) -> AttentionMetadata:
+    """The one builder of attention metadata for every mode, eager or graph replay.
+
+    `with_token_table=False` builds the page table straight from the request table's page columns
+    and no token table: what a decode graph reads, at 1/page_size of the gather (a decode graph
+    whose metadata is filled inside the graph gathers its whole static width every step)."""
     assert fb.req_to_token_pool is not None
     device = fb.seq_lens.device
     bs = fb.batch_size
@@ -82,11 +87,14 @@ def build_attention_metadata(fb: ForwardBatch, page_size: int) -> AttentionMetad
     max_k = max(cache_cpu) if cache_cpu else 0
     max_q = max(extend_cpu) if extend_cpu else 0
 
-    rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices.long()]
-    cols = torch.arange(max(max_k, 1), device=device)
+    req_to_token = fb.req_to_token_pool.req_to_token
+    row_idx = fb.req_pool_indices.long()
+    width = max(max_k, 1)
     enc_fields: dict = {}
+    token_table: torch.Tensor | None = None
     if fb.encoder_lens is not None:
-        assert fb.encoder_lens_cpu is not None
+        assert fb.encoder_lens_cpu is not None and with_token_table, "encoder-decoder metadata needs the token table"
+        rows = req_to_token[row_idx]
         enc_cpu = list(fb.encoder_lens_cpu)
         enc_cols = torch.tensor(encoder_columns(enc_cpu, page_size), device=device, dtype=torch.long)
         max_enc = max(enc_cpu) if enc_cpu else 0
@@ -101,11 +109,16 @@ def build_attention_metadata(fb: ForwardBatch, page_size: int) -> AttentionMetad
             encoder_lens_cpu=enc_cpu,
         )
         # Per-request offset: request i's self-attention starts after its own encoder pages.
+        cols = torch.arange(width, device=device)
         col_idx = (enc_cols[:, None] + cols[None, :]).clamp_(max=rows.shape[1] - 1)
         token_table = torch.gather(rows, 1, col_idx)
+        page_table = token_table[:, ::page_size] // page_size
+    elif with_token_table:  # gather only the columns read, not each row's whole width
+        token_table = req_to_token[:, :width][row_idx]
+        page_table = token_table[:, ::page_size] // page_size
     else:
-        token_table = rows[:, : cols.numel()]
-    page_table = token_table[:, ::page_size] // page_size
+        pages = (width + page_size - 1) // page_size
+        page_table = req_to_token[:, ::page_size][:, :pages][row_idx] // page_size
     return AttentionMetadata(
         cache_seqlens_int32=cache_lens,
         cu_seqlens_q=_pad_cumsum(extend),

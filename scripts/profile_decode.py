@@ -1,59 +1,104 @@
-"""Where a decode step's time goes on a GPU: forward-batch build, graph replay, logits, sampling.
+"""Where a decode step's time goes on a GPU: the engine's step interval, one graph replay alone,
+and the GPU's kernels over a window of steady-state steps (busy time, the gaps between
+kernels, the kernels by total time).
 
-    python3 scripts/profile_decode.py MODEL_DIR [BATCH]
+    python3 scripts/profile_decode.py MODEL_DIR [BATCH] [--out FILE.json]
 """
 
-import sys
+from __future__ import annotations
+
+import argparse
+import json
 import time
+from collections import defaultdict
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from cluster.config import EngineConfig
 from cluster.engine import Engine
 from workers.sampling_params import SamplingParams
 
 
+def kernel_intervals(prof) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of every GPU kernel or copy the profiler saw."""
+    out = []
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            out.append((e.name, e.time_range.start, e.time_range.end))
+    return sorted(out, key=lambda x: x[1])
+
+
+def busy_union(iv: list[tuple[str, float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for _, s, e in iv:
+        if s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy
+
+
 def main() -> None:
-    model, batch = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    engine = Engine(EngineConfig(model=model, device="cuda", page_size=16, max_context_len=4096, mem_fraction=0.5))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("batch", type=int, nargs="?", default=1)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    engine = Engine(EngineConfig(model=a.model, device="cuda", page_size=16, max_context_len=4096, mem_fraction=0.5))
     runner = engine.workers.runner
-    timings: dict[str, list[float]] = {"build": [], "forward": [], "logits": [], "sample": [], "total": []}
-    orig_build, orig_forward = runner.build_forward_batch, runner.forward
-    orig_logits, orig_sample = runner.model.compute_logits, runner.sampler.sample
-
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = fn(*a, **k)
-            torch.cuda.synchronize()
-            timings[name].append(time.perf_counter() - t0)
-            return out
-        return wrapper
-
-    runner.build_forward_batch = timed("build", orig_build)
-    runner.forward = timed("forward", orig_forward)
-    runner.model.compute_logits = timed("logits", orig_logits)
-    runner.sampler.sample = timed("sample", orig_sample)
-    orig_exec = runner.execute
-    runner.execute = timed("total", orig_exec)
-    prompts = [[5 + (i * 7 + j) % 800 for j in range(256)] for i in range(batch)]
-    engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    for name, xs in timings.items():
-        xs = sorted(xs[5:])
-        print(f"{name:8s} median {1e3 * xs[len(xs) // 2]:.3f} ms  (n={len(xs)})")
-    # GPU time of one graph replay alone.
+    prompts = [[5 + (i * 7 + j) % 800 for j in range(512)] for i in range(a.batch)]
+    params = SamplingParams(max_tokens=a.steps + 40, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params, lambda out: None)
+    for _ in range(20):  # prefill and warm-up
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    iv = kernel_intervals(prof)
+    span_us = iv[-1][2] - iv[0][1] if iv else 0.0
+    busy_us = busy_union(iv)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, s, e in iv:
+        by_name[name][0] += 1
+        by_name[name][1] += e - s
     gr = runner.graph_runner
-    bs = next(b for b in gr.batch_sizes if b >= batch)
-    g = gr.graphs[bs]
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(20):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    print(f"graph replay alone: {s.elapsed_time(e) / 20:.3f} ms")
+    graph_ms = None
+    if gr is not None and gr.use_graphs:
+        g = gr.graphs[gr.padded_size(a.batch)]
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(20):
+            g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        graph_ms = s.elapsed_time(e) / 20
+    n = a.steps
+    report = {
+        "batch": a.batch, "steps": n, "wall_ms_per_step": wall_ms / n,
+        "gpu_span_ms_per_step": span_us / 1e3 / n, "gpu_busy_ms_per_step": busy_us / 1e3 / n,
+        "gpu_kernels_per_step": len(iv) / n, "graph_replay_alone_ms": graph_ms,
+        "kernels": sorted(([k, c / n, t / 1e3 / n] for k, (c, t) in by_name.items()), key=lambda x: -x[2])[:30],
+    }
+    print(f"batch {a.batch}: step (profiled) {wall_ms / n:.3f} ms; GPU busy {busy_us / 1e3 / n:.3f} ms of "
+          f"{span_us / 1e3 / n:.3f} ms span per step, {len(iv) / n:.0f} kernels/copies per step; "
+          f"graph replay alone {graph_ms if graph_ms is None else round(graph_ms, 3)} ms")
+    print(f"{'kernel':90s} {'per step':>8s} {'ms/step':>8s}")
+    for name, c, t in report["kernels"]:
+        print(f"{name[:90]:90s} {c:8.1f} {t:8.3f}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -247,7 +247,7 @@ def _dummy_args(hook: str):
     return {
         "init_forward_metadata": (fb,),
         "init_mha_chunk_metadata": (fb,),
-        "init_cuda_graph_state": (8, 64),
+        "init_cuda_graph_state": (8, 64, True),
         "init_forward_metadata_capture_cuda_graph": (4, 4, fb),
         "init_forward_metadata_replay_cuda_graph": (4, fb),
         "get_cuda_graph_seq_len_fill_value": (),

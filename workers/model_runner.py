@@ -153,6 +153,12 @@ class ModelRunner:
         self.states: dict[str, RequestSamplingState] = {}
         self.generation_rules = (encoder_decoder.GenerationRules.of(mc) if mc.is_encoder_decoder and self.tp.is_first
                                  else None)
+        # Overlapped execution (launch/collect): each row's last sampled token on the device
+        # (decode graphs read it), the launched step whose draw is in flight, and completed
+        # results not collected yet.
+        self.last_token = torch.zeros(opts.max_running_requests + 1, dtype=torch.long, device=self.device)
+        self._inflight: _InFlight | None = None
+        self._ready: deque[StepResult] = deque()
         self.graph_runner: CudaGraphRunner | None = None
         # Decode graphs serve generation; an embedding replica only prefills (a batch of
         # one-token prompts, planned as DECODE, runs eagerly).
@@ -164,11 +170,6 @@ class ModelRunner:
             self.drafter.attach()
         # Embedding requests (rid -> pooling accumulated over their prefill pieces).
         self.pooling_states: dict[str, PoolingState] = {}
-        # Overlapped execution (launch/collect): each row's last sampled token on the device,
-        # the launched step whose draw is in flight, and completed results not collected yet.
-        self.last_token = torch.zeros(opts.max_running_requests + 1, dtype=torch.long, device=self.device)
-        self._inflight: _InFlight | None = None
-        self._ready: deque[StepResult] = deque()
 
     # ---------------- memory ----------------
     def _kv_tokens(self, bytes_per_token: int) -> int:
@@ -294,6 +295,9 @@ class ModelRunner:
         return self._complete(self._launch_sampling(plan, fb, hidden, logits, result, t0))
 
     def build_forward_batch(self, plan: StepPlan) -> ForwardBatch:
+        gr = self.graph_runner
+        if gr is not None and gr.can_stage(plan):  # straight into a decode graph's inputs
+            return gr.stage_decode(plan)
         dev = self.device
         reqs = plan.reqs
         ext = [len(r.input_ids) for r in reqs]
