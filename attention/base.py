@@ -23,6 +23,7 @@ import torch
 
 if TYPE_CHECKING:
     from workers.forward_batch import ForwardBatch
+    from workers.memory_pool import MHATokenToKVPool
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,17 @@ class AttentionLayer:
     @property
     def out_head_dim(self) -> int:
         return self.v_head_dim or self.head_dim
+
+
+@dataclass(frozen=True)
+class KVStoreTarget:
+    """Where a layer may write this forward's K/V itself, fused with the op that produces them
+    (RoPE: `workers.layers.rotary.RotaryEmbedding.apply`): layer `layer_id`'s caches of `pool`
+    at slots `loc`. Given out by `AttentionBackend.kv_store_target`."""
+
+    pool: MHATokenToKVPool
+    layer_id: int
+    loc: torch.Tensor
 
 
 class AttentionBackend(ABC):
@@ -73,6 +85,13 @@ class AttentionBackend(ABC):
         if cuda_graph and not cls.supports_cuda_graph:
             raise ValueError(f"attention backend {cls.name!r} does not support CUDA graphs")
 
+    def kv_store_target(self, layer: AttentionLayer, forward_batch: ForwardBatch) -> KVStoreTarget | None:
+        """Not a hook: where the caller may write this layer's new K/V itself, fused with their
+        RoPE, and then call `forward` with save_kv_cache=False; None (the default): the backend
+        writes (or, by its one decision, skips) them itself. A backend gives a target only
+        where its own forward would write the same K/V to the same slots."""
+        return None
+
     def forward(
         self,
         q: torch.Tensor,
@@ -100,8 +119,11 @@ class AttentionBackend(ABC):
         prefix reads make this a no-op, but they still implement it."""
 
     @abstractmethod
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate the static buffers that captured graphs read their metadata from."""
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, metadata_in_graph: bool = False) -> None:
+        """Allocate the static buffers that captured graphs read their metadata from.
+        `metadata_in_graph`: the capture hook will be called inside the graph capture, so
+        that every replay fills the buffers from the graph's static inputs itself (the replay
+        hook is then never called)."""
 
     @abstractmethod
     def init_forward_metadata_capture_cuda_graph(

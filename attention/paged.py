@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attention.base import AttentionBackend, AttentionLayer
+from attention.base import AttentionBackend, AttentionLayer, KVStoreTarget
 from attention.graph_buffers import GraphMetadataBuffers
 from attention.metadata import AttentionMetadata, build_attention_metadata
 
@@ -69,6 +69,15 @@ class PagedAttentionBackend(GraphMetadataBuffers, AttentionBackend):
         return self._extend_kernel(q, k, v, _ragged_table(meta), lens, lens, layer, layer.is_causal)
 
     # ---- forward ----
+    def kv_store_target(self, layer: AttentionLayer, forward_batch: ForwardBatch) -> KVStoreTarget | None:
+        # Exactly where `_save` would write: self-attention layers, unless the one skip decision
+        # (contract 2) holds; cross-attention K/V come from the encoder and are written here.
+        if self.skip_kv_cache or layer.is_cross_attention:
+            return None
+        pool = forward_batch.kv_pool
+        assert pool is not None and forward_batch.out_cache_loc is not None
+        return KVStoreTarget(pool, layer.layer_id, forward_batch.out_cache_loc)  # type: ignore[arg-type]
+
     def _save(self, layer: AttentionLayer, forward_batch: ForwardBatch, k, v) -> None:
         pool = forward_batch.kv_pool
         assert pool is not None

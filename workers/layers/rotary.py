@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from workers.layers import fused
+
+if TYPE_CHECKING:
+    from attention.base import KVStoreTarget
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -160,9 +163,28 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", (freqs.sin() * scaling).to(device), persistent=False)
 
     def apply(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
+        store: KVStoreTarget | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, heads, head_dim]; k: [T, kv_heads, head_dim] -> rotated q, k.
 
-        cos/sin are cast to q's dtype before use, as HF does."""
-        return fused.rope(positions, q, k, self.cos_cache, self.sin_cache)
+        cos/sin are cast to q's dtype before use, as HF does. With `store` (the attention
+        backend's `kv_store_target`), the rotated k and `v` are also written to the store's
+        cache slots: on CUDA in one kernel with the rotation (`workers.layers.rope_store`, q
+        and k rotated in place), elsewhere by the pool's own write."""
+        if store is None:
+            return fused.rope(positions, q, k, self.cos_cache, self.sin_cache)
+        assert v is not None
+        pool, layer = store.pool, store.layer_id
+        k_cache, v_cache = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+        if q.is_cuda:
+            from workers.layers import rope_store
+
+            if rope_store.can_fuse(q, k, v, k_cache, v_cache, self.cos_cache):
+                rope_store.rope_and_store_kv(positions, q, k, v, self.cos_cache, self.sin_cache, store.loc,
+                                             k_cache, v_cache)
+                pool.write_count += 1
+                return q, k
+        q, k = fused.rope(positions, q, k, self.cos_cache, self.sin_cache)
+        pool.set_kv_buffer(layer, store.loc, k, v)
+        return q, k

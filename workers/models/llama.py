@@ -130,9 +130,12 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.attn.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(positions, q, k)
-        assert fb.attn_backend is not None
-        out = fb.attn_backend.forward(q, k, v, self.attn, fb)  # [T, heads * head_dim]
+        backend = fb.attn_backend
+        assert backend is not None
+        # Where the backend would write the new K/V, RoPE writes them (one kernel on CUDA).
+        store = backend.kv_store_target(self.attn, fb)
+        q, k = rotary.apply(positions, q, k, v, store)
+        out = backend.forward(q, k, v, self.attn, fb, save_kv_cache=store is None)  # [T, heads * head_dim]
         return self.o_proj(out)
 
 
