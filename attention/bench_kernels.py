@@ -148,10 +148,52 @@ def bench_prefill() -> list[str]:
     return rows
 
 
+def sweep_decode(cases: list[tuple[int, int]], page_size: int = 16) -> list[str]:
+    """Stage-1 launch parameters of the Triton paged decode (Llama-8B heads, bf16) per (B, ctx):
+    microseconds under CUDA-graph replay and GB/s, fastest first within each case."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    heads, kv_heads, dim = 32, 8, 128
+    rows = []
+    for batch, ctx in cases:
+        kc, vc, pt, lens = _paged(batch, ctx, page_size, kv_heads, dim, dim, torch.bfloat16, gen)
+        q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out = torch.empty(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+        nbytes = batch * ctx * kv_heads * dim * 2 * 2
+        default_splits = choose_num_splits(batch * kv_heads, pt.shape[1] * page_size, q.device)
+        results = []
+        for splits in sorted({default_splits, min(32, default_splits * 2)}):
+            for block_n in (32, 64, 128):
+                for warps in (2, 4, 8):
+                    for stages in (1, 2, 3):
+                        def tri(splits=splits, block_n=block_n, warps=warps, stages=stages):
+                            paged_decode(q, kc, vc, pt, lens, dim**-0.5, page_size, num_splits=splits, out=out,
+                                         block_n=block_n, num_warps=warps, num_stages=stages)
+                        try:
+                            tri()
+                            us = _bench_graph(tri)
+                        except Exception as e:  # noqa: BLE001 - out of shared memory etc.: skip the config
+                            rows.append(f"  skip s={splits} n={block_n} w={warps} st={stages}: {type(e).__name__}")
+                            continue
+                        results.append((us, splits, block_n, warps, stages))
+        results.sort()
+        for us, splits, block_n, warps, stages in results[:6]:
+            rows.append(f"sweep B={batch} ctx={ctx} s={splits} n={block_n} w={warps} st={stages}"
+                        f"{'':4} {us:9.1f} {nbytes / us / 1e3:9.0f}" + ("  (default splits)" if splits == default_splits else ""))
+        default = [r for r in results if r[1:] == (default_splits, 64, 4, 2)]
+        if default:
+            rows.append(f"sweep B={batch} ctx={ctx} current default {default[0][0]:9.1f} {nbytes / default[0][0] / 1e3:9.0f}")
+        del kc, vc
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="B=16, ctx 4k only")
+    parser.add_argument("--sweep", action="store_true", help="tune the paged decode's launch parameters")
     args = parser.parse_args()
+    if args.sweep:
+        print("\n".join(sweep_decode([(1, 512), (16, 4096), (64, 1024), (128, 1536), (256, 1536)])))
+        return
     batches, contexts = ([16], [4096]) if args.quick else ([1, 16, 64], [1024, 4096])
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"kernels: {kernels.select_kernels('cuda', page_size=16).description}")

@@ -195,6 +195,9 @@ def paged_decode(
     page_size: int,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """One query per request over its paged K/V.
 
@@ -203,7 +206,9 @@ def paged_decode(
     cache_seqlens: [B] int32 keys per request (device). H must be a multiple of Hkv; query
     head j reads KV head j // (H // Hkv). Returns `out` (or a new tensor): [B, H, Dv] in q's
     dtype. num_splits=None picks a count from B, Hkv and page_table's width (host values only:
-    pass a fixed count when capturing CUDA graphs whose page table width may vary)."""
+    pass a fixed count when capturing CUDA graphs whose page table width may vary). block_n,
+    num_warps and num_stages are stage 1's launch parameters (`bench_kernels --sweep` tunes
+    them); block_n=None: DECODE_BLOCK_N (half for float32 caches)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     v_dim = v_cache.shape[-1]
@@ -226,7 +231,8 @@ def paged_decode(
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(v_dim))
-    block_n = DECODE_BLOCK_N // 2 if k_cache.dtype == torch.float32 else DECODE_BLOCK_N
+    if block_n is None:
+        block_n = DECODE_BLOCK_N // 2 if k_cache.dtype == torch.float32 else DECODE_BLOCK_N
     _decode_stage1[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, cache_seqlens, mid_o, mid_lse,
         scaling * LOG2E, num_splits,
@@ -240,7 +246,7 @@ def paged_decode(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
         DOT_PREC=dot_precision(k_cache.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     merge_splits(mid_o, mid_lse, cache_seqlens, out, block_n)
     return out

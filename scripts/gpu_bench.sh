@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs quoted in BENCHMARKS.md, on a device with torch + triton + transformers
-# (no install: run from the repository root). Stages: tests l8 l8serve dsv2 spec (default: all).
-# Each writes JSON to ${OUT:-/tmp/out}; models are built once under /tmp.
+# (no install: run from the repository root). Stages: build tests sweep profile l8 l8serial l8serve dsv2 spec
+# (default: all but l8serial). Each writes JSON to ${OUT:-/tmp/out}; models are built once under
+# /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M="python3 -m cluster.cli"
 F="--device cuda --page-size 16 --max-context-len 4096 --mem-fraction 0.6"
-stages=${*:-tests l8 l8serve dsv2 spec}
+stages=${*:-build tests profile l8 l8serve dsv2 spec}
 build() {  # build DIR ARGS...: a random-weight checkpoint, once
   local d=$1; shift
   [ -f "$d/config.json" ] || $M make-model "$d" "$@" --dtype bfloat16 >/dev/null
@@ -15,10 +16,15 @@ build() {  # build DIR ARGS...: a random-weight checkpoint, once
 for s in $stages; do
   echo "=== $s $(date -u +%FT%TZ)"
   case $s in
-    tests) python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_gpu_kernels.py \
+    build) build /tmp/l8 --preset llama-3.1-8b & build /tmp/dsv2 --preset deepseek-v2-lite & wait ;;
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_rope_store.py tests/test_gpu_kernels.py \
              tests/test_gpu_engine.py tests/test_gpu_speculative.py tests/test_gpu_encoder_decoder.py 2>&1 | tail -15 ;;
+    sweep) python3 -m attention.bench_kernels --sweep 2>&1 | tee "$OUT/decode_sweep.txt" ;;
+    profile) build /tmp/l8 --preset llama-3.1-8b
+        python3 scripts/profile_decode.py /tmp/l8 1 --out "$OUT/l8_profile_b1.json" 2>&1 | grep -v Warning ;;
     l8) build /tmp/l8 --preset llama-3.1-8b
-        $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --out "$OUT/l8_latency.json"
+        $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --out "$OUT/l8_latency.json" ;;
+    l8serial) build /tmp/l8 --preset llama-3.1-8b
         $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --disable-overlap-schedule \
           --out "$OUT/l8_latency_no_overlap.json" ;;
     l8serve) build /tmp/l8 --preset llama-3.1-8b
