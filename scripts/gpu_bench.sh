@@ -17,8 +17,10 @@ for s in $stages; do
   echo "=== $s $(date -u +%FT%TZ)"
   case $s in
     build) build /tmp/l8 --preset llama-3.1-8b & build /tmp/dsv2 --preset deepseek-v2-lite & wait ;;
-    tests) python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_rope_store.py tests/test_gpu_kernels.py \
-             tests/test_gpu_engine.py tests/test_gpu_speculative.py tests/test_gpu_encoder_decoder.py 2>&1 | tail -15 ;;
+    tests) python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_rope_store.py \
+             tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_speculative.py \
+             tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py 2>&1 | grep -v "Warning\|warn" \
+             | tee "$OUT/tests.log" ;;
     sweep) python3 -m attention.bench_kernels --sweep 2>&1 | tee "$OUT/decode_sweep.txt" ;;
     profile) build /tmp/l8 --preset llama-3.1-8b
         python3 scripts/profile_decode.py /tmp/l8 1 --out "$OUT/l8_profile_b1.json" 2>&1 | grep -v Warning ;;
