@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 
 import torch
 import triton
 
 from attention import gpu_prefill, kernels, torch_ops
-from attention.triton_decode import choose_num_splits, paged_decode
+from attention.triton_decode import choose_num_splits, paged_decode, stage1_launch
 from attention.triton_mla_decode import MLA_BLOCK_H, mla_decode
 
 
@@ -172,17 +173,20 @@ def sweep_decode(cases: list[tuple[int, int]], page_size: int = 16) -> list[str]
                             tri()
                             us = _bench_graph(tri)
                         except Exception as e:  # noqa: BLE001 - out of shared memory etc.: skip the config
-                            rows.append(f"  skip s={splits} n={block_n} w={warps} st={stages}: {type(e).__name__}")
+                            rows.append(f"  skip s={splits} n={block_n} w={warps} st={stages}: "
+                                        f"{type(e).__name__}: {str(e)[:160]}")
                             continue
                         results.append((us, splits, block_n, warps, stages))
         results.sort()
         for us, splits, block_n, warps, stages in results[:6]:
             rows.append(f"sweep B={batch} ctx={ctx} s={splits} n={block_n} w={warps} st={stages}"
                         f"{'':4} {us:9.1f} {nbytes / us / 1e3:9.0f}" + ("  (default splits)" if splits == default_splits else ""))
-        default = [r for r in results if r[1:] == (default_splits, 64, 4, 2)]
+        default = [r for r in results if r[1:] == (default_splits, *stage1_launch(batch * kv_heads, torch.bfloat16))]
         if default:
             rows.append(f"sweep B={batch} ctx={ctx} current default {default[0][0]:9.1f} {nbytes / default[0][0] / 1e3:9.0f}")
         del kc, vc
+        gc.collect()
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -192,7 +196,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="tune the paged decode's launch parameters")
     args = parser.parse_args()
     if args.sweep:
-        print("\n".join(sweep_decode([(1, 512), (16, 4096), (64, 1024), (128, 1536), (256, 1536)])))
+        print("\n".join(sweep_decode([(256, 1536), (192, 2048), (128, 1536)])))
         return
     batches, contexts = ([16], [4096]) if args.quick else ([1, 16, 64], [1024, 4096])
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")

@@ -258,7 +258,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         payload["result"] = res
         _print_table(f"serve: {args.num_prompts} x ({args.input_len} in, {args.output_len} out) at "
                      f"{args.request_rate} req/s ({'HTTP ' + args.url if args.url else 'in-process engine'})",
-                     list(res.items()))
+                     [(k, v) for k, v in res.items() if k != "steps"]
+                     + [(f"{k}: steps / mean ms / s", f"{v['steps']} / {v['mean_ms']:.2f} / {v['total_s']:.2f}")
+                        for k, v in res.get("steps", {}).items()])
     elif args.mode == "latency":
         res = bench_latency(Engine(config), args.batch, args.input_len, args.steps)
         payload["result"] = res

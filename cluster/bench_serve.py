@@ -53,6 +53,22 @@ def summarize(timings: list[RequestTiming], wall: float) -> dict:
     return res
 
 
+def summarize_steps(trace: list[tuple[float, float, str, int, int]]) -> dict:
+    """Where the engine's time went: per kind of step (DECODE by batch size, MIXED/EXTEND by
+    prefill tokens), how many, and the mean time from the previous completion (or from the
+    step call's start, after an idle wait) to this one: under overlapped scheduling about the
+    step's device time."""
+    groups: dict[str, list[float]] = {}
+    for (_, t_prev, *_), (start, t, mode, reqs, tokens) in zip(trace, trace[1:]):
+        if mode == "DECODE":
+            key = f"DECODE batch {'<=32' if reqs <= 32 else '33-128' if reqs <= 128 else '>128'}"
+        else:
+            key = f"{mode} {'<=512' if tokens - reqs <= 512 else '>512'} prefill tokens"
+        groups.setdefault(key, []).append(t - max(t_prev, start))
+    return {k: {"steps": len(v), "mean_ms": 1e3 * statistics.mean(v), "total_s": sum(v)}
+            for k, v in sorted(groups.items())}
+
+
 async def _arrivals(n: int, rate: float, seed: int):
     rng = random.Random(seed)
     for i in range(n):
@@ -79,9 +95,13 @@ async def run_in_process(engine, prompts: list[list[int]], output_len: int, rate
         return t
 
     t0 = time.perf_counter()
+    engine.step_trace = []
     tasks = [asyncio.create_task(one(i)) async for i in _arrivals(len(prompts), rate, seed)]
     timings = await asyncio.gather(*tasks)
-    return summarize(list(timings), time.perf_counter() - t0)
+    res = summarize(list(timings), time.perf_counter() - t0)
+    trace, engine.step_trace = engine.step_trace, None
+    res["steps"] = summarize_steps(trace)
+    return res
 
 
 async def run_http(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,

@@ -154,6 +154,9 @@ class Engine:
         self._stop = False
         self._ids = itertools.count()
         self.step_listeners: list[Callable[[Engine, float], None]] = []
+        # Benchmarks: set to a list to record (step call start, completion time, mode, requests,
+        # new tokens) of every completed plan (cluster/bench_serve.py's step summary).
+        self.step_trace: list[tuple[float, float, str, int, int]] | None = None
 
     # ---------------- requests in ----------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -256,6 +259,9 @@ class Engine:
             if tracked is not None:
                 tracked.sink(out)
         dt = time.perf_counter() - t0
+        if self.step_trace is not None:
+            self.step_trace.append((t0, time.perf_counter(), done.mode.name, len(done.reqs),
+                                    sum(len(r.input_ids) for r in done.reqs)))
         for listener in self.step_listeners:
             listener(self, dt)
         return True
