@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs quoted in BENCHMARKS.md, on a device with torch + triton + transformers
-# (no install: run from the repository root). Stages: build tests sweep profile l8 l8serial l8serve dsv2 spec
-# (default: all but l8serial). Each writes JSON to ${OUT:-/tmp/out}; models are built once under
+# (no install: run from the repository root). Stages: build tests sweep profile l8 l8serial l8serve dsv2 spec l8tp2 dsv2tp2
+# (default: all but l8serial and the two-GPU l8tp2 dsv2tp2). Each writes JSON to ${OUT:-/tmp/out}; models are built once under
 # /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -17,6 +17,13 @@ for s in $stages; do
   echo "=== $s $(date -u +%FT%TZ)"
   case $s in
     build) build /tmp/l8 --preset llama-3.1-8b & build /tmp/dsv2 --preset deepseek-v2-lite & wait ;;
+    l8tp2) build /tmp/l8 --preset llama-3.1-8b  # 2 GPUs: NCCL, torch multiprocessing ranks
+        $M bench latency --model /tmp/l8 $F --tp 2 --batch 1 64 --steps 48 --input-len 512 --out "$OUT/l8_latency_tp2.json" ;;
+    dsv2tp2) build /tmp/dsv2 --preset deepseek-v2-lite
+        $M bench latency --model /tmp/dsv2 $F --tp 2 --batch 1 16 --steps 24 --input-len 512 \
+          --out "$OUT/dsv2_latency_tp2.json"
+        $M bench offline --model /tmp/dsv2 $F --tp 2 --num-prompts 64 --input-len 512 --output-len 128 \
+          --out "$OUT/dsv2_offline_tp2.json" ;;
     tests) python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_rope_store.py \
              tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_speculative.py \
              tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py 2>&1 | grep -v "Warning\|warn" \
@@ -37,7 +44,8 @@ for s in $stages; do
         $M bench offline --model /tmp/dsv2 $F --num-prompts 64 --input-len 512 --output-len 128 \
           --out "$OUT/dsv2_offline.json" ;;
     spec) build /tmp/l8 --preset llama-3.1-8b
-        build /tmp/l1b --arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256
+        build /tmp/l1b --arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256 \
+          --max-position 8192
         $M bench spec --model /tmp/l8 $F --speculative-draft-model /tmp/l1b --speculative-num-tokens 4 \
           --max-running-requests 32 --batch 1 4 --input-len 512 --output-len 128 --out "$OUT/spec.json" ;;
   esac
