@@ -234,6 +234,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             except Exception as exc:  # the baseline's API moves between transformers releases
                 res["transformers_error"] = f"{type(exc).__name__}: {exc}"
                 print(f"transformers baseline failed: {res['transformers_error']}")
+        else:
+            engine.shutdown()
         payload["result"] = res
         _print_table(f"offline: {args.num_prompts} x ({args.input_len} in, {args.output_len} out)",
                      [(f"{g} {k}", v) for g, row in res.items() if isinstance(row, dict) for k, v in row.items()]
@@ -262,7 +264,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      + [(f"{k}: steps / mean ms / s", f"{v['steps']} / {v['mean_ms']:.2f} / {v['total_s']:.2f}")
                         for k, v in res.get("steps", {}).items()])
     elif args.mode == "latency":
-        res = bench_latency(Engine(config), args.batch, args.input_len, args.steps)
+        engine = Engine(config)
+        res = bench_latency(engine, args.batch, args.input_len, args.steps)
+        engine.shutdown()
         payload["result"] = res
         _print_table("decode step latency (ms)",
                      [(f"batch {b} {k}", v) for b, row in res.items() if isinstance(row, dict)
@@ -282,7 +286,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.mode == "spec":
         from cluster.bench_spec import bench_spec
 
-        res = bench_spec(config, args.batch, args.input_len, args.output_len, args.identity_tail_layers)
+        res = bench_spec(config, args.batch, args.input_len, args.output_len, args.identity_tail_layers,
+                         identity_tail_only=args.identity_tail_only)
         payload["result"] = res
         _print_table(f"speculative decoding, K={res['num_draft_tokens']}: batch {args.batch} x "
                      f"({args.input_len} in, {args.output_len} out), greedy",
@@ -328,6 +333,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--st-batch-size", type=int, default=64, help="embed: sentence-transformers' batch size")
     p.add_argument("--identity-tail-layers", type=int, default=0,
                    help="spec: also a target whose layers from M on are identities, drafted by its first M")
+    p.add_argument("--identity-tail-only", action="store_true",
+                   help="spec: run only the identity-tail pair (skip baseline, agree and disagree: on a GPU each "
+                        "loads another copy of the model)")
     from cluster.soak import add_soak_args
 
     add_soak_args(p)

@@ -119,10 +119,12 @@ def _run(config: EngineConfig, batches: list[int], input_len: int, output_len: i
 
 
 def bench_spec(config: EngineConfig, batches: list[int], input_len: int, output_len: int,
-               identity_tail_layers: int = 0) -> dict:
+               identity_tail_layers: int = 0, identity_tail_only: bool = False) -> dict:
     """The three runs above; with identity_tail_layers = M > 0 also a fourth and fifth: the
     target with its layers from M on made identities, without a draft and with its first M
-    layers as the draft (`identity_tail_pair`)."""
+    layers as the draft (`identity_tail_pair`); identity_tail_only: those two alone."""
+    if identity_tail_only and identity_tail_layers < 1:
+        raise ValueError("identity_tail_only needs identity_tail_layers >= 1")
     base = config.replace(speculative_draft_model=None)
     with tempfile.TemporaryDirectory(prefix="manta-draft-") as tmp:
         other = config.speculative_draft_model or random_draft(config.model, Path(tmp) / "draft")
@@ -131,6 +133,8 @@ def bench_spec(config: EngineConfig, batches: list[int], input_len: int, output_
             "agree (draft = copy of target)": ("baseline", base.replace(speculative_draft_model=config.model)),
             f"disagree (draft = {Path(other).name})": ("baseline", base.replace(speculative_draft_model=other)),
         }
+        if identity_tail_only:
+            runs = {}
         if identity_tail_layers > 0:
             tgt, drf = identity_tail_pair(config.model, Path(tmp) / "identity-tail", identity_tail_layers)
             ident = base.replace(model=tgt, tokenizer=config.tokenizer or config.model)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs quoted in BENCHMARKS.md, on a device with torch + triton + transformers
-# (no install: run from the repository root). Stages: build tests sweep profile l8 l8serial l8serve dsv2 spec l8tp2 dsv2tp2
+# (no install: run from the repository root). Stages: build tests sweep profile l8 l8serial l8serve dsv2 spec specid l8tp2 dsv2tp2
 # (default: all but l8serial and the two-GPU l8tp2 dsv2tp2). Each writes JSON to ${OUT:-/tmp/out}; models are built once under
 # /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
 set -uo pipefail
@@ -48,5 +48,8 @@ for s in $stages; do
           --max-position 8192
         $M bench spec --model /tmp/l8 $F --speculative-draft-model /tmp/l1b --speculative-num-tokens 4 \
           --max-running-requests 32 --batch 1 4 --input-len 512 --output-len 128 --out "$OUT/spec.json" ;;
+    specid) build /tmp/l8 --preset llama-3.1-8b  # an agreeing, cheap draft: the target's first 2 layers
+        $M bench spec --model /tmp/l8 $F --speculative-num-tokens 4 --identity-tail-layers 2 --identity-tail-only \
+          --max-running-requests 32 --batch 1 4 16 --input-len 512 --output-len 128 --out "$OUT/spec_identity.json" ;;
   esac
 done

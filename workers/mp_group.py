@@ -29,7 +29,10 @@ def _rank_main(opts: RunnerOptions, rank: int, world: int, port: int, conn, env:
         info = worker.init("127.0.0.1", port)
         conn.send(("ready", info if rank == 0 else None))
         while True:
-            msg = conn.recv()
+            try:
+                msg = conn.recv()
+            except EOFError:  # the parent exited without asking: go quietly
+                break
             if msg is None:
                 break
             result = worker.execute(msg)
@@ -37,7 +40,10 @@ def _rank_main(opts: RunnerOptions, rank: int, world: int, port: int, conn, env:
                 conn.send(("ok", result))
         worker.shutdown()
     except Exception:
-        conn.send(("error", traceback.format_exc()))
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:  # the parent is gone: nobody to tell
+            traceback.print_exc()
 
 
 class MultiprocessWorkerGroup(RemoteOverlap, WorkerGroup):
