@@ -319,6 +319,18 @@ def test_static_buffer_graph_path_equals_eager(dirs, base_tokens):
     assert (runner.req_to_token_pool.req_to_token[runner.pad_row] == 0).all()
 
 
+def test_graphs_cover_a_rounds_rows(dirs):
+    """A verify runs (K + 1) rows per request: with 4 running requests and K = 3 the graphs
+    reach 16 rows, not 4 (a round past the largest graph runs eagerly: on the H200, batch 16
+    of an 8B target ran at 0.6x the plain decode until graphs covered it)."""
+    engine = spec_engine(dirs, "other", k=3, page_size=4, max_running_requests=4)
+    runner = engine.workers.runner
+    gr = CudaGraphRunner(runner, batch_sizes=(1, 2, 4, 8, 16, 32), pad_row=runner.pad_row, use_graphs=False)
+    assert gr.max_bs == 16
+    plain = Engine(EngineConfig(model=str(dirs["target"]), page_size=4, max_running_requests=4)).workers.runner
+    assert CudaGraphRunner(plain, batch_sizes=(1, 2, 4, 8, 16, 32), use_graphs=False).max_bs == 4
+
+
 def test_mla_target_and_draft(tmp_path_factory):
     """DeepSeek-V2 (MLA + MoE) as target and draft: the MLA backend's DRAFT_EXTEND_V2 and
     TARGET_VERIFY extents; a copy accepts every draft."""

@@ -45,7 +45,7 @@ class CudaGraphRunner:
         in-graph preparation and replay metadata; no torch.cuda.CUDAGraph involved)."""
         self.runner = runner
         self.use_graphs = use_graphs
-        self.max_bs = max(b for b in batch_sizes if b <= runner.opts.max_running_requests)
+        self.max_bs = max(b for b in batch_sizes if b <= self.most_rows(runner.opts))
         self.batch_sizes = sorted(b for b in batch_sizes if b <= self.max_bs)
         self.pad_row = pad_row
         dev = runner.device
@@ -71,6 +71,13 @@ class CudaGraphRunner:
         if not use_graphs and not self.metadata_in_graph:  # eager replay needs the buffers to exist
             backend.init_forward_metadata_capture_cuda_graph(self.max_bs, self.max_bs,
                                                              self._static_batch(self.max_bs))
+
+    @staticmethod
+    def most_rows(opts) -> int:
+        """The most rows a replay can have: one per running request, or with a draft model
+        K + 1 per request (a speculative round's verify runs each of its tokens as a row)."""
+        per_request = 1 + opts.speculative_num_tokens if opts.speculative_draft_model else 1
+        return opts.max_running_requests * per_request
 
     def padded_size(self, bs: int) -> int:
         return next(b for b in self.batch_sizes if b >= bs)
