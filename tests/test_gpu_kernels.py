@@ -35,7 +35,6 @@ pytest.importorskip("triton")
 from attention import gpu_prefill, kernels, torch_ops  # noqa: E402
 from attention.triton_decode import paged_decode  # noqa: E402
 from attention.triton_mla_decode import mla_decode  # noqa: E402
-from tests.triton_interpreter import install_interpreter_shims  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 ON_GPU = DEVICE == "cuda"
@@ -48,8 +47,34 @@ TOL = {
 }
 
 
+def _install_interpreter_shims() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    create_dot = interp.InterpreterBuilder.create_dot
+
+    def upcast(x):
+        if x.dtype == tl.bfloat16:  # stored as uint16: convert the bits, don't multiply them
+            data = interp._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return interp.TensorHandle(data, tl.float32)
+        return x
+
+    def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, upcast(a), upcast(b), d, input_precision, max_num_imprecise_acc)
+
+    patch_tensor = interp._patch_lang_tensor
+
+    def patch_tensor_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interp.InterpreterBuilder.create_dot = create_dot_bf16
+    interp._patch_lang_tensor = patch_tensor_index
+
+
 if INTERPRET:
-    install_interpreter_shims()
+    _install_interpreter_shims()
 
 
 # ---------------------------------------------------------------------------------------------

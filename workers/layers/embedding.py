@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers.gemv import linear
 from workers.layers.linear import TensorSlice, check_shape, make_param
 from workers.parallel import TPGroup
 
@@ -93,6 +92,6 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab] float32, identical on every rank (collective)."""
-        local = linear(hidden, self.weight)
+        local = F.linear(hidden, self.weight)
         logits = self.tp.all_gather_last_dim(local)
         return logits[..., : self.vocab_size].float()

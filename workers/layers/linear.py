@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from workers.layers.gemv import linear
 from workers.parallel import TPGroup, divide, kv_head_placement, shard_range
 
 
@@ -101,7 +101,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.data, src[self.start : self.end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -136,7 +136,7 @@ class MergedColumnParallelLinear(nn.Module):
         _copy(param.data[offset : offset + self.local_sizes[i]], src[start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(nn.Module):
@@ -185,7 +185,7 @@ class QKVParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> q [T, heads * hd], k and v [T, kv_heads * hd] (this rank's)."""
-        q, k, v = linear(x, self.weight, self.bias).split(self.output_sizes, dim=-1)
+        q, k, v = F.linear(x, self.weight, self.bias).split(self.output_sizes, dim=-1)
         return q, k, v
 
 
@@ -211,6 +211,6 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank calls this (it is a collective at tp > 1)."""
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(linear(x, self.weight))
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
