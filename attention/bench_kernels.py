@@ -166,9 +166,10 @@ def sweep_decode(cases: list[tuple[int, int]], page_size: int = 16) -> list[str]
             for block_n in (32, 64, 128):
                 for warps in (2, 4, 8):
                     for stages in (1, 2, 3):
-                        def tri(splits=splits, block_n=block_n, warps=warps, stages=stages):
-                            paged_decode(q, kc, vc, pt, lens, dim**-0.5, page_size, num_splits=splits, out=out,
-                                         block_n=block_n, num_warps=warps, num_stages=stages)
+                        def tri(splits=splits, block_n=block_n, warps=warps, stages=stages,
+                                args=(q, kc, vc, pt, lens, dim**-0.5, page_size), out=out):
+                            paged_decode(*args, num_splits=splits, out=out, block_n=block_n, num_warps=warps,
+                                         num_stages=stages)
                         try:
                             tri()
                             us = _bench_graph(tri)
