@@ -37,6 +37,9 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0)
 
+# Why the router moves a request to another replica before its first token (`record_retry`).
+RETRY_REASONS = ("unavailable", "queue_full", "replica_failed")
+
 # Keys of the dict a replica reports (see `update_replica_stats`).
 STATS_KEYS = ("num_running", "num_waiting", "kv_usage", "prefix_hit_tokens", "prefix_query_tokens")
 
@@ -188,6 +191,8 @@ class ServerMetrics:
             self.kv_cache_usage.labels(replica).set(stats["kv_usage"])
         if "healthy" in stats:
             self.replica_healthy.labels(replica).set(1.0 if stats["healthy"] else 0.0)
+            for reason in RETRY_REASONS:  # exported at 0 from the start: rate() sees the first retry
+                self.router_retries.labels(replica, reason)
         if "restarts" in stats:
             self.replica_restarts.labels(replica).set(stats["restarts"])
         if "prefix_hit_tokens" in stats or "prefix_query_tokens" in stats:
@@ -204,6 +209,7 @@ class ServerMetrics:
                   self.replica_healthy, self.replica_restarts):
             g.remove_by_labels({"replica": replica})
         self.router_requests.remove_by_labels({"replica": replica})
+        self.router_retries.remove_by_labels({"replica": replica})
         self._prefix.remove(replica)
         self._kvstore.remove(replica)
         self._spec.remove(replica)

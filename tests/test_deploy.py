@@ -213,7 +213,7 @@ def test_dashboard_has_the_panels_operators_need():
     assert {"Request rate", "Errors", "Tokens/s", "Time to first token", "Time per output token",
             "End-to-end latency", "Running and waiting requests", "KV cache usage", "Prefix-cache hit rate",
             "KV-store hit rate", "Speculative acceptance", "Load per replica", "Router decisions",
-            "Replica health"} <= titles
+            "Router retries", "Replica health"} <= titles
     exprs = " ".join(e for _, e in dashboard_queries(_dashboard()))
     for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         for q in ("0.5", "0.9", "0.99"):

@@ -133,3 +133,20 @@ def test_a_request_refused_before_its_first_token_is_retried_and_counted():
     assert [o.replica for o in outs] == ["b"] and outs[-1].finish_reason == "length"
     assert sick.calls == well.calls == 1 and not r.replicas["a"].healthy
     assert 'manta:router_retries_total{reason="unavailable",replica="a"} 1.0' in metrics.render().decode()
+
+
+def test_retry_series_are_exported_at_zero_for_a_polled_replica_and_dropped_with_it():
+    """A replica the router polled exports every retry reason at 0 (so rate() sees the first
+    retry, and the dashboard's panel has data); removing the replica drops its series."""
+    from cluster.metrics import RETRY_REASONS, ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.update_replica_stats("a", {"healthy": True, "num_running": 0})
+    text = metrics.render().decode()
+    for reason in RETRY_REASONS:
+        assert f'manta:router_retries_total{{reason="{reason}",replica="a"}} 0.0' in text
+    metrics.record_retry("a", "queue_full")
+    assert 'manta:router_retries_total{reason="queue_full",replica="a"} 1.0' in metrics.render().decode()
+    metrics.remove_replica("a")
+    assert 'replica="a"' not in "".join(line for line in metrics.render().decode().splitlines()
+                                         if line.startswith("manta:router_retries"))

@@ -177,6 +177,11 @@ def build() -> dash_b.Dashboard:
         "counts again).",
         [(_rate("manta:router_requests_total", by="replica, policy"), "{{replica}} ({{policy}})")], "reqps",
         width=12, stack=True))
+    n.panel(timeseries(
+        "Router retries", "Requests moved to another replica before their first token, per second, by the "
+        "replica that could not serve them and why (unavailable, queue_full, replica_failed).",
+        [(_rate("manta:router_retries_total", by="replica, reason"), "{{replica}} ({{reason}})")], "reqps",
+        width=12, stack=True))
     n.panel(health_stat())
     n.panel(timeseries(
         "Replica restarts", "Times each replica rebuilt its TP group after losing a rank.",
