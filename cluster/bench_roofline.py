@@ -39,8 +39,33 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def step_weight_bytes(model: torch.nn.Module, batch: int) -> int:
+    """Bytes of weights one decode step of `batch` requests must read: every parameter once,
+    except
+    - an input embedding table: only the `batch` rows looked up (a table tied to the LM head is
+      read whole by the head, and counted whole);
+    - the routed experts of a MoE layer (`DeepseekMoE`): the expected number of distinct
+      experts `batch` tokens select, each choosing top_k of E uniformly at random,
+      E * (1 - (1 - k/E)^batch); a real router's skew touches fewer, so this errs high.
+    An 8B Llama reads ~15 GB, not its 16 GB of parameters: its 1 GB input embedding is not read."""
+    from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from workers.models.deepseek import DeepseekMoE
+
+    partial: dict[int, float] = {}  # id(param) -> fraction of it a step reads
+    head = {id(p) for m in model.modules() if isinstance(m, ParallelLMHead) for p in m.parameters()}
+    for m in model.modules():
+        if isinstance(m, VocabParallelEmbedding) and id(m.weight) not in head:
+            partial[id(m.weight)] = min(1.0, batch / m.weight.shape[0])
+        elif isinstance(m, DeepseekMoE):
+            e, k = m.gate.num_experts, m.gate.top_k
+            touched = e * (1 - (1 - k / e) ** batch)
+            for p in m.experts.parameters():
+                partial[id(p)] = touched / e
+    return int(sum(p.numel() * p.element_size() * partial.get(id(p), 1.0) for p in model.parameters()))
+
+
 def decode_roofline_ms(model: torch.nn.Module, kv_bytes_per_token: int, batch: int, context: int,
                        bandwidth: float) -> float:
-    """Lower bound of one decode step: every weight once plus each request's KV once.
-    (Weights of MoE experts that no token selects need not be read; this counts them all.)"""
-    return 1e3 * (weight_bytes(model) + batch * context * kv_bytes_per_token) / bandwidth
+    """Lower bound of one decode step: the weights it reads (`step_weight_bytes`) plus each
+    request's KV once, over the copy bandwidth."""
+    return 1e3 * (step_weight_bytes(model, batch) + batch * context * kv_bytes_per_token) / bandwidth

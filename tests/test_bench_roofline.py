@@ -1,0 +1,46 @@
+"""What `manta bench latency`'s roofline counts as read per decode step (cluster/bench_roofline.py):
+every weight once, except the rows of an input embedding table that a step does not look up
+(a table tied to the LM head is read whole) and the routed experts no token selects."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.bench_roofline import step_weight_bytes, weight_bytes
+from cluster.config import EngineConfig
+from cluster.engine import Engine
+from tests.fixtures import tiny_model_dir
+
+
+def _model(tmp_path_factory, arch, **kw):
+    return Engine(EngineConfig(model=str(tiny_model_dir(tmp_path_factory, arch, **kw)))).workers.runner.model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_reads_its_embedding_rows_not_the_table(tmp_path_factory, tied):
+    model = _model(tmp_path_factory, "llama", tie_word_embeddings=tied)
+    table = model.model.embed_tokens.weight
+    row = table[0].numel() * table.element_size()
+    total = weight_bytes(model)
+    for batch in (1, 7):
+        want = total if tied else total - table.numel() * table.element_size() + batch * row
+        assert step_weight_bytes(model, batch) == want
+
+
+def test_moe_reads_the_experts_its_tokens_select(tmp_path_factory):
+    from workers.models.deepseek import DeepseekMoE
+
+    model = _model(tmp_path_factory, "deepseek_v2")
+    moes = [m for m in model.modules() if isinstance(m, DeepseekMoE)]
+    assert moes
+    experts = sum(p.numel() * p.element_size() for m in moes for p in m.experts.parameters())
+    table = model.model.embed_tokens.weight
+    dense = weight_bytes(model) - experts - table.numel() * table.element_size()
+    e, k = moes[0].gate.num_experts, moes[0].gate.top_k
+    row = table[0].numel() * table.element_size()
+    for batch in (1, 4):
+        touched = e * (1 - (1 - k / e) ** batch)
+        assert step_weight_bytes(model, batch) == pytest.approx(dense + batch * row + experts * touched / e, abs=64)
+    # Enough tokens select every expert: all of them are read.
+    big = step_weight_bytes(model, 10_000)
+    assert big == pytest.approx(dense + min(10_000, table.shape[0]) * row + experts, rel=1e-6)
