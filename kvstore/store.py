@@ -175,7 +175,7 @@ class KVStore:
     def info(self) -> dict:
         return {"agent": self.agent_name, "root": str(self.root), "pid": os.getpid(),
                 "ram_bytes": self.ram.capacity, "file_bytes": self.files.capacity,
-                "slot_bytes": self.ram.slot_bytes}
+                "slot_bytes": self.ram.slot_bytes, "node_id": _node_id()}
 
     def exists(self, keys: list[str]) -> list[bool]:
         validate_keys(keys)
@@ -534,16 +534,24 @@ class KVStore:
                 logger.exception("kv store flusher")
 
 
+# A resource Ray gives the head node alone.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
 def get_or_create_store(root: str, *, name: str = STORE_NAME, namespace: str | None = None,
                         detached: bool = False, **kwargs):
     """The cluster's store actor, created with `kwargs` (KVStore's) if it does not exist yet.
 
     An existing actor of that name is returned as is (its root and sizes win). The actor takes
-    no CPU from the scheduler's view (num_cpus=0): it mostly waits on memory copies."""
+    no CPU from the scheduler's view (num_cpus=0): it mostly waits on memory copies. It runs on
+    the head node (Ray's `node:__internal_head__` resource): losing a worker node, which the
+    autoscaler does routinely, then never takes the store and its file tier with it; the head's
+    loss ends the cluster anyway."""
     import ray
 
     cls = ray.remote(KVStore)
     return cls.options(name=name, namespace=namespace, get_if_exists=True, num_cpus=0,
+                       resources={HEAD_NODE_RESOURCE: 0.001},
                        lifetime="detached" if detached else None).remote(root, **kwargs)
 
 
@@ -554,4 +562,14 @@ def lookup_store(name: str = STORE_NAME, namespace: str | None = None):
     try:
         return ray.get_actor(name, namespace=namespace)
     except ValueError:
+        return None
+
+
+def _node_id() -> str | None:
+    """The Ray node this process runs on (None outside Ray)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - informational only
         return None

@@ -59,3 +59,25 @@ def test_replica_ranks_spread_over_two_nodes(two_nodes, tmp_path_factory):
         serving.shutdown()
     local = Engine(EngineConfig(model=str(d))).generate(PROMPTS, greedy())
     assert spread == [r.token_ids for r in local]
+
+
+def test_kv_store_runs_on_the_head_node(two_nodes, tmp_path):
+    """The shared KV store is placed on the head node, whichever node asks for it: losing a
+    worker node never takes the store (and its file tier) with it."""
+    from kvstore.store import get_or_create_store
+
+    head_id = two_nodes.head_node.node_id
+
+    @ray.remote(num_cpus=1)
+    def create_from_a_worker_node(root):
+        store = get_or_create_store(root, name="manta-kvstore-placement", namespace="manta-multinode",
+                                    ram_bytes=1 << 20, file_bytes=1 << 20)
+        return ray.get_runtime_context().get_node_id(), ray.get(store.info.remote())["node_id"]
+
+    workers = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head_id]
+    assert workers
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    caller, store_node = ray.get(create_from_a_worker_node.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(workers[0], soft=False)).remote(str(tmp_path)))
+    assert caller == workers[0] and store_node == head_id  # (the store ends with the task that owns it)
