@@ -91,9 +91,13 @@ def tiny_model_dir(base: Any, arch: str, **kw: Any) -> Path:
 @contextlib.contextmanager
 def gloo_rank(rank: int, port: int, world_size: int):
     """One rank of a gloo process group on loopback (for `torch.multiprocessing.spawn`ed test
-    workers). On success every rank meets at a barrier before the group is torn down: a rank
-    that tears down while another still talks to it aborts that one ("terminate called
-    without an active exception")."""
+    workers). On success every rank meets at a barrier and then leaves the process at once
+    (`os._exit(0)`, after flushing its output): tearing the group down — explicitly or by the
+    interpreter's exit — while the other rank's gloo threads still hold their connections
+    aborted a rank now and then ("terminate called without an active exception", SIGABRT),
+    even after the barrier. On failure the group is torn down and the error propagates."""
+    import sys
+
     import torch
     import torch.distributed as dist
 
@@ -102,5 +106,9 @@ def gloo_rank(rank: int, port: int, world_size: int):
     try:
         yield
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
