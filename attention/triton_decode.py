@@ -2,14 +2,16 @@
 
 Stage 1 (grid B x Hkv x num_splits): one program takes one request, one KV head and one
 contiguous slice of that request's keys; it loads each K/V block once for all the query heads of
-the KV head (GQA), runs an online softmax and writes a partial (output, log-sum-exp) per head.
-Stage 2 (grid B x H) merges the partials of a request's splits by their log-sum-exps.
+the KV head (GQA), runs an online softmax and writes a partial (output, log-sum-exp) per head. The last program
+of a (request, KV head) to finish (an arrival counter, `workers.layers.arrival`) merges the
+partials by their log-sum-exps and writes the output: one launch, no second stage. The MLA
+decode keeps the separate merge kernel (`merge_splits`, grid B x H).
 
 CUDA-graph safety: the grid depends only on B, Hkv and `num_splits`, all known on the host
 without reading device memory; each program reads its request's length from `cache_seqlens`
 and derives its slice from it, so a replay with other lengths and page tables is correct for
 any `num_splits` (the split count only changes how the work is spread). Programs whose slice is
-empty write nothing, and stage 2 reads only the slices that exist.
+empty write nothing and are not counted; the merge reads only the slices that exist.
 
 The log-sum-exps are kept in base 2 (scores are pre-multiplied by log2(e)) and never leave
 this module.
@@ -22,6 +24,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from workers.layers import pdl
+from workers.layers.arrival import arrival_counters
 
 LOG2E = 1.4426950408889634
 
@@ -86,7 +91,7 @@ def split_bounds(seq_len, split_id, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, PageTable, SeqLens, MidO, MidLse,
+    Q, K, V, PageTable, SeqLens, MidO, MidLse, Out, Counters,
     sm_scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kt, stride_kh,
@@ -94,23 +99,26 @@ def _decode_stage1(
     stride_pb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
+    stride_outb, stride_outh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
-    start, end, _ = split_bounds(seq_len, split, num_splits, BLOCK_N)
+    start, end, per_split = split_bounds(seq_len, split, num_splits, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_h = offs_h < GROUP
+    mask_dv = offs_dv < V_DIM
+    heads = kvh * GROUP + offs_h
     if start < end:
-        offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        mask_h = offs_h < GROUP
         mask_d = offs_d < HEAD_DIM
-        mask_dv = offs_dv < V_DIM
-        heads = kvh * GROUP + offs_h
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=mask_h[:, None] & mask_d[None, :],
@@ -147,6 +155,42 @@ def _decode_stage1(
         o_ptrs = MidO + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
         tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_dv[None, :])
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=mask_h)
+        if MERGE:  # the last split of (request, KV head) to finish merges them all
+            tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+            arrived = tl.atomic_add(Counters + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
+            n_active = tl.cdiv(seq_len, per_split)
+            if arrived == n_active - 1:
+                _merge_heads(MidO, MidLse, Out, b, heads, mask_h, offs_dv, mask_dv, n_active,
+                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, BLOCK_S)
+                tl.atomic_xchg(Counters + b * tl.num_programs(1) + kvh, 0)
+    elif MERGE and split == 0 and seq_len == 0:  # no keys: the output is 0, as stage 2 writes
+        o_ptrs = Out + b * stride_outb + heads[:, None] * stride_outh + offs_dv[None, :]
+        tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_DV], Out.dtype.element_ty), mask=mask_h[:, None] & mask_dv[None, :])
+
+
+@triton.jit
+def _merge_heads(MidO, MidLse, Out, b, heads, mask_h, offs_dv, mask_dv, n_active,
+                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                 BLOCK_S: tl.constexpr):
+    """Out[b, heads] = sum_s 2^(lse_s - lse) * o_s over the n_active splits (stage 2's math,
+    for a block of heads; the partials are read past L1, which may hold none of them)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_rows = MidLse + b * stride_lb + heads[:, None] * stride_lh
+    lse = tl.load(lse_rows + offs_s[None, :], mask=mask_h[:, None] & (offs_s[None, :] < n_active),
+                  other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m = tl.where(mask_h, m, 0.0)
+    denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
+    acc = tl.zeros([heads.shape[0], offs_dv.shape[0]], tl.float32)
+    o_rows = MidO + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
+    mask = mask_h[:, None] & mask_dv[None, :]
+    for s in range(0, n_active):
+        w = tl.exp2(tl.load(MidLse + b * stride_lb + heads * stride_lh + s, mask=mask_h, other=0.0,
+                            cache_modifier=".cg") - m)
+        acc += w[:, None] * tl.load(o_rows + s * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(Out + b * stride_outb + heads[:, None] * stride_outh + offs_dv[None, :],
+             out.to(Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -157,9 +201,12 @@ def merge_splits_kernel(
     stride_lb, stride_lh,
     stride_outb, stride_outh,
     V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Stage 2, grid (B, H): out = sum_s 2^(lse_s - lse) * o_s over the request's non-empty
     splits (the same `split_bounds` as stage 1 says which exist). A request of length 0 gets 0."""
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
@@ -187,6 +234,7 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, cache_seqlens: torc
     """Stage 2 shared with the MLA kernel. mid_o: [B, H, S, Dv] f32; mid_lse: [B, H, S] f32
     (base 2); out: [B, H, Dv]; `block_n` must be the stage-1 block the splits were cut with."""
     batch, heads, num_splits, v_dim = mid_o.shape
+    use_pdl = pdl.enabled(out.device)
     merge_splits_kernel[(batch, heads)](
         mid_o, mid_lse, cache_seqlens, out,
         num_splits,
@@ -197,7 +245,9 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, cache_seqlens: torc
         BLOCK_DV=triton.next_power_of_2(v_dim),
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         BLOCK_N=block_n,
+        PDL=use_pdl,
         num_warps=4 if v_dim >= 256 else 2,
+        launch_pdl=use_pdl,
     )
 
 
@@ -249,8 +299,10 @@ def paged_decode(
     block_dv = max(16, triton.next_power_of_2(v_dim))
     auto_n, auto_warps, auto_stages = stage1_launch(batch * kv_heads, k_cache.dtype)
     block_n, num_warps, num_stages = block_n or auto_n, num_warps or auto_warps, num_stages or auto_stages
+    use_pdl = pdl.enabled(q.device)
+    counters = arrival_counters(q.device, batch * kv_heads)
     _decode_stage1[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, cache_seqlens, mid_o, mid_lse,
+        q, k_cache, v_cache, page_table, cache_seqlens, mid_o, mid_lse, out, counters,
         scaling * LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
@@ -258,13 +310,14 @@ def paged_decode(
         page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
-        DOT_PREC=dot_precision(k_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_PREC=dot_precision(k_cache.dtype), PDL=use_pdl, MERGE=True,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
-    merge_splits(mid_o, mid_lse, cache_seqlens, out, block_n)
     return out
 
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from attention.triton_decode import LOG2E, choose_num_splits, dot_precision, merge_splits, split_bounds
+from workers.layers import pdl
 
 # Tokens per latent block (a [BLOCK_N, L] bf16 tile is 32 KB at L = 512; float32 caches take
 # half as many tokens) and heads per program.
@@ -33,8 +34,10 @@ def _mla_stage1(
     stride_lb, stride_lh,
     LORA: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     b = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,6 +115,7 @@ def mla_decode(
     mid_o = torch.empty(batch, heads, num_splits, lora, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_n = MLA_BLOCK_N // 2 if kv_cache.dtype == torch.float32 else MLA_BLOCK_N
+    use_pdl = pdl.enabled(q.device)
     _mla_stage1[(batch, head_blocks, num_splits)](
         q, kv_cache, page_table, cache_seqlens, mid_o, mid_lse,
         scaling * LOG2E, heads, num_splits,
@@ -125,8 +129,8 @@ def mla_decode(
         BLOCK_L=max(16, triton.next_power_of_2(lora)),
         BLOCK_R=max(16, triton.next_power_of_2(max(rope, 1))),
         BLOCK_N=block_n,
-        DOT_PREC=dot_precision(kv_cache.dtype),
-        num_warps=8 if lora >= 256 else 4, num_stages=2,
+        DOT_PREC=dot_precision(kv_cache.dtype), PDL=use_pdl,
+        num_warps=8 if lora >= 256 else 4, num_stages=2, launch_pdl=use_pdl,
     )
     merge_splits(mid_o, mid_lse, cache_seqlens, out, block_n)
     return out

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs quoted in BENCHMARKS.md, on a device with torch + triton + transformers
-# (no install: run from the repository root). Stages: build tests sweep profile l8 l8serial l8serve dsv2 spec specid l8tp2 dsv2tp2
+# (no install: run from the repository root). Stages: build tests sweep gemv profile l8 l8ab l8serial l8serve dsv2 spec specid
+# l8tp2 dsv2tp2
 # (default: all but l8serial and the two-GPU l8tp2 dsv2tp2). Each writes JSON to ${OUT:-/tmp/out}; models are built once under
 # /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
 set -uo pipefail
@@ -24,11 +25,16 @@ for s in $stages; do
           --out "$OUT/dsv2_latency_tp2.json"
         $M bench offline --model /tmp/dsv2 $F --tp 2 --num-prompts 64 --input-len 512 --output-len 128 \
           --out "$OUT/dsv2_offline_tp2.json" ;;
-    tests) python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_rope_store.py \
+    tests) python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_rope_store.py tests/test_gemv.py \
              tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_speculative.py \
              tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py 2>&1 | grep -v "Warning\|warn" \
              | tee "$OUT/tests.log" ;;
     sweep) python3 -m attention.bench_kernels --sweep 2>&1 | tee "$OUT/decode_sweep.txt" ;;
+    gemv) python3 -m workers.layers.bench_gemv --out "$OUT/gemv_sweep.json" 2>&1 | grep -v Warning ;;
+    l8ab) build /tmp/l8 --preset llama-3.1-8b  # batch 1 with the one-row kernels / PDL switched off
+        for v in ${L8AB:-"MANTA_GEMV=0 MANTA_PDL=0" "MANTA_PDL=0" "MANTA_GEMV=1"}; do echo "--- $v"
+          env $v $M bench latency --model /tmp/l8 $F --batch 1 --steps 48 --input-len 512 \
+            --out "$OUT/l8_latency_${v//[ =]/_}.json" 2>&1 | grep -v Warning | tail -4; done ;;
     profile) build /tmp/l8 --preset llama-3.1-8b
         python3 scripts/profile_decode.py /tmp/l8 1 --out "$OUT/l8_profile_b1.json" 2>&1 | grep -v Warning ;;
     l8) build /tmp/l8 --preset llama-3.1-8b

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers import one_row
 from workers.layers.linear import TensorSlice, check_shape, make_param
 from workers.parallel import TPGroup
 
@@ -92,6 +93,6 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab] float32, identical on every rank (collective)."""
-        local = F.linear(hidden, self.weight)
+        local = one_row.linear(hidden, self.weight)
         logits = self.tp.all_gather_last_dim(local)
         return logits[..., : self.vocab_size].float()

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers import one_row
 from workers.parallel import TPGroup, divide, kv_head_placement, shard_range
 
 
@@ -211,6 +212,14 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank calls this (it is a collective at tp > 1)."""
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return one_row.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(one_row.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) * up) for gate_up = [gate | up] (this rank's slices): the
+        activation fused into the product at batch 1 on CUDA."""
+        if self.tp.size == 1:
+            return one_row.silu_mul_linear(gate_up, self.weight, self.bias)
+        y = self.tp.all_reduce(one_row.silu_mul_linear(gate_up, self.weight, None))
         return y if self.bias is None else y + self.bias

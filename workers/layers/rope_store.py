@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.layers import fused
+from workers.layers import fused, pdl
 
 
 @triton.jit
@@ -28,8 +28,11 @@ def _rope_store_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_cos,
     HQ: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (t, h): token t's q head h (h < HQ) or k/v head h - HQ."""
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -78,12 +81,13 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     HK, DV = k.shape[1], v.shape[2]
     if T == 0:
         return
+    use_pdl = pdl.enabled(q.device)
     _rope_store_kernel[(T, HQ + HK)](
         q, k, v, positions, loc, cos_cache, sin_cache, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos_cache.stride(0),
         HQ=HQ, HALF=D // 2, DV=DV, BLOCK_HALF=triton.next_power_of_2(D // 2),
-        BLOCK_DV=triton.next_power_of_2(DV), num_warps=1,
+        BLOCK_DV=triton.next_power_of_2(DV), PDL=use_pdl, num_warps=1, launch_pdl=use_pdl,
     )
 
 

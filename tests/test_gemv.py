@@ -1,0 +1,173 @@
+"""The one-row linear kernel (`workers.layers.gemv`) against the unfused torch ops it replaces,
+computed in float32 from the same inputs: plain, add + RMSNorm prologue (with and without a
+residual) and SiLU-and-mul prologue; odd sizes (N, K multiples of no block), bias or none,
+bf16 and fp16, K split over 1-4 programs with the last-arriving program reducing, FMA and
+tensor-core inner products. The arrival counters are back at zero after every launch, so a
+CUDA graph replays the split launch with no memset (checked by replaying one on a device).
+
+Skipped without CUDA; `TRITON_INTERPRET=1` runs the kernel on CPU through Triton's interpreter.
+Tolerance: the kernel's float32 sum differs from the reference's only in order and in not
+rounding the normalised row to the dtype before the product (a few units of the dtype).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not torch.cuda.is_available() and not INTERPRET:
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 to run the Triton kernel on CPU)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from tests.triton_interpreter import install_interpreter_shims  # noqa: E402
+from workers.layers import fused, gemv, one_row  # noqa: E402
+from workers.layers.arrival import arrival_counters  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+gpu_only = pytest.mark.skipif(INTERPRET, reason="needs a real CUDA device")
+if INTERPRET:
+    install_interpreter_shims()
+TOL = dict(atol=3e-2, rtol=2e-2)
+
+
+def _reference(mode, x, w, b, r, nw, eps):
+    """(y, residual sum) by the unfused ops, the product in float32."""
+    s = None
+    if mode == gemv.SILU_MUL:
+        h = fused._silu_and_mul(x)
+    elif mode == gemv.ADD_RMS:
+        if r is not None:
+            h, s = fused._add_rms_norm(x, r, nw, eps)
+        else:
+            h = fused._rms_norm(x, nw, eps)
+    else:
+        h = x
+    return F.linear(h.float(), w.float(), None if b is None else b.float()), s
+
+
+def _inputs(mode, n, k, dtype, bias, residual, seed):
+    g = torch.Generator().manual_seed(seed)
+    width = 2 * k if mode == gemv.SILU_MUL else k
+    x = torch.randn(1, width, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    r = torch.randn(1, k, generator=g).to(dtype).to(DEVICE) if residual else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    return x, w, b, r, nw
+
+
+def _assert_same_rounded_sum(got, want):
+    """The residual sum is the unfused add, rounded the same way (Triton 3.6's interpreter
+    truncates float32 -> bf16 casts: one unit of the last place there)."""
+    if INTERPRET:
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
+    else:
+        assert torch.equal(got, want)
+
+
+CASES = [  # (mode, residual)
+    (gemv.PLAIN, False), (gemv.ADD_RMS, True), (gemv.ADD_RMS, False), (gemv.SILU_MUL, False),
+]
+CONFIGS = [
+    gemv.GemvConfig(8, 128, 1), gemv.GemvConfig(4, 256, 2), gemv.GemvConfig(16, 64, 4),
+    gemv.GemvConfig(32, 128, 2, use_dot=True), gemv.GemvConfig(16, 64, 1, use_dot=True),
+]
+
+
+@pytest.mark.parametrize("mode,residual", CASES)
+@pytest.mark.parametrize("n,k", [(1, 64), (37, 1000), (96, 512), (130, 768)])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}{'d' if c.use_dot else ''}")
+def test_gemv_equals_unfused_ops(mode, residual, n, k, config):
+    dtype = torch.bfloat16
+    x, w, b, r, nw = _inputs(mode, n, k, dtype, bias=n % 2 == 1, residual=residual, seed=n * k + mode)
+    y, s = gemv.gemv(x, w, b, mode=mode, residual=r, norm_weight=nw, eps=1e-5, config=config)
+    want, want_s = _reference(mode, x, w, b, r, nw, 1e-5)
+    assert y.shape == (1, n) and y.dtype == dtype
+    torch.testing.assert_close(y.float(), want, **TOL)
+    if want_s is None:
+        assert s is None
+    else:
+        _assert_same_rounded_sum(s, want_s)
+    counters = arrival_counters(x.device, 1)
+    assert int(counters.abs().sum()) == 0  # every split launch leaves its counters at zero
+
+
+@pytest.mark.parametrize("k", [64, 1000, 4096])
+@pytest.mark.parametrize("residual", [True, False])
+def test_one_row_norm_kernel_equals_unfused(k, residual):
+    x, _, _, r, nw = _inputs(gemv.ADD_RMS, 1, k, torch.bfloat16, False, residual, seed=k)
+    h, s = gemv.add_rms_norm(x, r, nw, 1e-6)
+    if residual:
+        want_h, want_s = fused._add_rms_norm(x, r, nw, 1e-6)
+        _assert_same_rounded_sum(s, want_s)
+    else:
+        want_h, want_s = fused._rms_norm(x, nw, 1e-6), None
+        assert s is None
+    torch.testing.assert_close(h.float(), want_h.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_norm_then_product_entry_point(wide):
+    """`one_row.add_rms_norm_linear` on CUDA: fused prologue, or (wide outputs) the norm kernel and a
+    plain product; both equal the unfused ops (under the interpreter: the gemv calls directly)."""
+    n = 16384 if wide else 96
+    assert gemv.fuse_norm(n, 256) is not wide
+    x, w, b, r, nw = _inputs(gemv.ADD_RMS, n, 256, torch.bfloat16, False, True, seed=n)
+    if INTERPRET:
+        h, s = gemv.add_rms_norm(x, r, nw, 1e-6)
+        y = gemv.gemv(h, w)[0]
+    else:
+        y, s = one_row.add_rms_norm_linear(x, r, nw, 1e-6, w, None)
+    want, want_s = _reference(gemv.ADD_RMS, x, w, None, r, nw, 1e-6)
+    torch.testing.assert_close(y.float(), want, **TOL)
+    _assert_same_rounded_sum(s, want_s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_default_config_on_model_shapes(dtype):
+    """The chosen launch on a Llama-like layer's shapes (scaled down under the interpreter)."""
+    scale = 8 if INTERPRET else 1
+    hidden, inter = 4096 // scale, 14336 // scale
+    for mode, n, k in [(gemv.ADD_RMS, 6144 // scale, hidden), (gemv.PLAIN, hidden, hidden),
+                       (gemv.ADD_RMS, 2 * inter, hidden), (gemv.SILU_MUL, hidden, inter)]:
+        x, w, b, r, nw = _inputs(mode, n, k, dtype, bias=False, residual=mode == gemv.ADD_RMS, seed=n + k)
+        y, _ = gemv.gemv(x, w, b, mode=mode, residual=r, norm_weight=nw, eps=1e-6)
+        torch.testing.assert_close(y.float(), _reference(mode, x, w, b, r, nw, 1e-6)[0], **TOL)
+
+
+def test_applies_only_to_one_half_precision_row():
+    w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    assert not one_row.applies(torch.zeros(1, 16, dtype=torch.bfloat16), w)  # CPU tensors
+    if not INTERPRET:
+        wc = w.cuda()
+        assert one_row.applies(torch.zeros(1, 16, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not one_row.applies(torch.zeros(2, 16, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not one_row.applies(torch.zeros(1, 16, device="cuda"), wc.float())
+
+
+def test_mismatched_width_is_refused():
+    x, w, *_ = _inputs(gemv.PLAIN, 8, 64, torch.bfloat16, False, False, 0)
+    with pytest.raises(ValueError, match="width"):
+        gemv.gemv(x, w, mode=gemv.SILU_MUL)
+
+
+@gpu_only
+def test_split_launch_replays_in_a_graph():
+    x, w, b, r, nw = _inputs(gemv.ADD_RMS, 4096, 4096, torch.bfloat16, True, True, 3)
+    cfg = gemv.GemvConfig(8, 512, 4)
+    gemv.gemv(x, w, b, mode=gemv.ADD_RMS, residual=r, norm_weight=nw, eps=1e-6, config=cfg)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, s = gemv.gemv(x, w, b, mode=gemv.ADD_RMS, residual=r, norm_weight=nw, eps=1e-6, config=cfg)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x))
+        graph.replay()
+        want, want_s = _reference(gemv.ADD_RMS, x, w, b, r, nw, 1e-6)
+        torch.testing.assert_close(y.float(), want, **TOL)
+        _assert_same_rounded_sum(s, want_s)

@@ -1,0 +1,170 @@
+"""Time the one-row linear kernel against cuBLAS inside CUDA graphs:
+`python -m workers.layers.bench_gemv [--out FILE.json] [--quick]`.
+
+For each matrix of a Llama-3.1-8B decoder step at batch 1 (bf16), one graph replays the op on
+a rotation of weight copies larger than L2 (as a step reads 32 layers' weights, never the same
+one twice in a row), so every figure is a DRAM-bound in-graph time, launch gaps included:
+
+- `cublas`: F.linear alone; `unfused`: what the model runs today (the add + RMSNorm or SiLU
+  kernel, then F.linear);
+- each Triton launch configuration, in PLAIN mode for the plain products (o_proj, LM head)
+  and with the shape's prologue for the others (what replaces `unfused`); `*-default` is
+  `gemv.choose_config`'s choice.
+
+Prints microseconds per op, GB/s of weight read, and the fraction of the measured copy
+bandwidth; writes every result to JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+
+from cluster.bench_roofline import measure_copy_bandwidth
+from workers.layers import fused, gemv
+from workers.layers.gemv import GemvConfig
+
+# (name, prologue, N, K) of a Llama-3.1-8B step at batch 1
+SHAPES = [
+    ("qkv_proj", gemv.ADD_RMS, 6144, 4096),
+    ("o_proj", gemv.PLAIN, 4096, 4096),
+    ("gate_up_proj", gemv.ADD_RMS, 28672, 4096),
+    ("down_proj", gemv.SILU_MUL, 4096, 14336),
+    ("lm_head", gemv.PLAIN, 128256, 4096),
+]
+FMA = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 4), (16, 512, 8), (4, 1024, 4), (32, 256, 8)]
+DOT = [(64, 128, 4), (64, 256, 3), (32, 256, 4), (128, 128, 3)]
+FUSED_FMA = [(8, 512, 8), (16, 512, 8), (32, 256, 8), (32, 512, 8), (64, 128, 8), (64, 256, 8), (128, 64, 8),
+             (128, 128, 8), (64, 128, 4), (32, 256, 4)]
+FUSED_DOT = [(bn, bk, w) for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
+
+
+def sweep_configs(k: int, quick: bool) -> list[GemvConfig]:
+    out = []
+    for split in (1, 2, 4, 8):
+        for bn, bk, warps in FMA[:3] if quick else FMA:
+            if k // split >= bk:
+                out.append(GemvConfig(bn, bk, split, warps, 3))
+        if not quick and k // split >= 512:
+            out.append(GemvConfig(8, 512, split, 4, 1))  # does pipelining the FMA loop's loads matter?
+        for bn, bk, stages in DOT[:1] if quick else DOT:
+            if k // split >= bk:
+                out.append(GemvConfig(bn, bk, split, 4, stages, use_dot=True))
+    return out
+
+
+def fused_configs(k: int) -> list[GemvConfig]:
+    out = []
+    for split in (1, 2):
+        out += [GemvConfig(bn, bk, split, w, 3) for bn, bk, w in FUSED_FMA if k // split >= bk]
+        out += [GemvConfig(bn, bk, split, w, 3, use_dot=True) for bn, bk, w in FUSED_DOT if k // split >= max(bk, 2048)]
+    return out
+
+
+def time_in_graph(op, weights: list[torch.Tensor], calls: int, replays: int = 10) -> float:
+    """Microseconds per op: `calls` ops per graph, weights taken in rotation."""
+    for w in weights[:2]:
+        op(w)  # compile / warm outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            op(weights[i % len(weights)])
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * calls)
+
+
+def bench_shape(name: str, mode: int, n: int, k: int, quick: bool, copy_gbs: float) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    dtype = torch.bfloat16
+    nbytes = n * k * 2
+    copies = max(2, math.ceil(400e6 / nbytes))
+    weights = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5 for _ in range(copies)]
+    width = 2 * k if mode == gemv.SILU_MUL else k
+    x = torch.randn(1, width, device="cuda", dtype=dtype, generator=gen)
+    r = torch.randn(1, k, device="cuda", dtype=dtype, generator=gen)
+    nw = torch.ones(k, device="cuda", dtype=dtype)
+    calls = max(16, 2 * copies)
+    results = []
+
+    def record(kind: str, us: float, config: GemvConfig | None = None, prologue: int = gemv.PLAIN) -> None:
+        results.append(dict(shape=name, n=n, k=k, kind=kind, prologue=prologue, us=us, gb_s=nbytes / us / 1e3,
+                            of_copy=nbytes / us / 1e3 / copy_gbs, config=None if config is None else vars(config)))
+
+    h = x[:, :k] if mode == gemv.SILU_MUL else x
+    record("cublas", time_in_graph(lambda w: F.linear(h, w), weights, calls))
+    if mode == gemv.ADD_RMS:
+        record("unfused", time_in_graph(lambda w: F.linear(fused.add_rms_norm(h, r, nw, 1e-5)[0], w), weights, calls),
+               prologue=mode)
+    elif mode == gemv.SILU_MUL:
+        record("unfused", time_in_graph(lambda w: F.linear(fused.silu_and_mul(x), w), weights, calls), prologue=mode)
+    default = gemv.choose_config(n, k, x.device, mode)
+    if mode == gemv.PLAIN:
+        for cfg in dict.fromkeys([*sweep_configs(k, quick), default]):
+            try:
+                us = time_in_graph(lambda w, cfg=cfg: gemv.gemv(h, w, config=cfg), weights, calls)
+            except Exception as e:  # noqa: BLE001 - a launch that does not fit (registers, shared memory): skip it
+                print(f"  skip {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            record("triton-default" if cfg == default else "triton", us, cfg)
+    else:
+        for cfg in dict.fromkeys([*(fused_configs(k)[:4] if quick else fused_configs(k)), default]):
+            try:
+                us = time_in_graph(lambda w, cfg=cfg: gemv.gemv(x, w, mode=mode, residual=r, norm_weight=nw, eps=1e-5,
+                                                                config=cfg), weights, calls)
+            except Exception as e:  # noqa: BLE001
+                print(f"  skip {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            record("triton-fused-default" if cfg == default else "triton-fused", us, cfg, prologue=mode)
+        if mode == gemv.ADD_RMS:  # the norm as its own one-row kernel, then the plain product
+            plain = gemv.choose_config(n, k, x.device)
+
+            def split_norm(w, plain=plain):
+                h1, _ = gemv.add_rms_norm(x, r, nw, 1e-5)
+                gemv.gemv(h1, w, config=plain)
+            record("triton-norm+plain", time_in_graph(split_norm, weights, calls), plain, prologue=mode)
+    del weights
+    torch.cuda.empty_cache()
+    return results
+
+
+def _fmt(r: dict) -> str:
+    c = r["config"]
+    cfg = "" if c is None else (f"n{c['block_n']} k{c['block_k']} s{c['split_k']} w{c['num_warps']} "
+                                f"st{c['num_stages']}{' dot' if c['use_dot'] else ''}")
+    return f"{r['shape']:<13} {r['kind']:<15} {cfg:<28} {r['us']:8.1f} {r['gb_s']:7.0f} {100 * r['of_copy']:5.1f}%"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true", help="a few launch configurations only")
+    args = parser.parse_args()
+    copy_gbs = measure_copy_bandwidth(torch.device("cuda")) / 1e9
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s")
+    print(f"{'shape':<13} {'kind':<15} {'config':<28} {'us':>8} {'GB/s':>7} {'copy':>6}")
+    everything = []
+    for name, mode, n, k in SHAPES:
+        rows = bench_shape(name, mode, n, k, args.quick, copy_gbs)
+        everything += rows
+        shown = [r for r in rows if r["kind"] in ("cublas", "unfused", "triton-norm+plain") or r["kind"].endswith("default")]
+        shown += sorted((r for r in rows if r["kind"] in ("triton", "triton-fused")), key=lambda r: r["us"])[:6]
+        print("\n".join(_fmt(r) for r in shown), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_gb_s=copy_gbs, results=everything), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""One-row linear layers (batch-1 decode) on CUDA, with the elementwise op before them fused in.
+
+At batch 1 a decoder layer reads every weight once per step and is bound by memory bandwidth;
+what separates a step from the roofline is the small kernels between the matrix products (each
+costs a launch and a drain of the GPU, ~2-3 us inside a CUDA graph) and cuBLAS's split-K
+reduction kernels. `gemv` computes y = f(x) W^T (+ b) for one row x in one Triton kernel, where
+the prologue f is
+
+- `PLAIN`: f(x) = x;
+- `ADD_RMS`: s = x + residual (rounded to x's dtype, as the unfused add), f(x) = RMSNorm(s) * w.
+  Because a linear map commutes with the scalar 1/rms, the kernel accumulates s*w against W and
+  sum(s^2) in the same pass and scales at the end; it also writes s (the next residual);
+- `SILU_MUL`: x = [gate | up] (2K wide), f(x) = silu(gate) * up, rounded as the unfused op.
+
+K may be split over SPLIT_K programs per block of rows: each writes a float32 partial, and the
+last to arrive (an atomic counter per row block, reset by that program, so CUDA-graph replays
+need no memset) adds them up in order and stores the row. No second kernel.
+
+`GemvConfig` is the launch; `choose_config` picks one from the shape (measured on the H200 with
+`python -m workers.layers.bench_gemv`, BENCHMARKS.md). Everything else (more rows, CPU, float32)
+uses the unfused torch ops: `workers.layers.one_row` says which and holds the callers' entry
+points (it imports no Triton, so CPU installs without it load the models).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.layers import pdl
+from workers.layers.arrival import arrival_counters
+
+logger = logging.getLogger(__name__)
+
+PLAIN, ADD_RMS, SILU_MUL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = False  # tensor-core dot against x padded to 16 rows (else FMA + row sums)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count if index >= 0 else 132
+
+
+def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN) -> GemvConfig:
+    """The launch for an N x K weight, from the in-graph sweep on the H200 (`bench_gemv`,
+    BENCHMARKS.md): FMA over 4 rows x 1024 columns per program for plain products; with a
+    prologue, more rows per program (each prologue element is loaded once per program, so few
+    rows per program spend load bandwidth on it): 32 x 256 for the norm, 8 x 512 for SiLU.
+    K is split over programs only when the row blocks are fewer than half the SMs."""
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
+    sms = _num_sms(index if device.type == "cuda" else -1)
+    block_n, block_k, warps = {PLAIN: (4, 1024, 4), ADD_RMS: (32, 256, 8), SILU_MUL: (8, 512, 8)}[mode]
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    split = 1
+    while triton.cdiv(n, block_n) * split < sms // 2 and split < 8 and k // (2 * split) >= block_k:
+        split *= 2
+    return GemvConfig(block_n, block_k, split, num_warps=warps, num_stages=3)
+
+
+@triton.jit
+def _load(ptr, mask, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptr)
+    return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_tile(w_rows, cols, live, k_hi, rmask, EVEN: tl.constexpr):
+    """W[rows, cols] (zeros where `live` is false or outside the matrix)."""
+    if EVEN:
+        return tl.load(w_rows + cols[None, :], mask=live & rmask[:, None], other=0.0)
+    return tl.load(w_rows + cols[None, :], mask=live & rmask[:, None] & (cols < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _prologue(X, R, NW, cols, cmask, K, MODE: tl.constexpr, HAS_R: tl.constexpr, EVEN: tl.constexpr):
+    """(the prologue's value at `cols` in float32, its squares for ADD_RMS)."""
+    if MODE == 2:  # SILU_MUL, rounded as silu(gate) * up in the input dtype
+        g = _load(X + cols, cmask, EVEN)
+        u = _load(X + K + cols, cmask, EVEN)
+        a = (g.to(tl.float32) * tl.sigmoid(g.to(tl.float32))).to(g.dtype)
+        xv = (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+        sq = tl.zeros_like(xv)
+    elif MODE == 1:  # ADD_RMS
+        x = _load(X + cols, cmask, EVEN)
+        if HAS_R:
+            x = (x.to(tl.float32) + _load(R + cols, cmask, EVEN).to(tl.float32)).to(x.dtype)
+        s = x.to(tl.float32)
+        sq = s * s
+        xv = s * _load(NW + cols, cmask, EVEN).to(tl.float32)
+    else:
+        xv = _load(X + cols, cmask, EVEN).to(tl.float32)
+        sq = tl.zeros_like(xv)
+    return xv, sq
+
+
+@triton.jit
+def _gemv_kernel(
+    X, R, NW, W, B, Y, S, Part, SqPart, Counters,
+    N, K, stride_wn, eps,
+    MODE: tl.constexpr, HAS_R: tl.constexpr, WRITE_S: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl.launch_dependents(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * chunk
+    k_hi = tl.minimum(k_lo + chunk, K)
+    w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    # The weights are never written: the first tile is requested before waiting for the inputs
+    # (PDL), and every iteration requests the next tile before using the current one.
+    w = _load_tile(w_rows, k_lo + offs_k, k_lo < k_hi, k_hi, rmask, EVEN_N and EVEN_K)
+    pdl.wait(PDL)
+    if USE_DOT:
+        acc = tl.zeros([16, BLOCK_N], tl.float32)
+        pad_rows = tl.arange(0, 16)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    sq = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        cols = k0 + offs_k
+        w_next = _load_tile(w_rows, cols + BLOCK_K, k0 + BLOCK_K < k_hi, k_hi, rmask, EVEN_N and EVEN_K)
+        xv, sq_k = _prologue(X, R, NW, cols, cols < k_hi, K, MODE, HAS_R, EVEN_K)
+        sq += sq_k
+        if USE_DOT:
+            xt = tl.where(pad_rows[:, None] == 0, xv[None, :], 0.0).to(w.dtype)
+            acc = tl.dot(xt, tl.trans(w), acc)
+        else:
+            acc += w.to(tl.float32) * xv[None, :]
+        w = w_next
+    if WRITE_S:  # the residual sum, once: by the first row block, for its slice of K
+        if pid_n == 0:
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                cols = k0 + offs_k
+                cmask = cols < k_hi
+                x = _load(X + cols, cmask, EVEN_K)
+                s = (x.to(tl.float32) + _load(R + cols, cmask, EVEN_K).to(tl.float32)).to(x.dtype)
+                tl.store(S + cols, s, mask=cmask)
+    if USE_DOT:
+        y = tl.sum(tl.where(pad_rows[:, None] == 0, acc, 0.0), 0)
+    else:
+        y = tl.sum(acc, 1)
+    sq_sum = tl.sum(sq, 0)
+    if SPLIT_K > 1:
+        tl.store(Part + pid_k * N + rows, y, mask=rmask)
+        if MODE == 1:
+            tl.store(SqPart + pid_n * SPLIT_K + pid_k, sq_sum)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last program of this row block: add the partials in order
+            total = tl.zeros([BLOCK_N], tl.float32)
+            total_sq = tl.zeros([1], tl.float32)
+            for j in tl.static_range(SPLIT_K):
+                total += tl.load(Part + j * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+                if MODE == 1:
+                    total_sq += tl.load(SqPart + pid_n * SPLIT_K + j + tl.arange(0, 1), cache_modifier=".cg")
+            if MODE == 1:
+                total = total * tl.rsqrt(tl.sum(total_sq, 0) / K + eps)
+            if HAS_BIAS:
+                total += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
+            tl.store(Y + rows, total.to(Y.dtype.element_ty), mask=rmask)
+            tl.atomic_xchg(Counters + pid_n, 0)
+    else:
+        if MODE == 1:
+            y = y * tl.rsqrt(sq_sum / K + eps)
+        if HAS_BIAS:
+            y += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, NW, H, S, K, eps, HAS_R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One row: s = x + r (in x's dtype), h = dtype(s / rms(s)) * w, as `fused.add_rms_norm`."""
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(X + cols, mask=mask, other=0.0)
+    if HAS_R:
+        x = (x.to(tl.float32) + tl.load(R + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(S + cols, x, mask=mask)
+    s = x.to(tl.float32)
+    h = (s * tl.rsqrt(tl.sum(s * s, 0) / K + eps)).to(x.dtype)
+    w = tl.load(NW + cols, mask=mask, other=0.0)
+    tl.store(H + cols, (h.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One row [1, K]: (RMSNorm(x + residual), x + residual or None) in one small kernel that
+    keeps the PDL chain of the step's other kernels."""
+    k = x.shape[-1]
+    x = x.contiguous()
+    h = torch.empty_like(x)
+    s = torch.empty_like(x) if residual is not None else None
+    use_pdl = pdl.enabled(x.device)
+    _add_rms_norm_kernel[(1,)](
+        x, residual.contiguous() if residual is not None else x, norm_weight, h, s if s is not None else h, k, eps,
+        HAS_R=residual is not None, BLOCK=triton.next_power_of_2(k), PDL=use_pdl,
+        num_warps=8 if k >= 4096 else 4, launch_pdl=use_pdl,
+    )
+    return h, s
+
+
+def fuse_norm(n: int, k: int) -> bool:
+    """Whether an RMSNorm goes into the product's prologue (else `add_rms_norm`, then a plain
+    product). Each program loads the prologue's vectors for its rows: for wide outputs (gate/up
+    of an 8B model: 28,672 rows) that costs more than a separate one-row kernel (bench_gemv)."""
+    return n < 16384
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    mode: int = PLAIN,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x: [1, K] ([1, 2K] for SILU_MUL); weight: [N, K] with contiguous rows -> ([1, N],
+    residual sum [1, K] for ADD_RMS with a residual, else None)."""
+    n, k = weight.shape
+    x = x.contiguous()
+    if x.shape[-1] != (2 * k if mode == SILU_MUL else k):
+        raise ValueError(f"gemv: input of width {x.shape[-1]} for a weight of {k} columns (mode {mode})")
+    if mode == ADD_RMS and norm_weight is None:
+        raise ValueError("gemv: ADD_RMS needs the norm's weight")
+    cfg = config or _logged_choice(n, k, x.device, mode)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    has_r = mode == ADD_RMS and residual is not None
+    s = torch.empty_like(x) if has_r else None
+    blocks = triton.cdiv(n, cfg.block_n)
+    part = sq_part = counters = y
+    if cfg.split_k > 1:
+        part = torch.empty(cfg.split_k, n, dtype=torch.float32, device=x.device)
+        sq_part = torch.empty(blocks, cfg.split_k, dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, blocks)
+    use_pdl = pdl.enabled(x.device)
+    _gemv_kernel[(blocks, cfg.split_k)](
+        x, residual.contiguous() if has_r else x, norm_weight if norm_weight is not None else x,
+        weight, bias if bias is not None else weight, y, s if s is not None else y,
+        part, sq_part, counters,
+        n, k, weight.stride(0), eps,
+        MODE=mode, HAS_R=has_r, WRITE_S=has_r, HAS_BIAS=bias is not None,
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
+        SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
+        PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
+    )
+    return y, s
+
+
+@functools.lru_cache(maxsize=256)
+def _logged_choice(n: int, k: int, device: torch.device, mode: int) -> GemvConfig:
+    cfg = choose_config(n, k, device, mode)
+    logger.info("one-row linear %d x %d (prologue %d): Triton GEMV %s (PDL %s)", n, k, mode, cfg, pdl.enabled(device))
+    return cfg
