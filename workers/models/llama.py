@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.base import AttentionLayer
+from workers.layers import one_row
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.fused import silu_and_mul
 from workers.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -123,8 +123,17 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rotary: RotaryEmbedding
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x)
+        return self.attend(positions, self.qkv_proj(x), fb, rotary)
+
+    def attend(
+        self, positions: torch.Tensor, qkv: tuple[torch.Tensor, ...] | torch.Tensor, fb: ForwardBatch,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        """Attention and o_proj over the projected q, k, v (`qkv_proj`'s output, split or not)."""
+        if isinstance(qkv, torch.Tensor):
+            qkv = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q, k, v = qkv
+        num_tokens = q.shape[0]
         q = q.view(num_tokens, self.attn.num_heads, self.head_dim)
         k = k.view(num_tokens, self.attn.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.attn.num_kv_heads, self.head_dim)
@@ -152,7 +161,7 @@ class LlamaMLP(nn.Module):
         self.local_inter = inter // tp.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -170,13 +179,23 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual): the next layer (or the final norm) adds them, fused
         with its RMSNorm. Same sums in the same order as HF's `x + attn(norm(x))` etc."""
+        attn, mlp = self.self_attn, self.mlp
+        if one_row.applies(x, attn.qkv_proj.weight):  # batch 1 on CUDA: each norm and the SiLU in a product
+            norm = self.input_layernorm
+            qkv, residual = one_row.add_rms_norm_linear(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
+                                                        attn.qkv_proj.bias)
+            h = attn.attend(positions, qkv, fb, rotary)
+            norm = self.post_attention_layernorm
+            gate_up, residual = one_row.add_rms_norm_linear(h, residual, norm.weight, norm.eps,
+                                                            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+            return mlp.down_proj.forward_silu_mul(gate_up), residual
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.forward_with_residual(x, residual)
-        h = self.self_attn(positions, h, fb, rotary)
+        h = attn(positions, h, fb, rotary)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
-        return self.mlp(h), residual
+        return mlp(h), residual
 
 
 class LlamaModel(nn.Module):
