@@ -58,10 +58,10 @@ def _num_sms(index: int) -> int:
 def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN) -> GemvConfig:
     """The launch for an N x K weight, from the in-graph sweep on the H200 (`bench_gemv`,
     BENCHMARKS.md): FMA over 4 rows x 1024 columns per program for plain products (8 rows for
-    wide outputs); with a
-    prologue, more rows per program (each prologue element is loaded once per program, so few
-    rows per program spend load bandwidth on it): 32 x 256 for the norm, 8 x 512 for SiLU.
-    K is split over programs only when the row blocks are fewer than half the SMs."""
+    wide outputs); with a prologue, more rows per program (each prologue element is loaded once
+    per program, so few rows per program spend load bandwidth on it): 32 x 256 for the norm,
+    8 x 512 for SiLU. K is split over programs only when the row blocks are fewer than half the
+    SMs."""
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
     sms = _num_sms(index if device.type == "cuda" else -1)
     block_n, block_k, warps = {PLAIN: (4, 1024, 4), ADD_RMS: (32, 256, 8), SILU_MUL: (8, 512, 8)}[mode]
