@@ -18,7 +18,7 @@ import torch
 COUNTERS = 1 << 16
 
 
-@functools.lru_cache(maxsize=8)
+@functools.cache  # never evicted: captured CUDA graphs keep using the buffer by address
 def _buffer(device: torch.device, stream: int) -> torch.Tensor:
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
