@@ -5,7 +5,8 @@ contiguous slice of that request's keys; it loads each K/V block once for all th
 the KV head (GQA), runs an online softmax and writes a partial (output, log-sum-exp) per head. The last program
 of a (request, KV head) to finish (an arrival counter, `workers.layers.arrival`) merges the
 partials by their log-sum-exps and writes the output: one launch, no second stage. The MLA
-decode keeps the separate merge kernel (`merge_splits`, grid B x H).
+decode, and batches with more (request, KV head) pairs than there are counters, keep the
+separate merge kernel (`merge_splits`, grid B x H).
 
 CUDA-graph safety: the grid depends only on B, Hkv and `num_splits`, all known on the host
 without reading device memory; each program reads its request's length from `cache_seqlens`
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 from workers.layers import pdl
-from workers.layers.arrival import arrival_counters
+from workers.layers.arrival import COUNTERS, arrival_counters
 
 LOG2E = 1.4426950408889634
 
@@ -300,7 +301,10 @@ def paged_decode(
     auto_n, auto_warps, auto_stages = stage1_launch(batch * kv_heads, k_cache.dtype)
     block_n, num_warps, num_stages = block_n or auto_n, num_warps or auto_warps, num_stages or auto_stages
     use_pdl = pdl.enabled(q.device)
-    counters = arrival_counters(q.device, batch * kv_heads)
+    # The last-arriving program merges; past the counters (e.g. 32 KV heads x 2,049 requests)
+    # the separate merge kernel does.
+    merge = batch * kv_heads <= COUNTERS
+    counters = arrival_counters(q.device, batch * kv_heads) if merge else mid_lse
     _decode_stage1[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, cache_seqlens, mid_o, mid_lse, out, counters,
         scaling * LOG2E, num_splits,
@@ -314,10 +318,12 @@ def paged_decode(
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
-        DOT_PREC=dot_precision(k_cache.dtype), PDL=use_pdl, MERGE=True,
+        DOT_PREC=dot_precision(k_cache.dtype), PDL=use_pdl, MERGE=merge,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
+    if not merge:
+        merge_splits(mid_o, mid_lse, cache_seqlens, out, block_n)
     return out
 
 

@@ -252,6 +252,9 @@ def gemv(
     if mode == ADD_RMS and norm_weight is None:
         raise ValueError("gemv: ADD_RMS needs the norm's weight")
     cfg = config or _logged_choice(n, k, x.device, mode)
+    if cfg.use_dot and mode == ADD_RMS and x.dtype == torch.float16:
+        raise ValueError("gemv: the tensor-core path rounds the un-normalised row to the input dtype, "
+                         "which overflows float16")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     has_r = mode == ADD_RMS and residual is not None
     s = torch.empty_like(x) if has_r else None
