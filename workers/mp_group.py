@@ -28,26 +28,17 @@ def _rank_main(opts: RunnerOptions, rank: int, world: int, port: int, conn, env:
         worker = RankWorker(opts, rank, world)
         info = worker.init("127.0.0.1", port)
         conn.send(("ready", info if rank == 0 else None))
-        asked = False
         while True:
             try:
                 msg = conn.recv()
             except EOFError:  # the parent exited without asking: go quietly
                 break
             if msg is None:
-                asked = True
                 break
             result = worker.execute(msg)
             if rank == 0:
                 conn.send(("ok", result))
         worker.shutdown()
-        if rank == 0 and asked:
-            # Rank 0 hosts the process group's store: it leaves last (the parent closes this pipe
-            # once the other ranks are gone), so no peer's watchdog polls a vanished store.
-            try:
-                conn.recv()
-            except EOFError:
-                pass
     except Exception:
         try:
             conn.send(("error", traceback.format_exc()))
@@ -106,11 +97,7 @@ class MultiprocessWorkerGroup(RemoteOverlap, WorkerGroup):
                 conn.send(None)
             except (OSError, BrokenPipeError):
                 pass
-        # Ranks 1.. first; rank 0 waits for its pipe to close before it leaves (see _rank_main).
-        for i in [*range(1, len(self.procs)), 0][: len(self.procs)]:
-            if i == 0:
-                self.conns[0].close()
-            p = self.procs[i]
+        for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
