@@ -178,6 +178,27 @@ def test_paged_decode_many_empty_splits():
     assert_close(got, ref_attention(q, kc, vc, tt, [1] * len(lens), lens, 0.2), torch.float32)
 
 
+@pytest.mark.parametrize("counters", [None, 4])
+def test_paged_decode_merges_in_last_program_or_merge_kernel(monkeypatch, counters):
+    """Splits merged by the last-arriving program (counters back at zero afterwards, a request of
+    length 0 gets zeros), or, with more (request, KV head) pairs than counters, by the merge
+    kernel: both equal the reference."""
+    from attention import triton_decode
+    from workers.layers.arrival import arrival_counters
+
+    if counters is not None:
+        monkeypatch.setattr(triton_decode, "COUNTERS", counters)
+    lens = [0, 1, 70, 300]
+    kc, vc, pt, tt = paged_cache(lens, 2, 64, 64, 16, torch.float32, seed=5)
+    q = torch.randn(len(lens), 8, 64).to(DEVICE)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = poisoned((len(lens), 8, 64), torch.float32)
+    paged_decode(q, kc, vc, pt, seqlens, 0.125, 16, num_splits=4, out=out)
+    assert torch.equal(out[0].cpu(), torch.zeros(8, 64))
+    assert_close(out[1:], ref_attention(q[1:], kc, vc, tt[1:], [1] * 3, lens[1:], 0.125), torch.float32)
+    assert int(arrival_counters(q.device, 1).abs().sum()) == 0
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_paged_decode_many_programs(page_size):
     """Past MANY_PROGRAMS (request, KV head) programs stage 1 takes its other launch (32-token
