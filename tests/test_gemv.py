@@ -171,3 +171,108 @@ def test_split_launch_replays_in_a_graph():
         want, want_s = _reference(gemv.ADD_RMS, x, w, b, r, nw, 1e-6)
         torch.testing.assert_close(y.float(), want, **TOL)
         _assert_same_rounded_sum(s, want_s)
+
+
+ADD_CONFIGS = [gemv.GemvConfig(8, 128, 1), gemv.GemvConfig(4, 256, 2), gemv.GemvConfig(16, 64, 4)]
+
+
+@pytest.mark.parametrize("mode", [gemv.PLAIN, gemv.SILU_MUL])
+@pytest.mark.parametrize("n,k", [(37, 1000), (96, 512)])
+@pytest.mark.parametrize("config", ADD_CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}")
+def test_product_added_to_the_residual_then_normed_product(mode, n, k, config):
+    """`gemv_add` (o_proj / down_proj writing the residual stream and its squares' block sums)
+    then a `NORM` product (the next qkv / gate_up) equal the unfused add, RMSNorm and product."""
+    dtype = torch.bfloat16
+    x, w, b, _, _ = _inputs(mode, n, k, dtype, bias=n % 2 == 1, residual=False, seed=n + k + mode)
+    g = torch.Generator().manual_seed(n)
+    res = torch.randn(1, n, generator=g).to(dtype).to(DEVICE)
+    s, sq = gemv.gemv_add(x, w, b, res, mode=mode, config=config)
+    y_ref = _reference(mode, x, w, b, None, None, 0.0)[0].to(dtype)
+    want_s = (y_ref.float() + res.float()).to(dtype)
+    assert s.shape == (1, n) and s.dtype == dtype
+    torch.testing.assert_close(s.float(), want_s.float(), **TOL)
+    assert sq.shape == (-(-n // config.block_n),) and sq.dtype == torch.float32
+    torch.testing.assert_close(sq.sum(), s.float().pow(2).sum(), rtol=1e-5, atol=1e-4)  # sums of what it wrote
+    w2 = (torch.randn(2 * n + 3, n, generator=g) / n**0.5).to(dtype).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(DEVICE)
+    for cfg in ADD_CONFIGS:
+        y, none = gemv.gemv(s, w2, mode=gemv.NORM, norm_weight=nw, eps=1e-5, square_sums=sq, config=cfg)
+        assert none is None
+        torch.testing.assert_close(y.float(), F.linear(fused._rms_norm(s, nw, 1e-5).float(), w2.float()), **TOL)
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+def test_norm_and_add_arguments_are_checked():
+    x, w, *_ = _inputs(gemv.PLAIN, 8, 64, torch.bfloat16, False, False, 0)
+    with pytest.raises(ValueError, match="square sums"):
+        gemv.gemv(x, w, mode=gemv.NORM, norm_weight=x[0])
+    with pytest.raises(ValueError, match="residual of 3"):
+        gemv.gemv_add(x, w, None, x[:, :3])
+    with pytest.raises(ValueError, match="PLAIN or SILU_MUL"):
+        gemv.gemv_add(x, w, None, x[:, :8], mode=gemv.ADD_RMS)
+
+
+def test_residual_entry_points_off_the_kernel():
+    """`one_row.linear_add` / `norm_linear` / `rms_norm` where `gemv` does not apply (CPU, float32):
+    the unfused ops, with the row's square sums for the next norm."""
+    g = torch.Generator().manual_seed(5)
+    x, res = torch.randn(1, 2 * 24, generator=g), torch.randn(1, 16, generator=g)
+    w, w2, nw = torch.randn(16, 24, generator=g), torch.randn(8, 16, generator=g), torch.rand(16, generator=g) + 0.5
+    summed = one_row.linear_add(x, w, None, res, silu_mul=True)
+    torch.testing.assert_close(summed.row, res + F.linear(fused._silu_and_mul(x), w))
+    torch.testing.assert_close(summed.square_sums.sum(), summed.row.pow(2).sum())
+    y = one_row.norm_linear(summed, nw, 1e-6, w2, None)
+    torch.testing.assert_close(y, F.linear(fused._rms_norm(summed.row, nw, 1e-6), w2))
+    torch.testing.assert_close(one_row.rms_norm(summed.row, nw, 1e-6), fused._rms_norm(summed.row, nw, 1e-6))
+
+
+ROPE_CONFIGS = [gemv.GemvConfig(4, 64, 1), gemv.GemvConfig(8, 32, 2), gemv.GemvConfig(32, 64, 1),
+                gemv.GemvConfig(16, 32, 4, use_dot=True)]
+
+
+@pytest.mark.parametrize("mode", [gemv.PLAIN, gemv.ADD_RMS, gemv.NORM])
+@pytest.mark.parametrize("head_dim", [16, 32])
+@pytest.mark.parametrize("config", ROPE_CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}{'d' if c.use_dot else ''}")
+def test_qkv_product_with_rope_and_cache_write(mode, head_dim, config):
+    """The RoPE epilogue of a qkv product (q and k heads rotated, k and v written to the caches
+    at the one slot) equals the product, `fused.rope` and the plain cache write; the caches'
+    other slots are untouched. Block sizes whose pairs would cross a head are lowered."""
+    dtype, hq, hk, k = torch.bfloat16, 4, 2, 96
+    n = (hq + 2 * hk) * head_dim
+    g = torch.Generator().manual_seed(head_dim + mode + config.block_n)
+    x = torch.randn(1, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE)
+    r = torch.randn(1, k, generator=g).to(dtype).to(DEVICE) if mode == gemv.ADD_RMS else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    freqs = torch.arange(64, dtype=torch.float32)[:, None] * (1e4 ** (-torch.arange(head_dim // 2) / (head_dim // 2)))
+    cos, sin = freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+    caches = [torch.randn(40, hk, head_dim, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    pos = torch.tensor([37], device=DEVICE)
+    loc = torch.tensor([13], device=DEVICE, dtype=torch.int32)
+    rope = one_row.RopeKV(pos, loc, cos, sin, *caches, hq, hk, head_dim)
+    sq = None
+    if mode == gemv.NORM:  # the row's squares as a previous product leaves them, in 3 blocks
+        sq = torch.stack([x[0, i::3].float().pow(2).sum() for i in range(3)])
+    y, _ = gemv.gemv(x, w, b, mode=mode, residual=r, norm_weight=nw, eps=1e-5, square_sums=sq, rope=rope,
+                     config=config)
+    plain = _reference(gemv.ADD_RMS if mode == gemv.NORM else mode, x, w, b, r, nw, 1e-5)[0].to(dtype)
+    want = one_row._rope_kv(plain, one_row.RopeKV(pos, loc.long(), cos, sin, *want_caches, hq, hk, head_dim))
+    torch.testing.assert_close(y.float(), want.float(), **TOL)
+    for got_c, want_c in zip(caches, want_caches):
+        torch.testing.assert_close(got_c.float(), want_c.float(), **TOL)
+        mask = torch.ones(40, dtype=torch.bool)
+        mask[13] = False
+        assert torch.equal(got_c[mask.to(DEVICE)], want_c[mask.to(DEVICE)])
+
+
+def test_rope_epilogue_shapes_are_checked():
+    x, w, *_ = _inputs(gemv.PLAIN, 8 * 16, 64, torch.bfloat16, False, False, 0)
+    kc = torch.zeros(4, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    cos = torch.zeros(8, 8, device=DEVICE)
+    pos = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="RoPE epilogue over 128 rows"):
+        gemv.gemv(x, w, rope=one_row.RopeKV(pos, pos, cos, cos, kc, kc, 5, 2, 16))
+    with pytest.raises(ValueError, match="caches"):
+        gemv.gemv(x, w, rope=one_row.RopeKV(pos, pos, cos, cos, kc.float(), kc, 4, 2, 16))

@@ -28,13 +28,18 @@ from cluster.bench_roofline import measure_copy_bandwidth
 from workers.layers import fused, gemv
 from workers.layers.gemv import GemvConfig
 
-# (name, prologue, N, K) of a Llama-3.1-8B step at batch 1
+# (name, prologue, N, K) of a Llama-3.1-8B step at batch 1; "+add": the residual-adding epilogue
+# (`gemv_add`); NORM: the prologue that takes the row's square sums from it (1,024 blocks)
 SHAPES = [
     ("qkv_proj", gemv.ADD_RMS, 6144, 4096),
     ("o_proj", gemv.PLAIN, 4096, 4096),
     ("gate_up_proj", gemv.ADD_RMS, 28672, 4096),
     ("down_proj", gemv.SILU_MUL, 4096, 14336),
     ("lm_head", gemv.PLAIN, 128256, 4096),
+    ("qkv_proj", gemv.NORM, 6144, 4096),
+    ("o_proj+add", gemv.PLAIN, 4096, 4096),
+    ("gate_up_proj", gemv.NORM, 28672, 4096),
+    ("down_proj+add", gemv.SILU_MUL, 4096, 14336),
 ]
 FMA = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 4), (16, 512, 8), (4, 1024, 4), (32, 256, 8)]
 DOT = [(64, 128, 4), (64, 256, 3), (32, 256, 4), (128, 128, 3)]
@@ -103,13 +108,33 @@ def bench_shape(name: str, mode: int, n: int, k: int, quick: bool, copy_gbs: flo
                             of_copy=nbytes / us / 1e3 / copy_gbs, config=None if config is None else vars(config)))
 
     h = x[:, :k] if mode == gemv.SILU_MUL else x
+    default = gemv.choose_config(n, k, x.device, mode, name.endswith("+add"))
+    if name.endswith("+add") or mode == gemv.NORM:
+        add = name.endswith("+add")
+        sq = torch.rand(1024, device="cuda", dtype=torch.float32, generator=gen) * k / 1024
+        res = torch.randn(1, n, device="cuda", dtype=dtype, generator=gen)
+        configs = sweep_configs(k, quick) + ([] if add else [GemvConfig(bn, bk, 1, w, 3) for bn, bk, w in FUSED_FMA])
+
+        def op(w, cfg):
+            if add:
+                return gemv.gemv_add(x, w, None, res, mode=mode, config=cfg)
+            return gemv.gemv(x, w, mode=mode, norm_weight=nw, eps=1e-5, square_sums=sq, config=cfg)
+        for cfg in dict.fromkeys([*configs, default]):
+            try:
+                us = time_in_graph(lambda w, cfg=cfg: op(w, cfg), weights, calls)
+            except Exception as e:  # noqa: BLE001 - a launch that does not fit: skip it
+                print(f"  skip {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            record("triton-fused-default" if cfg == default else "triton-fused", us, cfg, prologue=mode)
+        del weights
+        torch.cuda.empty_cache()
+        return results
     record("cublas", time_in_graph(lambda w: F.linear(h, w), weights, calls))
     if mode == gemv.ADD_RMS:
         record("unfused", time_in_graph(lambda w: F.linear(fused.add_rms_norm(h, r, nw, 1e-5)[0], w), weights, calls),
                prologue=mode)
     elif mode == gemv.SILU_MUL:
         record("unfused", time_in_graph(lambda w: F.linear(fused.silu_and_mul(x), w), weights, calls), prologue=mode)
-    default = gemv.choose_config(n, k, x.device, mode)
     if mode == gemv.PLAIN:
         for cfg in dict.fromkeys([*sweep_configs(k, quick), default]):
             try:
@@ -143,19 +168,22 @@ def _fmt(r: dict) -> str:
     c = r["config"]
     cfg = "" if c is None else (f"n{c['block_n']} k{c['block_k']} s{c['split_k']} w{c['num_warps']} "
                                 f"st{c['num_stages']}{' dot' if c['use_dot'] else ''}")
-    return f"{r['shape']:<13} {r['kind']:<15} {cfg:<28} {r['us']:8.1f} {r['gb_s']:7.0f} {100 * r['of_copy']:5.1f}%"
+    return f"{r['shape']:<13} p{r['prologue']} {r['kind']:<15} {cfg:<28} {r['us']:8.1f} {r['gb_s']:7.0f} {100 * r['of_copy']:5.1f}%"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="a few launch configurations only")
+    parser.add_argument("--only", nargs="*", type=int, default=None, help="indices into SHAPES")
     args = parser.parse_args()
     copy_gbs = measure_copy_bandwidth(torch.device("cuda")) / 1e9
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s")
     print(f"{'shape':<13} {'kind':<15} {'config':<28} {'us':>8} {'GB/s':>7} {'copy':>6}")
     everything = []
-    for name, mode, n, k in SHAPES:
+    for i, (name, mode, n, k) in enumerate(SHAPES):
+        if args.only is not None and i not in args.only:
+            continue
         rows = bench_shape(name, mode, n, k, args.quick, copy_gbs)
         everything += rows
         shown = [r for r in rows if r["kind"] in ("cublas", "unfused", "triton-norm+plain") or r["kind"].endswith("default")]

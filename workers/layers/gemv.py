@@ -10,7 +10,15 @@ the prologue f is
 - `ADD_RMS`: s = x + residual (rounded to x's dtype, as the unfused add), f(x) = RMSNorm(s) * w.
   Because a linear map commutes with the scalar 1/rms, the kernel accumulates s*w against W and
   sum(s^2) in the same pass and scales at the end; it also writes s (the next residual);
-- `SILU_MUL`: x = [gate | up] (2K wide), f(x) = silu(gate) * up, rounded as the unfused op.
+- `SILU_MUL`: x = [gate | up] (2K wide), f(x) = silu(gate) * up, rounded as the unfused op;
+- `NORM`: x is a residual sum whose squares a previous product already summed (`square_sums`,
+  below), f(x) = RMSNorm(x) * w: no pass over the whole row, so no more rows per program than a
+  plain product and K may be split.
+
+An epilogue may add the product to the residual stream (`gemv_add`): s = y + residual, rounded
+as the unfused add, is written in place of y, and each block of rows writes the float32 sum of
+its s^2 (`square_sums`, one per block); the next product's `NORM` prologue adds those up for
+its 1/rms. A decoder layer at batch 1 then needs no norm kernel and no full-row prologue.
 
 K may be split over SPLIT_K programs per block of rows: each writes a float32 partial, and the
 last to arrive (an atomic counter per row block, reset by that program, so CUDA-graph replays
@@ -26,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -34,10 +42,11 @@ import triton.language as tl
 
 from workers.layers import pdl
 from workers.layers.arrival import arrival_counters
+from workers.layers.one_row import RopeKV
 
 logger = logging.getLogger(__name__)
 
-PLAIN, ADD_RMS, SILU_MUL = 0, 1, 2
+PLAIN, ADD_RMS, SILU_MUL, NORM = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -55,18 +64,21 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count if index >= 0 else 132
 
 
-def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN) -> GemvConfig:
+def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN, adds: bool = False) -> GemvConfig:
     """The launch for an N x K weight, from the in-graph sweep on the H200 (`bench_gemv`,
-    BENCHMARKS.md): FMA over 4 rows x 1024 columns per program for plain products (8 rows for
-    wide outputs); with a prologue, more rows per program (each prologue element is loaded once
-    per program, so few rows per program spend load bandwidth on it): 32 x 256 for the norm,
-    8 x 512 for SiLU. K is split over programs only when the row blocks are fewer than half the
-    SMs."""
+    BENCHMARKS.md): FMA over 4 rows x 1024 columns per program for plain and `NORM` products (8
+    rows for wide plain outputs); with a full-row prologue, more rows per program (each prologue
+    element is loaded once per program, so few rows per program spend load bandwidth on it):
+    32 x 256 for ADD_RMS, 8 x 512 for SiLU. The residual-adding epilogue (`adds`) is slower on
+    4 x 1024 programs (o_proj 12.1 vs 9.6 us at 4 x 512) and fastest with SiLU on 16 x 512.
+    K is split over programs only when the row blocks are fewer than half the SMs."""
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
     sms = _num_sms(index if device.type == "cuda" else -1)
-    block_n, block_k, warps = {PLAIN: (4, 1024, 4), ADD_RMS: (32, 256, 8), SILU_MUL: (8, 512, 8)}[mode]
+    block_n, block_k, warps = {PLAIN: (4, 1024, 4), ADD_RMS: (32, 256, 8), SILU_MUL: (8, 512, 8), NORM: (4, 1024, 4)}[mode]
     if mode == PLAIN and n >= 16384:  # gate/up (28,672 rows): 8 x 512; the LM head: 8 x 256
         block_n, block_k = 8, 256 if n >= 65536 else 512
+    if adds:
+        block_n, block_k = (16, 512) if mode == SILU_MUL else (4, 512)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     split = 1
     while triton.cdiv(n, block_n) * split < sms // 2 and split < 8 and k // (2 * split) >= block_k:
@@ -105,6 +117,9 @@ def _prologue(X, R, NW, cols, cmask, K, MODE: tl.constexpr, HAS_R: tl.constexpr,
         s = x.to(tl.float32)
         sq = s * s
         xv = s * _load(NW + cols, cmask, EVEN).to(tl.float32)
+    elif MODE == 3:  # NORM: the row's squares were summed by the product that wrote it
+        xv = _load(X + cols, cmask, EVEN).to(tl.float32) * _load(NW + cols, cmask, EVEN).to(tl.float32)
+        sq = tl.zeros_like(xv)
     else:
         xv = _load(X + cols, cmask, EVEN).to(tl.float32)
         sq = tl.zeros_like(xv)
@@ -112,10 +127,62 @@ def _prologue(X, R, NW, cols, cmask, K, MODE: tl.constexpr, HAS_R: tl.constexpr,
 
 
 @triton.jit
+def _store_rows(Y, B, Res, SqOut, y, res, rows, rmask, pid_n, HAS_BIAS: tl.constexpr, ADD_RES: tl.constexpr):
+    """Bias, then y rounded to Y's dtype; with ADD_RES s = y + res (rounded as the unfused add)
+    in its place and this block's sum of s^2."""
+    if HAS_BIAS:
+        y += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
+    out = y.to(Y.dtype.element_ty)
+    if ADD_RES:
+        out = (out.to(tl.float32) + res.to(tl.float32)).to(Y.dtype.element_ty)
+        sf = tl.where(rmask, out.to(tl.float32), 0.0)
+        tl.store(SqOut + pid_n, tl.sum(sf * sf, 0))
+    tl.store(Y + rows, out, mask=rmask)
+
+
+@triton.jit
+def _store_rope(Y, B, KC, VC, y, cos, sin, loc, pid_n, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                HAS_BIAS: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """A qkv product's rows (rotation pairs interleaved, see ROPE): bias, rounding to Y's dtype
+    (as F.linear), RoPE on q and k heads (`workers.layers.rope_store`'s math), and the k and v
+    heads also into the caches at slot `loc`."""
+    P: tl.constexpr = BLOCK_N // 2
+    g0 = pid_n * P
+    head = g0 // HALF
+    jj = g0 % HALF + tl.arange(0, P)
+    i = tl.arange(0, BLOCK_N)
+    rows = head * (2 * HALF) + g0 % HALF + i // 2 + (i % 2) * HALF
+    if HAS_BIAS:
+        y += tl.load(B + rows).to(tl.float32)
+    dtype = Y.dtype.element_ty
+    a, b = tl.split(tl.reshape(y.to(dtype).to(tl.float32), (P, 2)))
+    if head < HQ + HK:
+        y1 = (a * cos - b * sin).to(dtype)
+        y2 = (b * cos + a * sin).to(dtype)
+    else:
+        y1 = a.to(dtype)
+        y2 = b.to(dtype)
+    out = Y + head * (2 * HALF) + jj
+    tl.store(out, y1)
+    tl.store(out + HALF, y2)
+    if head >= HQ:
+        if head < HQ + HK:
+            cache = KC + loc * stride_kcs + (head - HQ) * stride_kch + jj
+        else:
+            cache = VC + loc * stride_vcs + (head - HQ - HK) * stride_vch + jj
+        tl.store(cache, y1)
+        tl.store(cache + HALF, y2)
+
+
+@triton.jit
 def _gemv_kernel(
-    X, R, NW, W, B, Y, S, Part, SqPart, Counters,
-    N, K, stride_wn, eps,
+    X, R, NW, W, B, Y, S, Part, SqPart, Counters, SqIn, Res, SqOut,
+    Pos, Loc, Cos, Sin, KC, VC,
+    N, K, stride_wn, eps, n_sq, stride_cos, stride_kcs, stride_kch, stride_vcs, stride_vch,
     MODE: tl.constexpr, HAS_R: tl.constexpr, WRITE_S: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ADD_RES: tl.constexpr, SQ_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
     PDL: tl.constexpr,
@@ -123,7 +190,12 @@ def _gemv_kernel(
     pdl.launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:  # rotation pairs (j, j + HALF) of one head side by side: (rows j0.. and j0+HALF..) interleaved
+        i = tl.arange(0, BLOCK_N)
+        g0 = pid_n * (BLOCK_N // 2)
+        rows = (g0 // HALF) * (2 * HALF) + g0 % HALF + i // 2 + (i % 2) * HALF
+    else:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * chunk
@@ -134,6 +206,22 @@ def _gemv_kernel(
     # (PDL), and every iteration requests the next tile before using the current one.
     w = _load_tile(w_rows, k_lo + offs_k, k_lo < k_hi, k_hi, rmask, EVEN_N and EVEN_K)
     pdl.wait(PDL)
+    # What the end needs from earlier kernels is requested now, to arrive during the loop.
+    if MODE == 3:
+        sq_in = tl.load(SqIn + tl.arange(0, SQ_BLOCK), mask=tl.arange(0, SQ_BLOCK) < n_sq, other=0.0)
+    cos = tl.zeros([BLOCK_N // 2], tl.float32)
+    sin = tl.zeros([BLOCK_N // 2], tl.float32)
+    loc = 0
+    if ROPE:
+        jj = pid_n * (BLOCK_N // 2) % HALF + tl.arange(0, BLOCK_N // 2)
+        pos = tl.load(Pos).to(tl.int64)
+        loc = tl.load(Loc).to(tl.int64)
+        # HF casts cos/sin to the activations' dtype before the products
+        cos = tl.load(Cos + pos * stride_cos + jj).to(Y.dtype.element_ty).to(tl.float32)
+        sin = tl.load(Sin + pos * stride_cos + jj).to(Y.dtype.element_ty).to(tl.float32)
+    res = tl.zeros([BLOCK_N], tl.float32)
+    if ADD_RES:
+        res = tl.load(Res + rows, mask=rmask, other=0.0).to(tl.float32)
     if USE_DOT:
         acc = tl.zeros([16, BLOCK_N], tl.float32)
         pad_rows = tl.arange(0, 16)
@@ -179,16 +267,24 @@ def _gemv_kernel(
                     total_sq += tl.load(SqPart + pid_n * SPLIT_K + j + tl.arange(0, 1), cache_modifier=".cg")
             if MODE == 1:
                 total = total * tl.rsqrt(tl.sum(total_sq, 0) / K + eps)
-            if HAS_BIAS:
-                total += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
-            tl.store(Y + rows, total.to(Y.dtype.element_ty), mask=rmask)
+            if MODE == 3:
+                total = total * tl.rsqrt(tl.sum(sq_in, 0) / K + eps)
+            if ROPE:
+                _store_rope(Y, B, KC, VC, total, cos, sin, loc, pid_n, stride_kcs, stride_kch, stride_vcs,
+                            stride_vch, HAS_BIAS, HQ, HK, HALF, BLOCK_N)
+            else:
+                _store_rows(Y, B, Res, SqOut, total, res, rows, rmask, pid_n, HAS_BIAS, ADD_RES)
             tl.atomic_xchg(Counters + pid_n, 0)
     else:
         if MODE == 1:
             y = y * tl.rsqrt(sq_sum / K + eps)
-        if HAS_BIAS:
-            y += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rmask)
+        if MODE == 3:
+            y = y * tl.rsqrt(tl.sum(sq_in, 0) / K + eps)
+        if ROPE:
+            _store_rope(Y, B, KC, VC, y, cos, sin, loc, pid_n, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                        HAS_BIAS, HQ, HK, HALF, BLOCK_N)
+        else:
+            _store_rows(Y, B, Res, SqOut, y, res, rows, rmask, pid_n, HAS_BIAS, ADD_RES)
 
 
 @triton.jit
@@ -241,20 +337,76 @@ def gemv(
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    square_sums: torch.Tensor | None = None,
+    rope: RopeKV | None = None,
     config: GemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [1, K] ([1, 2K] for SILU_MUL); weight: [N, K] with contiguous rows -> ([1, N],
-    residual sum [1, K] for ADD_RMS with a residual, else None)."""
+    residual sum [1, K] for ADD_RMS with a residual, else None). NORM takes x's `square_sums`
+    (from `gemv_add`) and the norm's weight. With `rope` the weight is a qkv projection's:
+    the output's q and k heads come out rotated and its k and v heads are written to the
+    caches (`one_row.RopeKV`)."""
+    if mode == NORM and square_sums is None:
+        raise ValueError("gemv: NORM needs the square sums of its input row (gemv_add's)")
+    return _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, None, config, rope)
+
+
+def gemv_add(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    *,
+    mode: int = PLAIN,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s = residual + f(x) W^T (+ b) as [1, N], float32 sums of s^2 over its blocks of rows):
+    the product's output added to the residual stream, with what a `NORM` product needs of s.
+    `mode` is PLAIN or SILU_MUL."""
+    if mode not in (PLAIN, SILU_MUL):
+        raise ValueError(f"gemv_add: prologue {mode} (PLAIN or SILU_MUL)")
+    if residual.numel() != weight.shape[0] or residual.dtype != x.dtype:
+        raise ValueError(f"gemv_add: residual of {residual.numel()} {residual.dtype} for {weight.shape[0]} "
+                         f"{x.dtype} outputs")
+    return _launch(x, weight, bias, mode, None, None, 0.0, None, residual.contiguous(), config, None)
+
+
+def _rope_args(rope: RopeKV | None, n: int, block_n: int, dtype: torch.dtype) -> tuple[list, dict, int]:
+    """(pointer and stride arguments, constexprs, block_n) of the RoPE epilogue: block_n is
+    lowered until a program's rotation pairs stay inside one head."""
+    if rope is None:
+        return [None] * 6 + [0] * 5, dict(ROPE=False, HQ=0, HK=0, HALF=1), block_n
+    d = rope.head_dim
+    half = d // 2
+    if d % 2 or n != (rope.num_q_heads + 2 * rope.num_kv_heads) * d:
+        raise ValueError(f"gemv: a RoPE epilogue over {n} rows for {rope.num_q_heads} q / {rope.num_kv_heads} "
+                         f"kv heads of {d}")
+    if rope.k_cache.dtype != dtype or rope.v_cache.dtype != dtype or rope.v_cache.shape[-1] != d:
+        raise ValueError("gemv: the RoPE epilogue writes caches of the product's dtype and head size")
+    if rope.cos.shape[-1] != half or rope.positions.numel() != 1 or rope.loc.numel() != 1:
+        raise ValueError("gemv: the RoPE epilogue takes one position and one slot, cos/sin of head_dim / 2")
+    while block_n > 2 and half % (block_n // 2):
+        block_n //= 2
+    kc, vc = rope.k_cache, rope.v_cache
+    ptrs = [rope.positions, rope.loc, rope.cos, rope.sin, kc, vc,
+            rope.cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1)]
+    return ptrs, dict(ROPE=True, HQ=rope.num_q_heads, HK=rope.num_kv_heads, HALF=half), block_n
+
+
+def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_to, config, rope):
     n, k = weight.shape
     x = x.contiguous()
     if x.shape[-1] != (2 * k if mode == SILU_MUL else k):
         raise ValueError(f"gemv: input of width {x.shape[-1]} for a weight of {k} columns (mode {mode})")
-    if mode == ADD_RMS and norm_weight is None:
-        raise ValueError("gemv: ADD_RMS needs the norm's weight")
-    cfg = config or _logged_choice(n, k, x.device, mode)
-    if cfg.use_dot and mode == ADD_RMS and x.dtype == torch.float16:
+    if mode in (ADD_RMS, NORM) and norm_weight is None:
+        raise ValueError("gemv: a norm prologue needs the norm's weight")
+    cfg = config or _logged_choice(n, k, x.device, mode, add_to is not None)
+    if cfg.use_dot and mode in (ADD_RMS, NORM) and x.dtype == torch.float16:
         raise ValueError("gemv: the tensor-core path rounds the un-normalised row to the input dtype, "
                          "which overflows float16")
+    rope_ptrs, rope_consts, block_n = _rope_args(rope, n, cfg.block_n, x.dtype)
+    if block_n != cfg.block_n:
+        cfg = replace(cfg, block_n=block_n)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     has_r = mode == ADD_RMS and residual is not None
     s = torch.empty_like(x) if has_r else None
@@ -264,22 +416,29 @@ def gemv(
         part = torch.empty(cfg.split_k, n, dtype=torch.float32, device=x.device)
         sq_part = torch.empty(blocks, cfg.split_k, dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device, blocks)
+    sq_out = torch.empty(blocks, dtype=torch.float32, device=x.device) if add_to is not None else None
+    n_sq = square_sums.numel() if square_sums is not None else 1
     use_pdl = pdl.enabled(x.device)
     _gemv_kernel[(blocks, cfg.split_k)](
         x, residual.contiguous() if has_r else x, norm_weight if norm_weight is not None else x,
         weight, bias if bias is not None else weight, y, s if s is not None else y,
         part, sq_part, counters,
-        n, k, weight.stride(0), eps,
+        square_sums if square_sums is not None else y, add_to if add_to is not None else y,
+        sq_out if sq_out is not None else y,
+        *[p if p is not None else y for p in rope_ptrs[:6]],
+        n, k, weight.stride(0), eps, n_sq, *rope_ptrs[6:],
         MODE=mode, HAS_R=has_r, WRITE_S=has_r, HAS_BIAS=bias is not None,
+        ADD_RES=add_to is not None, SQ_BLOCK=triton.next_power_of_2(n_sq), **rope_consts,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
         PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
     )
-    return y, s
+    return (y, sq_out) if add_to is not None else (y, s)
 
 
 @functools.lru_cache(maxsize=256)
-def _logged_choice(n: int, k: int, device: torch.device, mode: int) -> GemvConfig:
-    cfg = choose_config(n, k, device, mode)
-    logger.info("one-row linear %d x %d (prologue %d): Triton GEMV %s (PDL %s)", n, k, mode, cfg, pdl.enabled(device))
+def _logged_choice(n: int, k: int, device: torch.device, mode: int, adds: bool) -> GemvConfig:
+    cfg = choose_config(n, k, device, mode, adds)
+    logger.info("one-row linear %d x %d (prologue %d%s): Triton GEMV %s (PDL %s)", n, k, mode,
+                ", adds to the residual" if adds else "", cfg, pdl.enabled(device))
     return cfg

@@ -4,11 +4,18 @@ Each takes the unfused path's arguments and runs one `workers.layers.gemv` kerne
 `applies` (one row, CUDA, bf16/fp16; `MANTA_GEMV=0` turns it off for comparisons), else the
 torch ops the CPU path and larger batches use. This module imports no Triton: the kernel module
 is imported on the first CUDA call.
+
+Without tensor parallelism a decoder layer also keeps its residual stream in the products:
+o_proj and down_proj add their output to it and sum its squares (`linear_add` -> `Summed`),
+and the next qkv or gate/up product normalises with those sums (`norm_linear`), so no kernel
+reads the whole row for a norm (`MANTA_GEMV_ADD=0` turns this part off for comparisons).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +28,57 @@ def enabled() -> bool:
     return os.environ.get("MANTA_GEMV") != "0"
 
 
+def adds_residual() -> bool:
+    """`MANTA_GEMV_ADD=0` keeps the residual add and the norm statistic out of the products."""
+    return os.environ.get("MANTA_GEMV_ADD") != "0"
+
+
+def fuses_rope() -> bool:
+    """`MANTA_GEMV_ROPE=0` keeps RoPE and the K/V write in their own kernel after the qkv product."""
+    return os.environ.get("MANTA_GEMV_ROPE") != "0"
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True where `gemv` runs: one row, CUDA, bf16/fp16 matching the weight, contiguous rows."""
     return (enabled() and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1)
+
+
+class Summed(NamedTuple):
+    """A one-row residual stream just written by a product (`linear_add`), with the float32
+    sums of its squares over that product's blocks of rows: the next RMSNorm's statistic,
+    already summed where the row was produced (`norm_linear` reads it)."""
+
+    row: torch.Tensor
+    square_sums: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RopeKV:
+    """What a one-row qkv product needs to finish the job `workers.layers.rope_store` does after
+    it: RoPE on its q and k heads (cos/sin [max_pos, head_dim / 2] float32 at `positions`) and
+    its k and v heads written to the caches ([slots, kv_heads, head_dim]) at slot `loc`. Given
+    by `RotaryEmbedding.fused_qkv_target`; the product's epilogue does it (`gemv`)."""
+
+    positions: torch.Tensor
+    loc: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _rope_kv(qkv: torch.Tensor, rope: RopeKV) -> torch.Tensor:
+    """The unfused ops of the RoPE epilogue on a qkv row: rotate q and k, write k and v."""
+    d, hq, hk = rope.head_dim, rope.num_q_heads, rope.num_kv_heads
+    q, k, v = qkv.view(-1, hq + 2 * hk, d).split([hq, hk, hk], dim=1)
+    q, k = fused.rope(rope.positions, q, k, rope.cos, rope.sin)
+    rope.k_cache[rope.loc] = k
+    rope.v_cache[rope.loc] = v
+    return torch.cat([q, k, v], dim=1).view_as(qkv)
 
 
 def _gemv():
@@ -41,23 +95,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                        weight: torch.Tensor, bias: torch.Tensor | None,
+                        rope: RopeKV | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(RMSNorm(x + residual)), x + residual); residual None: (linear(RMSNorm(x)), x).
     Where `gemv` applies: one kernel, or for wide outputs a one-row norm kernel and a plain
-    product (`gemv.fuse_norm`); else the fused-elementwise norm and F.linear."""
+    product (`gemv.fuse_norm`); else the fused-elementwise norm and F.linear. With `rope` (a
+    qkv product) the q, k heads come out rotated and k, v are in the caches."""
     if applies(x, weight):
         gemv = _gemv()
         if gemv.fuse_norm(*weight.shape):
-            y, s = gemv.gemv(x, weight, bias, mode=gemv.ADD_RMS, residual=residual, norm_weight=norm_weight, eps=eps)
+            y, s = gemv.gemv(x, weight, bias, mode=gemv.ADD_RMS, residual=residual, norm_weight=norm_weight, eps=eps,
+                             rope=rope)
         else:
             h, s = gemv.add_rms_norm(x, residual, norm_weight, eps)
-            y = gemv.gemv(h, weight, bias)[0]
+            y = gemv.gemv(h, weight, bias, rope=rope)[0]
         return y, (x if s is None else s)
     if residual is None:
         h, s = fused.rms_norm(x, norm_weight, eps), x
     else:
         h, s = fused.add_rms_norm(x, residual, norm_weight, eps)
-    return F.linear(h, weight, bias), s
+    y = F.linear(h, weight, bias)
+    return (y if rope is None else _rope_kv(y, rope)), s
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -66,3 +124,34 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         gemv = _gemv()
         return gemv.gemv(gate_up, weight, bias, mode=gemv.SILU_MUL)[0]
     return F.linear(fused.silu_and_mul(gate_up), weight, bias)
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, *,
+               silu_mul: bool = False) -> Summed:
+    """residual + linear(x) (x = silu(gate) * up of x = [gate | up] with `silu_mul`), rounded as
+    the unfused add: one kernel that also sums the result's squares where `gemv` applies."""
+    if applies(x, weight):
+        gemv = _gemv()
+        return Summed(*gemv.gemv_add(x, weight, bias, residual, mode=gemv.SILU_MUL if silu_mul else gemv.PLAIN))
+    s = residual + F.linear(fused.silu_and_mul(x) if silu_mul else x, weight, bias)
+    return Summed(s, s.float().pow(2).sum(-1))
+
+
+def norm_linear(summed: Summed, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                bias: torch.Tensor | None, rope: RopeKV | None = None) -> torch.Tensor:
+    """linear(RMSNorm(summed.row)), taking the row's squares from `summed` where `gemv` applies;
+    `rope` as in `add_rms_norm_linear`."""
+    if applies(summed.row, weight):
+        gemv = _gemv()
+        return gemv.gemv(summed.row, weight, bias, mode=gemv.NORM, norm_weight=norm_weight, eps=eps,
+                         square_sums=summed.square_sums, rope=rope)[0]
+    y = F.linear(fused.rms_norm(summed.row, norm_weight, eps), weight, bias)
+    return y if rope is None else _rope_kv(y, rope)
+
+
+def rms_norm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of a row: the one-row norm kernel where `gemv` applies (it keeps the step's PDL
+    chain), else the fused-elementwise op."""
+    if applies(x, norm_weight.view(1, -1)):
+        return _gemv().add_rms_norm(x, None, norm_weight, eps)[0]
+    return fused.rms_norm(x, norm_weight, eps)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from workers.layers import fused
+from workers.layers.one_row import RopeKV
 
 if TYPE_CHECKING:
     from attention.base import KVStoreTarget
@@ -188,3 +189,20 @@ class RotaryEmbedding(nn.Module):
         q, k = fused.rope(positions, q, k, self.cos_cache, self.sin_cache)
         pool.set_kv_buffer(layer, store.loc, k, v)
         return q, k
+
+    def fused_qkv_target(self, positions: torch.Tensor, store: KVStoreTarget | None, num_q_heads: int,
+                         num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> RopeKV | None:
+        """What a one-row qkv product needs to rotate q, k and write k, v itself
+        (`one_row.RopeKV`): one token on CUDA, caches of the activations' dtype and head size,
+        a backend that lets the caller write (`store`). None: `apply` after the product."""
+        if store is None or not positions.is_cuda or positions.numel() != 1:
+            return None
+        pool, layer = store.pool, store.layer_id
+        k_cache, v_cache = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+        if not (k_cache.dtype == v_cache.dtype == dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and k_cache.shape[1:] == v_cache.shape[1:] == (num_kv_heads, head_dim)
+                and self.cos_cache.shape[-1] * 2 == head_dim and store.loc.numel() == 1):
+            return None
+        pool.write_count += 1
+        return RopeKV(positions, store.loc, self.cos_cache, self.sin_cache, k_cache, v_cache, num_q_heads,
+                      num_kv_heads, head_dim)
