@@ -104,6 +104,7 @@ def _decode_stage1(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_G: tl.constexpr, CHUNK_S: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
@@ -161,8 +162,9 @@ def _decode_stage1(
             arrived = tl.atomic_add(Counters + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
             n_active = tl.cdiv(seq_len, per_split)
             if arrived == n_active - 1:
-                _merge_heads(MidO, MidLse, Out, b, heads, mask_h, offs_dv, mask_dv, n_active,
-                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, BLOCK_S)
+                _merge_heads(MidO, MidLse, Out, b, kvh, n_active,
+                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                             GROUP, V_DIM, BLOCK_G, BLOCK_DV, BLOCK_S, CHUNK_S)
                 tl.atomic_xchg(Counters + b * tl.num_programs(1) + kvh, 0)
     elif MERGE and split == 0 and seq_len == 0:  # no keys: the output is 0, as stage 2 writes
         o_ptrs = Out + b * stride_outb + heads[:, None] * stride_outh + offs_dv[None, :]
@@ -170,28 +172,39 @@ def _decode_stage1(
 
 
 @triton.jit
-def _merge_heads(MidO, MidLse, Out, b, heads, mask_h, offs_dv, mask_dv, n_active,
+def _merge_heads(MidO, MidLse, Out, b, kvh, n_active,
                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                 BLOCK_S: tl.constexpr):
-    """Out[b, heads] = sum_s 2^(lse_s - lse) * o_s over the n_active splits (stage 2's math,
-    for a block of heads; the partials are read past L1, which may hold none of them)."""
+                 GROUP: tl.constexpr, V_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+    """Out[b, heads of kvh] = sum_s 2^(lse_s - lse) * o_s over the n_active splits (stage 2's
+    math). The partials are read past L1 (which may hold none of them), CHUNK_S splits of every
+    head in one load: a split at a time costs a round trip to L2 each, and this runs after the
+    other programs of its head, at the end of the kernel."""
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < V_DIM
     offs_s = tl.arange(0, BLOCK_S)
     lse_rows = MidLse + b * stride_lb + heads[:, None] * stride_lh
-    lse = tl.load(lse_rows + offs_s[None, :], mask=mask_h[:, None] & (offs_s[None, :] < n_active),
+    lse = tl.load(lse_rows + offs_s[None, :], mask=mask_g[:, None] & (offs_s[None, :] < n_active),
                   other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 1)
-    m = tl.where(mask_h, m, 0.0)
+    m = tl.where(mask_g, tl.max(lse, 1), 0.0)
     denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
-    acc = tl.zeros([heads.shape[0], offs_dv.shape[0]], tl.float32)
-    o_rows = MidO + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
-    mask = mask_h[:, None] & mask_dv[None, :]
-    for s in range(0, n_active):
-        w = tl.exp2(tl.load(MidLse + b * stride_lb + heads * stride_lh + s, mask=mask_h, other=0.0,
-                            cache_modifier=".cg") - m)
-        acc += w[:, None] * tl.load(o_rows + s * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    offs_c = tl.arange(0, CHUNK_S)
+    o_rows = MidO + b * stride_ob + heads[:, None, None] * stride_oh + offs_dv[None, None, :]
+    for s0 in range(0, n_active, CHUNK_S):
+        splits = s0 + offs_c
+        cmask = mask_g[:, None] & (splits[None, :] < n_active)
+        w = tl.exp2(tl.load(lse_rows + splits[None, :], mask=cmask, other=float("-inf"), cache_modifier=".cg")
+                    - m[:, None])
+        o = tl.load(o_rows + splits[None, :, None] * stride_os, mask=cmask[:, :, None] & mask_dv[None, None, :],
+                    other=0.0, cache_modifier=".cg")
+        acc += tl.sum(w[:, :, None] * o, 1)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(Out + b * stride_outb + heads[:, None] * stride_outh + offs_dv[None, :],
-             out.to(Out.dtype.element_ty), mask=mask)
+             out.to(Out.dtype.element_ty), mask=mask_g[:, None] & mask_dv[None, :])
 
 
 @triton.jit
@@ -305,6 +318,7 @@ def paged_decode(
     # the separate merge kernel does.
     merge = batch * kv_heads <= COUNTERS
     counters = arrival_counters(q.device, batch * kv_heads) if merge else mid_lse
+    block_s, block_g = max(2, triton.next_power_of_2(num_splits)), triton.next_power_of_2(group)
     _decode_stage1[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, cache_seqlens, mid_o, mid_lse, out, counters,
         scaling * LOG2E, num_splits,
@@ -319,7 +333,7 @@ def paged_decode(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
         DOT_PREC=dot_precision(k_cache.dtype), PDL=use_pdl, MERGE=merge,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_S=block_s, BLOCK_G=block_g, CHUNK_S=min(block_s, max(1, 8192 // (block_g * block_dv))),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
     if not merge:
