@@ -123,13 +123,25 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rotary: RotaryEmbedding
     ) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(x), fb, rotary)
+        return self.o_proj(self.attend(positions, self.qkv_proj(x), fb, rotary))
+
+    def rope_kv_target(self, positions: torch.Tensor, fb: ForwardBatch, rotary: RotaryEmbedding,
+                       dtype: torch.dtype) -> one_row.RopeKV | None:
+        """Where the one-row qkv product may rotate q, k and write k, v itself (None: `attend`
+        does); not with a q/k norm, which comes between the product and RoPE."""
+        if self.q_norm is not None or fb.attn_backend is None:
+            return None
+        store = fb.attn_backend.kv_store_target(self.attn, fb)
+        return rotary.fused_qkv_target(positions, store, self.attn.num_heads, self.attn.num_kv_heads, self.head_dim,
+                                       dtype)
 
     def attend(
         self, positions: torch.Tensor, qkv: tuple[torch.Tensor, ...] | torch.Tensor, fb: ForwardBatch,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding, roped: bool = False,
     ) -> torch.Tensor:
-        """Attention and o_proj over the projected q, k, v (`qkv_proj`'s output, split or not)."""
+        """Attention over the projected q, k, v (`qkv_proj`'s output, split or not): the input of
+        o_proj, [T, heads * head_dim]. `roped`: the product already rotated q, k and wrote k, v
+        (`rope_kv_target`)."""
         if isinstance(qkv, torch.Tensor):
             qkv = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q, k, v = qkv
@@ -141,11 +153,12 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         backend = fb.attn_backend
         assert backend is not None
+        if roped:
+            return backend.forward(q, k, v, self.attn, fb, save_kv_cache=False)
         # Where the backend would write the new K/V, RoPE writes them (one kernel on CUDA).
         store = backend.kv_store_target(self.attn, fb)
         q, k = rotary.apply(positions, q, k, v, store)
-        out = backend.forward(q, k, v, self.attn, fb, save_kv_cache=store is None)  # [T, heads * head_dim]
-        return self.o_proj(out)
+        return backend.forward(q, k, v, self.attn, fb, save_kv_cache=store is None)
 
 
 class LlamaMLP(nn.Module):
@@ -174,21 +187,30 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
-        rotary: RotaryEmbedding,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, positions: torch.Tensor, x: torch.Tensor | one_row.Summed, residual: torch.Tensor | None,
+        fb: ForwardBatch, rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor | one_row.Summed, torch.Tensor | None]:
         """Returns (mlp output, residual): the next layer (or the final norm) adds them, fused
-        with its RMSNorm. Same sums in the same order as HF's `x + attn(norm(x))` etc."""
+        with its RMSNorm. Same sums in the same order as HF's `x + attn(norm(x))` etc. At batch 1
+        on CUDA without TP the products add to the residual themselves: (`one_row.Summed`, None)."""
         attn, mlp = self.self_attn, self.mlp
-        if one_row.applies(x, attn.qkv_proj.weight):  # batch 1 on CUDA: each norm and the SiLU in a product
+        row = x.row if isinstance(x, one_row.Summed) else x
+        if one_row.applies(row, attn.qkv_proj.weight):  # batch 1 on CUDA: each norm and the SiLU in a product
             norm = self.input_layernorm
-            qkv, residual = one_row.add_rms_norm_linear(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
-                                                        attn.qkv_proj.bias)
-            h = attn.attend(positions, qkv, fb, rotary)
+            rope = attn.rope_kv_target(positions, fb, rotary, row.dtype) if one_row.fuses_rope() else None
+            if isinstance(x, one_row.Summed):
+                qkv, residual = one_row.norm_linear(x, norm.weight, norm.eps, *_wb(attn.qkv_proj), rope), x.row
+            else:
+                qkv, residual = one_row.add_rms_norm_linear(x, residual, norm.weight, norm.eps, *_wb(attn.qkv_proj),
+                                                            rope)
+            h = attn.o_proj(attn.attend(positions, qkv, fb, rotary, roped=rope is not None))
             norm = self.post_attention_layernorm
-            gate_up, residual = one_row.add_rms_norm_linear(h, residual, norm.weight, norm.eps,
-                                                            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+            gate_up, residual = one_row.add_rms_norm_linear(h, residual, norm.weight, norm.eps, *_wb(mlp.gate_up_proj))
+            if self.adds_residual:  # (o_proj's add stays in the norm kernel: measured faster, BENCHMARKS.md)
+                return one_row.linear_add(gate_up, *_wb(mlp.down_proj), residual, silu_mul=True), None
             return mlp.down_proj.forward_silu_mul(gate_up), residual
+        if isinstance(x, one_row.Summed):
+            x, residual = x.row, None
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -196,6 +218,17 @@ class LlamaDecoderLayer(nn.Module):
         h = attn(positions, h, fb, rotary)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         return mlp(h), residual
+
+    @property
+    def adds_residual(self) -> bool:
+        """down_proj adds to the residual stream in its kernel and sums its squares for the next
+        layer's qkv product (one-row path): only without TP, where a rank's product is the
+        whole output."""
+        return self.mlp.down_proj.tp.size == 1 and one_row.adds_residual()
+
+
+def _wb(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return layer.weight, layer.bias
 
 
 class LlamaModel(nn.Module):
@@ -233,6 +266,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             x, residual = layer(positions, x, residual, forward_batch, self.rotary_emb)
+        if isinstance(x, one_row.Summed):  # the last layer's products added the residual
+            return one_row.rms_norm(x.row, self.model.norm.weight, self.model.norm.eps)
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm.forward_with_residual(x, residual)[0]
