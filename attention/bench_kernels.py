@@ -162,7 +162,10 @@ def sweep_decode(cases: list[tuple[int, int]], page_size: int = 16) -> list[str]
         nbytes = batch * ctx * kv_heads * dim * 2 * 2
         default_splits = choose_num_splits(batch * kv_heads, pt.shape[1] * page_size, q.device)
         results = []
-        for splits in sorted({default_splits, min(32, default_splits * 2)}):
+        split_options = {default_splits, min(32, default_splits * 2)}
+        if batch * kv_heads < 64:  # few requests: what the engine's graphs use (a bound of 4,096 tokens) too
+            split_options |= {4, 8, 16, choose_num_splits(batch * kv_heads, 4096, q.device)}
+        for splits in sorted(split_options):
             for block_n in (32, 64, 128):
                 for warps in (2, 4, 8):
                     for stages in (1, 2, 3):
@@ -195,9 +198,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="B=16, ctx 4k only")
     parser.add_argument("--sweep", action="store_true", help="tune the paged decode's launch parameters")
+    parser.add_argument("--cases", nargs="*", default=None, help="B:ctx pairs for --sweep (default: large batches)")
     args = parser.parse_args()
     if args.sweep:
-        print("\n".join(sweep_decode([(256, 1536), (192, 2048), (128, 1536)])))
+        cases = [tuple(int(v) for v in c.split(":")) for c in args.cases] if args.cases else [(256, 1536), (192, 2048),
+                                                                                                (128, 1536)]
+        print("\n".join(sweep_decode(cases)))
         return
     batches, contexts = ([16], [4096]) if args.quick else ([1, 16, 64], [1024, 4096])
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
