@@ -18,7 +18,12 @@ the prologue f is
 An epilogue may add the product to the residual stream (`gemv_add`): s = y + residual, rounded
 as the unfused add, is written in place of y, and each block of rows writes the float32 sum of
 its s^2 (`square_sums`, one per block); the next product's `NORM` prologue adds those up for
-its 1/rms. A decoder layer at batch 1 then needs no norm kernel and no full-row prologue.
+its 1/rms. A decoder layer at batch 1 then needs no full-row prologue for its qkv product.
+
+A qkv product may also finish RoPE and the K/V-cache write (`rope`, a `one_row.RopeKV`): its
+programs take rotation pairs (j, j + head_dim/2) of one head side by side, so the epilogue
+rotates q and k heads and writes k and v heads to the caches at the step's slot. That is
+`workers.layers.rope_store`'s kernel, gone from the batch-1 layer.
 
 K may be split over SPLIT_K programs per block of rows: each writes a float32 partial, and the
 last to arrive (an atomic counter per row block, reset by that program, so CUDA-graph replays

@@ -10,7 +10,9 @@ the whole layer's heads.)
 
 The math is `workers.layers.fused.rope`'s (rotate-half, cos/sin cast to q's dtype as HF does,
 products in float32, one rounding at the store); `rope_and_store_kv_ref` is that function plus
-the plain cache write, the reference the GPU tests compare with.
+the plain cache write, the reference the GPU tests compare with. At batch 1 (one row) the qkv
+product does the same in its epilogue (`workers.layers.gemv`, `one_row.RopeKV`) and this kernel
+is not launched.
 """
 
 from __future__ import annotations
