@@ -276,3 +276,15 @@ def test_rope_epilogue_shapes_are_checked():
         gemv.gemv(x, w, rope=one_row.RopeKV(pos, pos, cos, cos, kc, kc, 5, 2, 16))
     with pytest.raises(ValueError, match="caches"):
         gemv.gemv(x, w, rope=one_row.RopeKV(pos, pos, cos, cos, kc.float(), kc, 4, 2, 16))
+
+
+def test_float32_output_is_the_rounded_product():
+    """`out_dtype=float32` (the LM head's logits): the product rounded to the input's dtype, stored
+    as float32, as F.linear(...).float(); refused for prologue products."""
+    x, w, b, _, _ = _inputs(gemv.PLAIN, 37, 1000, torch.bfloat16, bias=True, residual=False, seed=11)
+    y, _ = gemv.gemv(x, w, b, out_dtype=torch.float32, config=gemv.GemvConfig(8, 128, 2))
+    assert y.dtype == torch.float32
+    assert torch.equal(y, y.to(torch.bfloat16).float())  # values of the input's dtype
+    torch.testing.assert_close(y, F.linear(x.float(), w.float(), b.float()), **TOL)
+    with pytest.raises(ValueError, match="plain"):
+        gemv.gemv(x[:, :500].repeat(1, 4), w, mode=gemv.SILU_MUL, out_dtype=torch.float32)

@@ -93,6 +93,8 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab] float32, identical on every rank (collective)."""
+        if self.tp.size == 1:  # float32 straight from the product (at batch 1: no cast kernel)
+            return one_row.linear(hidden, self.weight, out_dtype=torch.float32)[..., : self.vocab_size].contiguous()
         local = one_row.linear(hidden, self.weight)
         logits = self.tp.all_gather_last_dim(local)
         return logits[..., : self.vocab_size].float()

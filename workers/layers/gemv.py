@@ -132,12 +132,12 @@ def _prologue(X, R, NW, cols, cmask, K, MODE: tl.constexpr, HAS_R: tl.constexpr,
 
 
 @triton.jit
-def _store_rows(Y, B, Res, SqOut, y, res, rows, rmask, pid_n, HAS_BIAS: tl.constexpr, ADD_RES: tl.constexpr):
-    """Bias, then y rounded to Y's dtype; with ADD_RES s = y + res (rounded as the unfused add)
-    in its place and this block's sum of s^2."""
+def _store_rows(X, Y, B, Res, SqOut, y, res, rows, rmask, pid_n, HAS_BIAS: tl.constexpr, ADD_RES: tl.constexpr):
+    """Bias, then y rounded to the input's dtype (as F.linear) and stored as Y's; with ADD_RES
+    s = y + res (rounded as the unfused add) in its place and this block's sum of s^2."""
     if HAS_BIAS:
         y += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
-    out = y.to(Y.dtype.element_ty)
+    out = y.to(X.dtype.element_ty).to(Y.dtype.element_ty)
     if ADD_RES:
         out = (out.to(tl.float32) + res.to(tl.float32)).to(Y.dtype.element_ty)
         sf = tl.where(rmask, out.to(tl.float32), 0.0)
@@ -278,7 +278,7 @@ def _gemv_kernel(
                 _store_rope(Y, B, KC, VC, total, cos, sin, loc, pid_n, stride_kcs, stride_kch, stride_vcs,
                             stride_vch, HAS_BIAS, HQ, HK, HALF, BLOCK_N)
             else:
-                _store_rows(Y, B, Res, SqOut, total, res, rows, rmask, pid_n, HAS_BIAS, ADD_RES)
+                _store_rows(X, Y, B, Res, SqOut, total, res, rows, rmask, pid_n, HAS_BIAS, ADD_RES)
             tl.atomic_xchg(Counters + pid_n, 0)
     else:
         if MODE == 1:
@@ -289,7 +289,7 @@ def _gemv_kernel(
             _store_rope(Y, B, KC, VC, y, cos, sin, loc, pid_n, stride_kcs, stride_kch, stride_vcs, stride_vch,
                         HAS_BIAS, HQ, HK, HALF, BLOCK_N)
         else:
-            _store_rows(Y, B, Res, SqOut, y, res, rows, rmask, pid_n, HAS_BIAS, ADD_RES)
+            _store_rows(X, Y, B, Res, SqOut, y, res, rows, rmask, pid_n, HAS_BIAS, ADD_RES)
 
 
 @triton.jit
@@ -344,16 +344,20 @@ def gemv(
     eps: float = 0.0,
     square_sums: torch.Tensor | None = None,
     rope: RopeKV | None = None,
+    out_dtype: torch.dtype | None = None,
     config: GemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [1, K] ([1, 2K] for SILU_MUL); weight: [N, K] with contiguous rows -> ([1, N],
     residual sum [1, K] for ADD_RMS with a residual, else None). NORM takes x's `square_sums`
     (from `gemv_add`) and the norm's weight. With `rope` the weight is a qkv projection's:
     the output's q and k heads come out rotated and its k and v heads are written to the
-    caches (`one_row.RopeKV`)."""
+    caches (`one_row.RopeKV`). `out_dtype` (PLAIN): y rounded to x's dtype, stored as this
+    (float32 logits without a cast kernel)."""
     if mode == NORM and square_sums is None:
         raise ValueError("gemv: NORM needs the square sums of its input row (gemv_add's)")
-    return _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, None, config, rope)
+    if out_dtype not in (None, x.dtype) and (mode != PLAIN or rope is not None):
+        raise ValueError("gemv: out_dtype is for plain products")
+    return _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, None, config, rope, out_dtype)
 
 
 def gemv_add(
@@ -373,7 +377,7 @@ def gemv_add(
     if residual.numel() != weight.shape[0] or residual.dtype != x.dtype:
         raise ValueError(f"gemv_add: residual of {residual.numel()} {residual.dtype} for {weight.shape[0]} "
                          f"{x.dtype} outputs")
-    return _launch(x, weight, bias, mode, None, None, 0.0, None, residual.contiguous(), config, None)
+    return _launch(x, weight, bias, mode, None, None, 0.0, None, residual.contiguous(), config, None, None)
 
 
 def _rope_args(rope: RopeKV | None, n: int, block_n: int, dtype: torch.dtype) -> tuple[list, dict, int]:
@@ -398,7 +402,7 @@ def _rope_args(rope: RopeKV | None, n: int, block_n: int, dtype: torch.dtype) ->
     return ptrs, dict(ROPE=True, HQ=rope.num_q_heads, HK=rope.num_kv_heads, HALF=half), block_n
 
 
-def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_to, config, rope):
+def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_to, config, rope, out_dtype):
     n, k = weight.shape
     x = x.contiguous()
     if x.shape[-1] != (2 * k if mode == SILU_MUL else k):
@@ -412,7 +416,7 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
     rope_ptrs, rope_consts, block_n = _rope_args(rope, n, cfg.block_n, x.dtype)
     if block_n != cfg.block_n:
         cfg = replace(cfg, block_n=block_n)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     has_r = mode == ADD_RMS and residual is not None
     s = torch.empty_like(x) if has_r else None
     blocks = triton.cdiv(n, cfg.block_n)

@@ -87,11 +87,13 @@ def _gemv():
     return gemv
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through `gemv` where it applies."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear (then cast to `out_dtype`), through `gemv` where it applies: one kernel."""
     if applies(x, weight):
-        return _gemv().gemv(x, weight, bias)[0]
-    return F.linear(x, weight, bias)
+        return _gemv().gemv(x, weight, bias, out_dtype=out_dtype)[0]
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
