@@ -39,6 +39,16 @@ _MASK64 = (1 << 64) - 1
 _TOPK_MAX = 1024
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B] int64 row argmax, ties to the lowest id (NaN above all, as torch): on CUDA a Triton
+    kernel that splits each row over many programs (torch's reduce takes one block a row)."""
+    if logits.is_cuda:
+        from workers import argmax_kernel  # Triton: CUDA installs only
+
+        return argmax_kernel.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def _mix64(x: int) -> int:
     """SplitMix64's finaliser: a bijection on 64-bit ints that spreads every input bit."""
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
@@ -321,12 +331,12 @@ class Sampler:
         draw_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if not draw_rows:
             # Greedy (temperature 0 or top_k 1): argmax, ties to the lowest id.
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
         if len(draw_rows) == B:
             return self._draw(logits, states)
         rows_t = self._tensor(draw_rows, torch.long)
         drawn = self._draw(logits.index_select(0, rows_t), [states[i] for i in draw_rows])
-        return logits.argmax(dim=-1).index_copy_(0, rows_t, drawn)
+        return _argmax(logits).index_copy_(0, rows_t, drawn)
 
     def _draw(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
         """One draw per row of logits [S, V] (non-greedy rows only); returns [S] ids.
@@ -368,7 +378,7 @@ class Sampler:
             probs = x.softmax(dim=-1)
             if use_min_p:
                 probs.masked_fill_(probs < min_p_t * probs.amax(dim=-1, keepdim=True), 0.0)
-            return probs.div_(noise).argmax(dim=-1)
+            return _argmax(probs.div_(noise))
 
         k_max = max(top_k)
         if k_max <= _TOPK_MAX:
@@ -384,7 +394,7 @@ class Sampler:
             probs.masked_fill_(mass_before >= top_p_t, 0.0)
         if use_min_p:
             probs.masked_fill_(probs < min_p_t * probs[:, :1], 0.0)
-        choice = probs.div_(noise.gather(1, order)).argmax(dim=-1, keepdim=True)
+        choice = _argmax(probs.div_(noise.gather(1, order))).unsqueeze(1)
         return order.gather(1, choice).squeeze(1)
 
     def _exponential_noise(self, states: list[RequestSamplingState], V: int) -> torch.Tensor:
