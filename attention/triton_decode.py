@@ -14,6 +14,11 @@ and derives its slice from it, so a replay with other lengths and page tables is
 any `num_splits` (the split count only changes how the work is spread). Programs whose slice is
 empty write nothing and are not counted; the merge reads only the slices that exist.
 
+Under programmatic dependent launch a program loads its request's length, page-table entries
+and first block of keys and values before waiting for its predecessor: only the newest token's
+K/V row (written by this layer's qkv product or RoPE kernel) and q are read after the wait, so
+the cache reads overlap the end of the qkv product (`MANTA_DECODE_EARLY=0` waits first).
+
 The log-sum-exps are kept in base 2 (scores are pre-multiplied by log2(e)) and never leave
 this module.
 """
@@ -21,6 +26,7 @@ this module.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -104,13 +110,19 @@ def _decode_stage1(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_G: tl.constexpr, CHUNK_S: tl.constexpr,
+    BLOCK_G: tl.constexpr, CHUNK_S: tl.constexpr, EARLY: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
-    pdl.wait(PDL)
+    if not EARLY:
+        pdl.wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # With EARLY, before the PDL wait: the lengths and page table (written before the forward's first
+    # kernel, which is not launched early, so complete), and the first block's keys and values
+    # except the newest token's (written by an earlier forward; the newest is written by this
+    # layer's qkv product or RoPE kernel, a predecessor). The cache reads then overlap the
+    # product's last programs; after the wait only q and one K/V row are loaded.
     seq_len = tl.load(SeqLens + b)
     start, end, per_split = split_bounds(seq_len, split, num_splits, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
@@ -121,6 +133,21 @@ def _decode_stage1(
     if start < end:
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
+        page_row = PageTable + b * stride_pb
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+        k_ptrs = K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+        v_ptrs = V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :]
+        old = mask_n & (offs_n < seq_len - 1)
+        k = tl.load(k_ptrs, mask=old[:, None] & mask_d[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=old[:, None] & mask_dv[None, :], other=0.0)
+        if EARLY:
+            pdl.wait(PDL)
+        newest = mask_n & (offs_n == seq_len - 1)
+        k = tl.where(newest[:, None], tl.load(k_ptrs, mask=newest[:, None] & mask_d[None, :], other=0.0), k)
+        v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None] & mask_dv[None, :], other=0.0), v)
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=mask_h[:, None] & mask_d[None, :],
@@ -129,8 +156,8 @@ def _decode_stage1(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-        page_row = PageTable + b * stride_pb
-        for t0 in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PREC)
+        for t0 in range(start + BLOCK_N, end, BLOCK_N):
             offs_n = t0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
@@ -140,20 +167,12 @@ def _decode_stage1(
                 mask=mask_n[:, None] & mask_d[None, :],
                 other=0.0,
             )
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            # Every block holds at least one key (t0 < end), so m_new is finite.
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
                 mask=mask_n[:, None] & mask_dv[None, :],
                 other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PREC)
         o_ptrs = MidO + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
         tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_dv[None, :])
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=mask_h)
@@ -167,8 +186,24 @@ def _decode_stage1(
                              GROUP, V_DIM, BLOCK_G, BLOCK_DV, BLOCK_S, CHUNK_S)
                 tl.atomic_xchg(Counters + b * tl.num_programs(1) + kvh, 0)
     elif MERGE and split == 0 and seq_len == 0:  # no keys: the output is 0, as stage 2 writes
+        if EARLY:
+            pdl.wait(PDL)
         o_ptrs = Out + b * stride_outb + heads[:, None] * stride_outh + offs_dv[None, :]
         tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_DV], Out.dtype.element_ty), mask=mask_h[:, None] & mask_dv[None, :])
+
+
+@triton.jit
+def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PREC: tl.constexpr):
+    """One block of keys into the online softmax: (m_i, l_i, acc) updated."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    # Every block holds at least one key, so m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -334,6 +369,7 @@ def paged_decode(
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
         DOT_PREC=dot_precision(k_cache.dtype), PDL=use_pdl, MERGE=merge,
         BLOCK_S=block_s, BLOCK_G=block_g, CHUNK_S=min(block_s, max(1, 8192 // (block_g * block_dv))),
+        EARLY=use_pdl and os.environ.get("MANTA_DECODE_EARLY") != "0",
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
     if not merge:

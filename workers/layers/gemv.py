@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -445,9 +446,21 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
     return (y, sq_out) if add_to is not None else (y, s)
 
 
+def _override(n: int, k: int) -> GemvConfig | None:
+    """`MANTA_GEMV_CONFIGS="NxK:block_n,block_k,split_k,num_warps;..."`: launches to try in a
+    whole model step (a benchmark knob; `bench_gemv` times one product alone, where a launch
+    that loads its whole slice of the weight before the PDL wait gains nothing)."""
+    for item in filter(None, os.environ.get("MANTA_GEMV_CONFIGS", "").split(";")):
+        shape, _, launch = item.partition(":")
+        if shape == f"{n}x{k}":
+            bn, bk, split, warps = (int(v) for v in launch.split(","))
+            return GemvConfig(bn, bk, split, warps, 3)
+    return None
+
+
 @functools.lru_cache(maxsize=256)
 def _logged_choice(n: int, k: int, device: torch.device, mode: int, adds: bool) -> GemvConfig:
-    cfg = choose_config(n, k, device, mode, adds)
+    cfg = _override(n, k) or choose_config(n, k, device, mode, adds)
     logger.info("one-row linear %d x %d (prologue %d%s): Triton GEMV %s (PDL %s)", n, k, mode,
                 ", adds to the residual" if adds else "", cfg, pdl.enabled(device))
     return cfg
