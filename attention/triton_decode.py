@@ -14,10 +14,13 @@ and derives its slice from it, so a replay with other lengths and page tables is
 any `num_splits` (the split count only changes how the work is spread). Programs whose slice is
 empty write nothing and are not counted; the merge reads only the slices that exist.
 
-Under programmatic dependent launch a program loads its request's length, page-table entries
-and first block of keys and values before waiting for its predecessor: only the newest token's
-K/V row (written by this layer's qkv product or RoPE kernel) and q are read after the wait, so
-the cache reads overlap the end of the qkv product (`MANTA_DECODE_EARLY=0` waits first).
+At one row (batch 1), under programmatic dependent launch, a program loads the length,
+page-table entries and first block of keys and values before waiting for its predecessor: only
+the newest token's K/V row (written in this forward by the qkv product or the RoPE kernel) and q
+are read after the wait, so the cache reads overlap the end of the qkv product
+(`MANTA_DECODE_EARLY=0` waits first). Only at one row: speculative verification replays the
+decode graphs with one row per new token (`workers.spec_runner.as_decode_rows`), where a row
+reads tokens that other rows write in the same forward; one row reads only its own newest.
 
 The log-sum-exps are kept in base 2 (scores are pre-multiplied by log2(e)) and never leave
 this module.
@@ -118,11 +121,11 @@ def _decode_stage1(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # With EARLY, before the PDL wait: the lengths and page table (written before the forward's first
-    # kernel, which is not launched early, so complete), and the first block's keys and values
-    # except the newest token's (written by an earlier forward; the newest is written by this
-    # layer's qkv product or RoPE kernel, a predecessor). The cache reads then overlap the
-    # product's last programs; after the wait only q and one K/V row are loaded.
+    # With EARLY (one row), before the PDL wait: the lengths and page table (written before the
+    # forward's first kernel, which is not launched early, so complete), and the first block's
+    # keys and values except the newest token's (written by an earlier forward; the newest is
+    # written by this layer's qkv product or RoPE kernel, a predecessor). The cache reads then
+    # overlap the product's last programs; after the wait only q and one K/V row are loaded.
     seq_len = tl.load(SeqLens + b)
     start, end, per_split = split_bounds(seq_len, split, num_splits, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
@@ -146,8 +149,11 @@ def _decode_stage1(
         if EARLY:
             pdl.wait(PDL)
         newest = mask_n & (offs_n == seq_len - 1)
-        k = tl.where(newest[:, None], tl.load(k_ptrs, mask=newest[:, None] & mask_d[None, :], other=0.0), k)
-        v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None] & mask_dv[None, :], other=0.0), v)
+        # past L1: a line loaded above may hold part of the newest row from before it was written
+        k = tl.where(newest[:, None], tl.load(k_ptrs, mask=newest[:, None] & mask_d[None, :], other=0.0,
+                                              cache_modifier=".cg"), k)
+        v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None] & mask_dv[None, :], other=0.0,
+                                              cache_modifier=".cg"), v)
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=mask_h[:, None] & mask_d[None, :],
@@ -369,7 +375,7 @@ def paged_decode(
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
         DOT_PREC=dot_precision(k_cache.dtype), PDL=use_pdl, MERGE=merge,
         BLOCK_S=block_s, BLOCK_G=block_g, CHUNK_S=min(block_s, max(1, 8192 // (block_g * block_dv))),
-        EARLY=use_pdl and os.environ.get("MANTA_DECODE_EARLY") != "0",
+        EARLY=use_pdl and batch == 1 and os.environ.get("MANTA_DECODE_EARLY") != "0",
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
     if not merge:

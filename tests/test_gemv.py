@@ -288,3 +288,10 @@ def test_float32_output_is_the_rounded_product():
     torch.testing.assert_close(y, F.linear(x.float(), w.float(), b.float()), **TOL)
     with pytest.raises(ValueError, match="plain"):
         gemv.gemv(x[:, :500].repeat(1, 4), w, mode=gemv.SILU_MUL, out_dtype=torch.float32)
+
+
+def test_launch_configs_are_checked():
+    for bad in [dict(block_n=1, block_k=64), dict(block_n=6, block_k=64), dict(block_n=4, block_k=100),
+                dict(block_n=4, block_k=64, split_k=3)]:
+        with pytest.raises(ValueError, match="power of two"):
+            gemv.GemvConfig(**bad)

@@ -64,6 +64,12 @@ class GemvConfig:
     num_stages: int = 3
     use_dot: bool = False  # tensor-core dot against x padded to 16 rows (else FMA + row sums)
 
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "split_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1) or (name == "block_n" and v < 2):
+                raise ValueError(f"GemvConfig.{name} = {v}: a power of two (block_n at least 2)")
+
 
 @functools.lru_cache(maxsize=8)
 def _num_sms(index: int) -> int:
@@ -396,7 +402,7 @@ def _rope_args(rope: RopeKV | None, n: int, block_n: int, dtype: torch.dtype) ->
     if rope.cos.shape[-1] != half or rope.positions.numel() != 1 or rope.loc.numel() != 1:
         raise ValueError("gemv: the RoPE epilogue takes one position and one slot, cos/sin of head_dim / 2")
     while block_n > 2 and half % (block_n // 2):
-        block_n //= 2
+        block_n //= 2  # (a tensor-core launch lowered under 16 rows runs FMA: `_launch`)
     kc, vc = rope.k_cache, rope.v_cache
     ptrs = [rope.positions, rope.loc, rope.cos, rope.sin, kc, vc,
             rope.cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1)]
@@ -416,7 +422,7 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
                          "which overflows float16")
     rope_ptrs, rope_consts, block_n = _rope_args(rope, n, cfg.block_n, x.dtype)
     if block_n != cfg.block_n:
-        cfg = replace(cfg, block_n=block_n)
+        cfg = replace(cfg, block_n=block_n, use_dot=cfg.use_dot and block_n >= 16)
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     has_r = mode == ADD_RMS and residual is not None
     s = torch.empty_like(x) if has_r else None

@@ -5,10 +5,10 @@ Each takes the unfused path's arguments and runs one `workers.layers.gemv` kerne
 torch ops the CPU path and larger batches use. This module imports no Triton: the kernel module
 is imported on the first CUDA call.
 
-Without tensor parallelism a decoder layer also keeps its residual stream in the products:
-o_proj and down_proj add their output to it and sum its squares (`linear_add` -> `Summed`),
-and the next qkv or gate/up product normalises with those sums (`norm_linear`), so no kernel
-reads the whole row for a norm (`MANTA_GEMV_ADD=0` turns this part off for comparisons).
+Without tensor parallelism down_proj also adds its output to the residual stream and sums its
+squares (`linear_add` -> `Summed`), and the next layer's qkv product normalises with those sums
+(`norm_linear`) instead of reading the whole row in every program (`MANTA_GEMV_ADD=0` turns this
+off for comparisons; o_proj's add stays in the norm kernel before gate/up, measured faster).
 """
 
 from __future__ import annotations

@@ -201,7 +201,8 @@ class RotaryEmbedding(nn.Module):
         k_cache, v_cache = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
         if not (k_cache.dtype == v_cache.dtype == dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
                 and k_cache.shape[1:] == v_cache.shape[1:] == (num_kv_heads, head_dim)
-                and self.cos_cache.shape[-1] * 2 == head_dim and store.loc.numel() == 1):
+                and self.cos_cache.shape[-1] * 2 == head_dim and self.cos_cache.is_contiguous()
+                and store.loc.numel() == 1):
             return None
         pool.write_count += 1
         return RopeKV(positions, store.loc, self.cos_cache, self.sin_cache, k_cache, v_cache, num_q_heads,
