@@ -114,26 +114,43 @@ def _load_tile(w_rows, cols, live, k_hi, rmask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _prologue(X, R, NW, cols, cmask, K, MODE: tl.constexpr, HAS_R: tl.constexpr, EVEN: tl.constexpr):
-    """(the prologue's value at `cols` in float32, its squares for ADD_RMS)."""
+def _prologue_load(X, R, NW, cols, cmask, K, MODE: tl.constexpr, HAS_R: tl.constexpr):
+    """The prologue's inputs at `cols` as loaded (three tensors; unused ones repeat the first):
+    requested an iteration ahead of their use, like the weights (see `_gemv_kernel`)."""
+    a = tl.load(X + cols, mask=cmask, other=0.0)
+    b = a
+    c = a
+    if MODE == 2:  # SILU_MUL: gate, up
+        b = tl.load(X + K + cols, mask=cmask, other=0.0)
+    elif MODE == 1:  # ADD_RMS: x, residual, norm weight
+        if HAS_R:
+            b = tl.load(R + cols, mask=cmask, other=0.0)
+        c = tl.load(NW + cols, mask=cmask, other=0.0)
+    elif MODE == 3:  # NORM: the row, norm weight
+        c = tl.load(NW + cols, mask=cmask, other=0.0)
+    return a, b, c
+
+
+@triton.jit
+def _prologue(a, b, c, MODE: tl.constexpr, HAS_R: tl.constexpr):
+    """(the prologue's value in float32, its squares for ADD_RMS) from `_prologue_load`'s."""
     if MODE == 2:  # SILU_MUL, rounded as silu(gate) * up in the input dtype
-        g = _load(X + cols, cmask, EVEN)
-        u = _load(X + K + cols, cmask, EVEN)
-        a = (g.to(tl.float32) * tl.sigmoid(g.to(tl.float32))).to(g.dtype)
-        xv = (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+        g = a.to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(a.dtype)
+        xv = (s.to(tl.float32) * b.to(tl.float32)).to(a.dtype).to(tl.float32)
         sq = tl.zeros_like(xv)
     elif MODE == 1:  # ADD_RMS
-        x = _load(X + cols, cmask, EVEN)
+        x = a
         if HAS_R:
-            x = (x.to(tl.float32) + _load(R + cols, cmask, EVEN).to(tl.float32)).to(x.dtype)
+            x = (a.to(tl.float32) + b.to(tl.float32)).to(a.dtype)
         s = x.to(tl.float32)
         sq = s * s
-        xv = s * _load(NW + cols, cmask, EVEN).to(tl.float32)
+        xv = s * c.to(tl.float32)
     elif MODE == 3:  # NORM: the row's squares were summed by the product that wrote it
-        xv = _load(X + cols, cmask, EVEN).to(tl.float32) * _load(NW + cols, cmask, EVEN).to(tl.float32)
+        xv = a.to(tl.float32) * c.to(tl.float32)
         sq = tl.zeros_like(xv)
     else:
-        xv = _load(X + cols, cmask, EVEN).to(tl.float32)
+        xv = a.to(tl.float32)
         sq = tl.zeros_like(xv)
     return xv, sq
 
@@ -197,7 +214,7 @@ def _gemv_kernel(
     ROPE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, AHEAD: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -240,10 +257,19 @@ def _gemv_kernel(
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     sq = tl.zeros([BLOCK_K], tl.float32)
+    # The prologue's inputs are requested an iteration ahead too: each iteration then waits
+    # for one round trip (the weights'), not two in a row (the input's, then the weights').
+    p0, p1, p2 = _prologue_load(X, R, NW, k_lo + offs_k, k_lo + offs_k < k_hi, K, MODE, HAS_R)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + offs_k
         w_next = _load_tile(w_rows, cols + BLOCK_K, k0 + BLOCK_K < k_hi, k_hi, rmask, EVEN_N and EVEN_K)
-        xv, sq_k = _prologue(X, R, NW, cols, cols < k_hi, K, MODE, HAS_R, EVEN_K)
+        if AHEAD:
+            n0, n1, n2 = _prologue_load(X, R, NW, cols + BLOCK_K, cols + BLOCK_K < k_hi, K, MODE, HAS_R)
+        else:  # MANTA_GEMV_AHEAD=0 (a benchmark knob): requested where used
+            p0, p1, p2 = _prologue_load(X, R, NW, cols, cols < k_hi, K, MODE, HAS_R)
+        xv, sq_k = _prologue(p0, p1, p2, MODE, HAS_R)
+        if AHEAD:
+            p0, p1, p2 = n0, n1, n2
         sq += sq_k
         if USE_DOT:
             xt = tl.where(pad_rows[:, None] == 0, xv[None, :], 0.0).to(w.dtype)
@@ -447,7 +473,8 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
         ADD_RES=add_to is not None, SQ_BLOCK=triton.next_power_of_2(n_sq), **rope_consts,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
-        PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
+        PDL=use_pdl, AHEAD=os.environ.get("MANTA_GEMV_AHEAD") != "0",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
     )
     return (y, sq_out) if add_to is not None else (y, s)
 
