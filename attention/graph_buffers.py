@@ -99,9 +99,12 @@ class GraphMetadataBuffers:
         )
 
     def _fill_static(self, bs: int, forward_batch: ForwardBatch) -> AttentionMetadata:
-        """Build this step's metadata with the one builder and copy it into the buffers the
-        captured kernels read."""
-        meta = build_attention_metadata(forward_batch, self.page_size, with_token_table=not self._in_graph)
+        """Build this step's metadata with the one builder, into the buffers the captured
+        kernels read (a decode batch on CUDA: written in place; else copied)."""
+        view = self._graph_view(bs)
+        meta = build_attention_metadata(forward_batch, self.page_size, with_token_table=not self._in_graph, into=view)
+        if meta.cache_seqlens_int32.data_ptr() == view.cache_seqlens_int32.data_ptr():
+            return meta
         st = self._static
         assert st is not None
         st.cache_seqlens_int32[:bs].copy_(meta.cache_seqlens_int32)

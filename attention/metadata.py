@@ -59,15 +59,23 @@ def encoder_columns(encoder_lens_cpu: list[int], page_size: int) -> list[int]:
     return [round_up(e, page_size) for e in encoder_lens_cpu]
 
 
-def build_attention_metadata(fb: ForwardBatch, page_size: int, *, with_token_table: bool = True) -> AttentionMetadata:
+def build_attention_metadata(fb: ForwardBatch, page_size: int, *, with_token_table: bool = True,
+                             into: AttentionMetadata | None = None) -> AttentionMetadata:
     """The one builder of attention metadata for every mode, eager or graph replay.
 
     `with_token_table=False` builds the page table straight from the request table's page columns
     and no token table: what a decode graph reads, at 1/page_size of the gather (a decode graph
-    whose metadata is filled inside the graph gathers its whole static width every step)."""
+    whose metadata is filled inside the graph gathers its whole static width every step).
+
+    `into` (a graph's static buffers, `attention.graph_buffers`): where a decode batch without a
+    token table on CUDA is written in place by one kernel (`attention.decode_metadata_kernel`);
+    the result then holds `into`'s tensors. Elsewhere the caller copies the result into them."""
     assert fb.req_to_token_pool is not None
     device = fb.seq_lens.device
     bs = fb.batch_size
+    if (into is not None and not with_token_table and fb.forward_mode.is_decode() and fb.encoder_lens is None
+            and device.type == "cuda"):
+        return _decode_in_place(fb, page_size, into)
     if fb.forward_mode.is_decode():
         extend_cpu = [1] * bs
         extend = torch.ones(bs, dtype=torch.int32, device=device)
@@ -131,3 +139,29 @@ def build_attention_metadata(fb: ForwardBatch, page_size: int, *, with_token_tab
         cache_seqlens_cpu=cache_cpu,
         **enc_fields,
     )
+
+
+def _decode_in_place(fb: ForwardBatch, page_size: int, into: AttentionMetadata) -> AttentionMetadata:
+    """`build_attention_metadata` of a decode batch (page table only) written into `into`'s
+    tensors by one kernel: the same values as the torch ops above (tests/test_gpu_kernels.py)."""
+    from attention.decode_metadata_kernel import fill_decode_metadata  # Triton: CUDA installs only
+
+    assert fb.req_to_token_pool is not None
+    bs = fb.batch_size
+    cache_cpu = fb.seq_lens_cpu.tolist()
+    max_k = max(cache_cpu) if cache_cpu else 0
+    pages = (max(max_k, 1) + page_size - 1) // page_size
+    meta = AttentionMetadata(
+        cache_seqlens_int32=into.cache_seqlens_int32[:bs],
+        cu_seqlens_q=into.cu_seqlens_q[: bs + 1],
+        cu_seqlens_k=into.cu_seqlens_k[: bs + 1],
+        max_seqlen_q=1 if bs else 0,
+        max_seqlen_k=max_k,
+        token_table=None,
+        page_table=into.page_table[:bs, :pages],
+        extend_seq_lens_cpu=[1] * bs,
+        cache_seqlens_cpu=cache_cpu,
+    )
+    fill_decode_metadata(fb.seq_lens, fb.req_pool_indices, fb.req_to_token_pool.req_to_token, page_size, pages,
+                         meta.cache_seqlens_int32, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.page_table)
+    return meta

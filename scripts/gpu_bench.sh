@@ -26,6 +26,7 @@ for s in $stages; do
         $M bench offline --model /tmp/dsv2 $F --tp 2 --num-prompts 64 --input-len 512 --output-len 128 \
           --out "$OUT/dsv2_offline_tp2.json" ;;
     tests) python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_rope_store.py tests/test_gemv.py tests/test_argmax_kernel.py \
+             tests/test_decode_prep_kernels.py tests/test_sampler.py \
              tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_speculative.py \
              tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py 2>&1 | grep -v "Warning\|warn" \
              | tee "$OUT/tests.log" ;;

@@ -373,12 +373,21 @@ def test_logprobs_of_masked_tokens_are_floored(device):
     assert out.logprobs[0].top[-1] == (0, LOGPROB_FLOOR)
 
 
-def test_sampler_leaves_the_callers_logits_alone(device):
-    logits = torch.randn(2, 12, device=device)
+@pytest.mark.parametrize("masking", [True, False])
+def test_sampler_leaves_the_callers_logits_alone(device, masking):
+    """With penalties or min_tokens (masked in place, on a copy) and without (float32 logits
+    read as they are: greedy, a truncated draw and logprobs must not write to them)."""
+    logits = torch.randn(3, 12, device=device)
     before = logits.clone()
-    states = [st(output=[1, 1], temperature=0.8, top_p=0.5, frequency_penalty=1.0), st(min_tokens=2)]
-    Sampler(12, device, eos_token_ids={3}).sample(logits, states)
+    if masking:
+        states = [st(output=[1, 1], temperature=0.8, top_p=0.5, frequency_penalty=1.0), st(min_tokens=2), st()]
+    else:
+        states = [st(output=[1, 1], temperature=0.8, top_p=0.5, min_p=0.1), st(temperature=0.0, logprobs=3),
+                  st(temperature=1.0, top_k=4, seed=5)]
+    out = Sampler(12, device, eos_token_ids={3}).sample(logits, states)
     assert torch.equal(logits, before)
+    if not masking:
+        assert out.token_ids[1] == int(before[1].argmax())
 
 
 @pytest.mark.gpu

@@ -106,13 +106,20 @@ class CudaGraphRunner:
         input_ids = fb.input_ids
         if self.metadata_in_graph:
             # The new tokens' slots in the request table, before the attention reads it (a
-            # batch built elsewhere wrote them already: the same values again).
-            r.req_to_token_pool.req_to_token[fb.req_pool_indices, fb.positions] = fb.out_cache_loc.to(torch.int32)
-            last_token = getattr(r, "last_token", None)  # the draft model has none
-            if last_token is not None:
-                # Overlapped scheduling: a decode planned before its input was sampled reads its
-                # row's last sampled token (cluster/scheduler.py's placeholder).
-                input_ids = torch.where(input_ids < 0, last_token[fb.req_pool_indices], input_ids)
+            # batch built elsewhere wrote them already: the same values again); overlapped
+            # scheduling: a decode planned before its input was sampled reads its row's last
+            # sampled token (cluster/scheduler.py's placeholder). The draft model has none.
+            req_to_token = r.req_to_token_pool.req_to_token
+            last_token = getattr(r, "last_token", None)
+            if input_ids.is_cuda:  # one kernel for the five torch ops below
+                from workers.decode_inputs_kernel import prepare_decode_inputs  # Triton: CUDA only
+
+                input_ids = prepare_decode_inputs(input_ids, fb.positions, fb.req_pool_indices, fb.out_cache_loc,
+                                                  req_to_token, last_token)
+            else:
+                req_to_token[fb.req_pool_indices, fb.positions] = fb.out_cache_loc.to(torch.int32)
+                if last_token is not None:
+                    input_ids = torch.where(input_ids < 0, last_token[fb.req_pool_indices], input_ids)
             r.attn_backend.init_forward_metadata_capture_cuda_graph(bs, bs, fb)
         hidden = r.model(input_ids, fb.positions, fb)
         return hidden, r.model.compute_logits(hidden)

@@ -203,10 +203,12 @@ class Sampler:
             raise ValueError(f"logits must be [{B}, >= {V}], got {list(logits.shape)}")
         if B == 0:
             return PendingSample(torch.empty(0, dtype=torch.long, device=self.device), [], [], None)
-        # The slice drops the padded vocabulary, so ids >= vocab_size can never be chosen; the
-        # copy makes the in-place masking below safe for the caller's tensor.
-        logits = logits[:, :V].to(torch.float32, copy=True).contiguous()
+        # The slice drops the padded vocabulary, so ids >= vocab_size can never be chosen. The
+        # penalties and min_tokens mask in place: then a copy keeps the caller's tensor intact
+        # (else nothing below writes to it, and a float32 row, as a decode graph's, is read as is).
         params = [s.params for s in states]
+        masks = any(p.needs_penalties or len(s.output_ids) < p.min_tokens for p, s in zip(params, states))
+        logits = logits[:, :V].to(torch.float32, copy=masks).contiguous()
 
         self._apply_penalties(logits, states)
         self._apply_min_tokens(logits, states)
