@@ -16,6 +16,7 @@ That build asks for the page table alone (decode kernels read nothing else).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,7 +103,9 @@ class GraphMetadataBuffers:
         """Build this step's metadata with the one builder, into the buffers the captured
         kernels read (a decode batch on CUDA: written in place; else copied)."""
         view = self._graph_view(bs)
-        meta = build_attention_metadata(forward_batch, self.page_size, with_token_table=not self._in_graph, into=view)
+        in_place = os.environ.get("MANTA_DECODE_PREP") != "0"  # a benchmark knob: "0" copies
+        meta = build_attention_metadata(forward_batch, self.page_size, with_token_table=not self._in_graph,
+                                        into=view if in_place else None)
         if meta.cache_seqlens_int32.data_ptr() == view.cache_seqlens_int32.data_ptr():
             return meta
         st = self._static

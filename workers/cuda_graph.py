@@ -21,6 +21,7 @@ length on the host, so it runs before each replay (`init_forward_metadata_replay
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -111,7 +112,7 @@ class CudaGraphRunner:
             # sampled token (cluster/scheduler.py's placeholder). The draft model has none.
             req_to_token = r.req_to_token_pool.req_to_token
             last_token = getattr(r, "last_token", None)
-            if input_ids.is_cuda:  # one kernel for the five torch ops below
+            if input_ids.is_cuda and os.environ.get("MANTA_DECODE_PREP") != "0":  # one kernel, the five torch ops below
                 from workers.decode_inputs_kernel import prepare_decode_inputs  # Triton: CUDA only
 
                 input_ids = prepare_decode_inputs(input_ids, fb.positions, fb.req_pool_indices, fb.out_cache_loc,
