@@ -136,3 +136,20 @@ def test_strided_rows():
 
 def test_empty_batch():
     assert argmax_rows(torch.empty(0, 5000, device=DEVICE)).shape == (0,)
+
+
+@pytest.mark.parametrize("cols", [128256, 102400, 1000, 5])
+def test_warm_up_covers_every_launch_variant(cols):
+    """Every row count up to the bound launches a variant `warm_up` compiled: the same SPLIT and
+    power-of-two split count as one of `variant_rows`'s row counts."""
+    import triton
+
+    from workers.argmax_kernel import BLOCK, MAX_PROGRAMS, _split, variant_rows
+
+    def variant(rows):
+        s = _split(rows, cols, BLOCK, MAX_PROGRAMS)[1]
+        return s > 1, triton.next_power_of_2(s)
+
+    warmed = variant_rows(300, cols)
+    assert warmed == sorted(set(warmed)) and warmed[0] == 1
+    assert {variant(r) for r in range(1, 301)} == {variant(r) for r in warmed}

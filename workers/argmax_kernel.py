@@ -102,6 +102,24 @@ def _split(rows: int, cols: int, block: int, max_programs: int) -> tuple[int, in
     return chunk, triton.cdiv(cols, chunk)
 
 
+def variant_rows(max_rows: int, cols: int, block: int = BLOCK, max_programs: int = MAX_PROGRAMS) -> list[int]:
+    """The fewest rows of each distinct compiled launch (`SPLIT`, `S_P2`) that a [rows, cols]
+    argmax with 1 <= rows <= max_rows takes: what `warm_up` runs."""
+    seen: dict[tuple[bool, int], int] = {}
+    for rows in range(1, max_rows + 1):
+        _, s = _split(rows, cols, block, max_programs)
+        seen.setdefault((s > 1, triton.next_power_of_2(s)), rows)
+    return sorted(seen.values())
+
+
+def warm_up(device: torch.device, cols: int, max_rows: int) -> None:
+    """Compile every launch variant of [<= max_rows, cols] float32 argmaxes now: the split
+    depends on the row count, and a compile met in a serving step (~0.5 s on a slow host)
+    stalls every request of that step."""
+    for rows in variant_rows(max_rows, cols):
+        argmax_rows(torch.zeros(rows, cols, dtype=torch.float32, device=device))
+
+
 def argmax_rows(logits: torch.Tensor, *, block: int = BLOCK, max_programs: int = MAX_PROGRAMS) -> torch.Tensor:
     """int64 [B]: `torch.argmax(logits, dim=-1)` of a 2-D float32/bf16/fp16 tensor whose rows
     may have any stride (e.g. `logits[:, :V]`). `block` (a power of two) and `max_programs`

@@ -168,6 +168,8 @@ class ModelRunner:
             self.graph_runner.capture()
         if self.drafter is not None:
             self.drafter.attach()
+        if self.sampler is not None and not self.serving.is_embedding:
+            self.sampler.warm_up(CudaGraphRunner.most_rows(opts))
         # Embedding requests (rid -> pooling accumulated over their prefill pieces).
         self.pooling_states: dict[str, PoolingState] = {}
 

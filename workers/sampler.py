@@ -161,6 +161,14 @@ class Sampler:
         # depends on the seed alone.
         self._seeded_gen = torch.Generator(device=self.device)
 
+    def warm_up(self, max_rows: int) -> None:
+        """On CUDA, compile the argmax launches of every batch up to `max_rows` rows at
+        start-up, not in the first serving steps that meet them."""
+        if self.device.type == "cuda":
+            from workers import argmax_kernel  # Triton: CUDA installs only
+
+            argmax_kernel.warm_up(self.device, self.vocab_size, max_rows)
+
     # -- host-side helpers ------------------------------------------------------------------
 
     def _upload(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
