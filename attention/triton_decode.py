@@ -99,7 +99,13 @@ def split_bounds(seq_len, split_id, num_splits, BLOCK_N: tl.constexpr):
     return start, end, per_split
 
 
-@triton.jit
+# Arguments that vary from step to step outside CUDA graphs (the split count and the eager page
+# table's width): not specialised on (Triton compiles a variant per value that is 1 or a multiple
+# of 16), so an eager step meets the variants the graphs compiled, not a ~1.3 s compile.
+VARYING = ["num_splits", "stride_pb", "stride_lb", "stride_lh"]
+
+
+@triton.jit(do_not_specialize=VARYING)
 def _decode_stage1(
     Q, K, V, PageTable, SeqLens, MidO, MidLse, Out, Counters,
     sm_scale_log2, num_splits,
@@ -248,7 +254,7 @@ def _merge_heads(MidO, MidLse, Out, b, kvh, n_active,
              out.to(Out.dtype.element_ty), mask=mask_g[:, None] & mask_dv[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])
 def merge_splits_kernel(
     MidO, MidLse, SeqLens, Out,
     num_splits,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.triton_decode import LOG2E, choose_num_splits, dot_precision, merge_splits, split_bounds
+from attention.triton_decode import LOG2E, VARYING, choose_num_splits, dot_precision, merge_splits, split_bounds
 from workers.layers import pdl
 
 # Tokens per latent block (a [BLOCK_N, L] bf16 tile is 32 KB at L = 512; float32 caches take
@@ -23,7 +23,7 @@ MLA_BLOCK_N = 32
 MLA_BLOCK_H = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING)
 def _mla_stage1(
     Q, KV, PageTable, SeqLens, MidO, MidLse,
     sm_scale_log2, num_heads, num_splits,
