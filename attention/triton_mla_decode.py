@@ -14,7 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.triton_decode import LOG2E, VARYING, choose_num_splits, dot_precision, merge_splits, split_bounds
+from attention.triton_decode import (
+    LOG2E,
+    VARYING,
+    choose_num_splits,
+    dot_precision,
+    merge_splits,
+    split_bounds,
+)
 from workers.layers import pdl
 
 # Tokens per latent block (a [BLOCK_N, L] bf16 tile is 32 KB at L = 512; float32 caches take
