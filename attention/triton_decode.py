@@ -102,7 +102,8 @@ def split_bounds(seq_len, split_id, num_splits, BLOCK_N: tl.constexpr):
 # Arguments that vary from step to step outside CUDA graphs (the split count and the eager page
 # table's width): not specialised on (Triton compiles a variant per value that is 1 or a multiple
 # of 16), so an eager step meets the variants the graphs compiled, not a ~1.3 s compile.
-VARYING = ["num_splits", "stride_pb", "stride_lb", "stride_lh"]
+# (`MANTA_DECODE_SPECIALIZE=1`, a benchmark knob, specialises on them again.)
+VARYING = [] if os.environ.get("MANTA_DECODE_SPECIALIZE") == "1" else ["num_splits", "stride_pb", "stride_lb", "stride_lh"]
 
 
 @triton.jit(do_not_specialize=VARYING)
@@ -254,7 +255,7 @@ def _merge_heads(MidO, MidLse, Out, b, kvh, n_active,
              out.to(Out.dtype.element_ty), mask=mask_g[:, None] & mask_dv[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])
+@triton.jit(do_not_specialize=[v for v in VARYING if v != "stride_pb"])
 def merge_splits_kernel(
     MidO, MidLse, SeqLens, Out,
     num_splits,
