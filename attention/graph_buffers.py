@@ -10,7 +10,9 @@ With `metadata_in_graph` the capture hook runs inside the graph capture: the bui
 and the copies into the buffers are recorded with the model and run at every replay from the
 graph's static inputs (over the buffers' whole width: the kernels mask by the lengths), so a
 step costs the host one input copy and one graph launch, and the replay hook is never called.
-That build asks for the page table alone (decode kernels read nothing else).
+That build asks for the page table alone (decode kernels read nothing else), and on CUDA the
+builder writes a decode batch straight into the buffers in one kernel (`into`), so a replay
+runs no copies.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ they touch no live page.
 
 Metadata in the graph (every model but encoder-decoder ones): the graph itself records the new
 tokens' slots in the request table, resolves overlapped-scheduling placeholders from the
-runner's `last_token`, and fills the attention backend's static metadata buffers with the one
-builder (`build_attention_metadata`, as in eager mode; the backend's capture hook is called
+runner's `last_token` (on CUDA one kernel, `workers.decode_inputs_kernel`), and fills the
+attention backend's static metadata buffers with the one builder (`build_attention_metadata`,
+as in eager mode, which on CUDA writes them in one kernel; the backend's capture hook is called
 inside the capture). A decode step then costs the host one pinned copy of its [5, size] inputs
 (`stage_decode`, built straight from the plan) and one graph launch: on a slow host the ~30
 small copies and gathers a step needed before ran longer than the GPU's work at batch 1.
