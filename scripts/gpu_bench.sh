@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs quoted in BENCHMARKS.md, on a device with torch + triton + transformers
 # (no install: run from the repository root). Stages: build tests sweep gemv profile l8 l8ab l8serial l8serve dsv2 spec specid
-# l8tp2 dsv2tp2
+# l8tp2 dsv2tp2 compiles
 # (default: all but l8serial and the two-GPU l8tp2 dsv2tp2). Each writes JSON to ${OUT:-/tmp/out}; models are built once under
 # /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
 set -uo pipefail
@@ -30,6 +30,7 @@ for s in $stages; do
              tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_speculative.py \
              tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py 2>&1 | grep -v "Warning\|warn" \
              | tee "$OUT/tests.log" ;;
+    compiles) python3 scripts/compiles_after_start.py llama; python3 scripts/compiles_after_start.py deepseek_v2 ;;
     sweep) python3 -m attention.bench_kernels --sweep 2>&1 | tee "$OUT/decode_sweep.txt" ;;
     gemv) python3 -m workers.layers.bench_gemv --out "$OUT/gemv_sweep.json" 2>&1 | grep -v Warning ;;
     l8ab) build /tmp/l8 --preset llama-3.1-8b  # batch 1 with the one-row kernels / PDL switched off

@@ -24,7 +24,10 @@ import triton.language as tl
 from workers.layers import fused, pdl
 
 
-@triton.jit
+# Each program loads one position and one slot: their alignment does not matter, and not
+# specialising on it keeps an eager prefill (positions at any offset of the step's packed input
+# buffer) on the variant the decode graphs compiled, not a compile at the first odd-length prompt.
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "loc_ptr"])
 def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, loc_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
