@@ -143,7 +143,7 @@ def build_attention_metadata(fb: ForwardBatch, page_size: int, *, with_token_tab
 
 def _decode_in_place(fb: ForwardBatch, page_size: int, into: AttentionMetadata) -> AttentionMetadata:
     """`build_attention_metadata` of a decode batch (page table only) written into `into`'s
-    tensors by one kernel: the same values as the torch ops above (tests/test_gpu_kernels.py)."""
+    tensors by one kernel: the same values as the torch ops above (tests/test_decode_prep_kernels.py)."""
     from attention.decode_metadata_kernel import fill_decode_metadata  # Triton: CUDA installs only
 
     assert fb.req_to_token_pool is not None
