@@ -243,9 +243,9 @@ def _log_replica(name: str, info: dict, strategy: str, nic: str | None) -> None:
     """Where a replica's TP ranks landed and which attention kernels they run."""
     group = info["group"]
     kv_tokens = (info["kv_pages"] - 1) * info["page_size"]  # page 0 is reserved
-    logger.info("replica %s ready: tp=%d, placement %s%s, compiled graph %s, attention %s, KV cache %d tokens "
+    logger.info("replica %s ready: tp=%d, placement %s%s, step channel %s, attention %s, KV cache %d tokens "
                 "(%d pages of %d)", name, info["tp_size"], strategy, f", nic {nic}" if nic else "",
-                "on" if group.get("compiled_graph") else "off", info["attention"], kv_tokens,
+                group.get("step_channel", "in-process"), info["attention"], kv_tokens,
                 info["kv_pages"] - 1, info["page_size"])
     for r in group.get("ranks", []):
         logger.info("  %s rank %d: node %s ip %s pid %s gpus %s", name, r["rank"], str(r["node_id"])[:12],

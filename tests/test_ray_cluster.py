@@ -36,7 +36,7 @@ def test_tp2_ray_actors_equal_tp1_and_transformers(ray_local, tmp_path_factory, 
     group = RayWorkerGroup(RunnerOptions(model=str(d), page_size=4), 2, name=f"tp-test-{kv_heads}")
     try:
         engine = Engine(config, workers=group)
-        assert engine.overlap  # launch/collect as OverlapCalls through the compiled graph
+        assert engine.overlap  # launch/collect as OverlapCalls through the step channel
         tp2 = run_staggered(engine, PROMPTS, greedy())
     finally:
         group.shutdown()

@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from workers.group import RemoteOverlap, WorkerGroup
 from workers.messages import OverlapCall, StepPlan, StepResult
 from workers.model_runner import RunnerOptions
+from workers.step_channel import RankFailed, StepChannel
 from workers.worker import RankWorker
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
         cpus_per_rank: float = 1.0,
         name: str = "replica",
         ready_timeout_s: float = 300.0,
-        compiled_graph: bool = True,
     ):
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement strategy must be one of {PLACEMENT_STRATEGIES}")
@@ -77,56 +77,33 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
         # One never-returning call per rank: it fails the moment its actor dies.
         self.hold_refs = [w.hold.remote() for w in self.workers]
         self._dead: str | None = None
-        # A Ray compiled graph sends each plan to every rank over shared-memory channels:
-        # ~0.3 ms per step instead of ~2 ms for .remote() + ray.get (measured, BENCHMARKS.md).
-        self._cdag = self._compile() if compiled_graph else None
+        # Steps travel over one TCP connection per rank (workers/step_channel.py says why not a
+        # Ray compiled graph); the ranks connect to this process on Ray's address of its node.
+        self.channel = StepChannel(ray.util.get_node_ip_address(), tp_size)
+        ray.get([w.connect_steps.remote(self.channel.address, self.channel.token) for w in self.workers])
+        self.channel.accept(timeout_s=60)
         self._init_overlap(opts)
-
-    def _compile(self):
-        try:
-            from ray.dag import InputNode, MultiOutputNode
-
-            with InputNode() as plan:
-                dag = MultiOutputNode([w.execute.bind(plan) for w in self.workers])
-            return dag.experimental_compile()
-        except Exception:
-            logger.exception("compiled graph unavailable; driving ranks with .remote()")
-            return None
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self._wait(self._submit(plan))
 
-    def _submit(self, msg: StepPlan | OverlapCall):
+    def _submit(self, msg: StepPlan | OverlapCall) -> None:
         if self._dead:
             raise WorkerDied(self._dead)
-        if self._cdag is not None:
-            try:
-                return True, self._cdag.execute(msg)
-            except ray.exceptions.RayError as exc:
-                self._dead = f"a TP rank failed: {type(exc).__name__}: {exc}"
-                raise WorkerDied(self._dead) from exc
-        return False, [w.execute.remote(msg) for w in self.workers]
-
-    def _wait(self, handle) -> StepResult | None:
-        if self._dead:
-            raise WorkerDied(self._dead)
-        compiled, refs = handle
-        if compiled:  # one compiled-graph ref per rank
-            try:
-                return ray.get(refs)[0]
-            except ray.exceptions.RayError as exc:
-                self._dead = f"a TP rank failed: {type(exc).__name__}: {exc}"
-                raise WorkerDied(self._dead) from exc
-        pending = list(refs)
         try:
-            # Surface the first failure at once rather than waiting on a rank blocked in a
-            # collective with a dead peer.
-            while pending:
-                ready, pending = ray.wait(pending, num_returns=1)
-                ray.get(ready[0])
-            return ray.get(refs[0])
-        except ray.exceptions.RayActorError as exc:
-            self._dead = f"a TP rank died: {exc}"
+            self.channel.send(msg)
+        except RankFailed as exc:
+            self._dead = f"a TP rank failed: {exc}"
+            raise WorkerDied(self._dead) from exc
+
+    def _wait(self, handle: None) -> StepResult | None:
+        """The replies to the oldest message sent (the channel keeps them in order)."""
+        if self._dead:
+            raise WorkerDied(self._dead)
+        try:
+            return self.channel.recv()
+        except RankFailed as exc:
+            self._dead = f"a TP rank failed: {exc}"
             raise WorkerDied(self._dead) from exc
 
     def wait_for_death(self, timeout: float | None = None) -> str | None:
@@ -143,16 +120,12 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
             return self._dead
 
     def describe(self) -> dict:
-        return {"kind": "ray", "tp_size": self.tp_size, "compiled_graph": self._cdag is not None,
+        return {"kind": "ray", "tp_size": self.tp_size, "step_channel": "tcp",
                 "attention": self.attention, "ranks": self.placements}
 
     def shutdown(self) -> None:
-        if self._cdag is not None:
-            try:
-                self._cdag.teardown()
-            except Exception:
-                pass
-            self._cdag = None
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()  # each rank's step loop ends
         for w in self.workers:
             try:
                 w.shutdown.remote()

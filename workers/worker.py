@@ -103,6 +103,13 @@ class RankWorker:
         self.runner.launch(msg.plan)
         return self.runner.take_ready()
 
+    def connect_steps(self, address: tuple[str, int], token: bytes) -> None:
+        """Connect to the replica's step channel; from now on `execute` runs on its thread
+        for every message the replica sends (workers/step_channel.py)."""
+        from workers.step_channel import serve_rank
+
+        serve_rank(tuple(address), token, self.rank, self.execute, self._stop)
+
     def kv_store_stats(self) -> dict | None:
         """This rank's KV store client and host-tier counters (None: no store). Runs beside
         execute() on the actor's second thread: it only reads counters."""
