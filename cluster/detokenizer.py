@@ -3,11 +3,19 @@
 Text is emitted only once it is final: bytes of an unfinished UTF-8 character (decoded as
 U+FFFD) are held back, and so is any tail that could still grow into a stop string. When a
 stop string appears the text is cut right before it, and nothing after it is ever emitted.
+
+Two ways to turn tokens into text, the same text either way: where the tokenizer decodes by
+concatenating per-token bytes (`cluster/token_bytes.py` proves it at start-up), each token is
+a table lookup fed to an incremental UTF-8 decoder (~1 µs); otherwise the new tokens are
+decoded with a few tokens of context by the tokenizer itself, twice per call (~20-40 µs). The
+engine detokenizes on its own thread at every step, so this is on the serving path's budget.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from cluster.token_bytes import TextDecoder, TokenBytes, token_bytes
 
 # How many already-decoded tokens to re-decode with the new ones, so that tokenizers which
 # merge spaces or bytes across tokens decode each new piece in context.
@@ -24,15 +32,20 @@ class DetokState:
     emitted: int = 0  # characters of `text` already handed out
     read_offset: int = 0  # tokens of token_ids whose text is in `text`
     stopped: bool = False
+    utf8: TextDecoder | None = None  # the byte-table path's incremental decoder
 
 
 class Detokenizer:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, table: TokenBytes | None | bool = True):
+        """table: the tokenizer's byte table; True: build it (None if it cannot be proven);
+        None or False: always decode with the tokenizer."""
         self.tokenizer = tokenizer
+        self.bytes: TokenBytes | None = token_bytes(tokenizer) if table is True else (table or None)
 
     def new_state(self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool) -> DetokState:
         return DetokState(stop=stop, skip_special_tokens=skip_special_tokens,
-                          prompt_tail=list(prompt_ids[-_CONTEXT_TOKENS:]))
+                          prompt_tail=list(prompt_ids[-_CONTEXT_TOKENS:]),
+                          utf8=self.bytes.decoder(skip_special_tokens) if self.bytes else None)
 
     def _decode(self, ids: list[int], skip: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
@@ -44,6 +57,8 @@ class Detokenizer:
         if st.stopped:
             return "", True
         st.token_ids.extend(new_ids)
+        if st.utf8 is not None:
+            return self._append(st, st.utf8.decode(new_ids, final), final)
         ctx = (st.prompt_tail + st.token_ids)[: len(st.prompt_tail) + st.read_offset][-_CONTEXT_TOKENS:]
         pending = st.token_ids[st.read_offset :]
         before = self._decode(ctx, st.skip_special_tokens)
@@ -52,6 +67,10 @@ class Detokenizer:
         if piece.endswith("\ufffd") and not final:
             # An incomplete UTF-8 sequence: wait for the next token.
             return self._release(st, final=False)
+        return self._append(st, piece, final)
+
+    def _append(self, st: DetokState, piece: str, final: bool) -> tuple[str, bool]:
+        """Add final text; cut at a stop string; release what can no longer change."""
         st.text += piece
         st.read_offset = len(st.token_ids)
         if st.stop:

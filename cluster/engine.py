@@ -37,6 +37,9 @@ from workers.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[RequestOutput], None]
+# Receives every output of one engine step at once (requests added with `sink=None`): a replica
+# actor hands them to its router in one message per step, whatever the batch size.
+BatchSink = Callable[[list[RequestOutput]], None]
 
 
 @dataclass
@@ -69,7 +72,7 @@ class GenerationResult:
 @dataclass
 class _Tracked:
     req: Request
-    sink: Sink
+    sink: Sink | None  # None: the engine's batch sink
     detok: DetokState
 
 
@@ -105,8 +108,10 @@ def make_worker_group(config: EngineConfig) -> WorkerGroup:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, workers: WorkerGroup | None = None, tokenizer=None):
+    def __init__(self, config: EngineConfig, workers: WorkerGroup | None = None, tokenizer=None,
+                 batch_sink: BatchSink | None = None):
         self.config = config
+        self.batch_sink = batch_sink
         self.workers = workers or make_worker_group(config)
         mc = self.workers.model_config
         self.model_config = mc
@@ -168,12 +173,15 @@ class Engine:
         self,
         prompt: str | list[int],
         params: SamplingParams,
-        sink: Sink,
+        sink: Sink | None,
         rid: str | None = None,
         is_embedding: bool = False,
     ) -> str:
         """Queue a request; raises (and queues nothing) if it is invalid or the queue is full.
-        An embedding replica refuses generation; an encoder-decoder model refuses embeddings."""
+        An embedding replica refuses generation; an encoder-decoder model refuses embeddings.
+        `sink` receives each output; None: the engine's `batch_sink`, once per step for all."""
+        if sink is None and self.batch_sink is None:
+            raise ValueError("a request without a sink needs an engine with a batch_sink")
         params.validate(self.model_config.vocab_size)
         if not is_embedding and self.serving.is_embedding:
             raise RequestRejected("model", f"{self.config.model_name} is an embedding model: it serves "
@@ -199,7 +207,7 @@ class Engine:
             tracked = self._tracked.pop(rid, None)
             self._wake.notify()
         if req is not None and tracked is not None:
-            tracked.sink(self._final_output(req, FinishReason.ABORT.value))
+            self._deliver([(tracked, self._final_output(req, FinishReason.ABORT.value))])
 
     def stats(self) -> dict:
         """What a replica reports (`ServerMetrics.update_replica_stats`). Read without the lock:
@@ -255,9 +263,7 @@ class Engine:
         with self._lock:
             events = self.scheduler.process_result(done, result)
             outputs = [self._emit(ev) for ev in events]
-        for tracked, out in outputs:
-            if tracked is not None:
-                tracked.sink(out)
+        self._deliver(outputs)
         dt = time.perf_counter() - t0
         if self.step_trace is not None:
             self.step_trace.append((t0, time.perf_counter(), done.mode.name, len(done.reqs),
@@ -320,9 +326,23 @@ class Engine:
             self._tracked.clear()
             for t in tracked:
                 self.scheduler.finish(t.req, FinishReason.ERROR)
-        for t in tracked:
-            etype = "unavailable" if not t.req.num_output_tokens else "internal"
-            t.sink(self._final_output(t.req, FinishReason.ERROR.value, error, etype))
+        self._deliver([(t, self._final_output(t.req, FinishReason.ERROR.value, error,
+                                              "unavailable" if not t.req.num_output_tokens else "internal"))
+                       for t in tracked])
+
+    def _deliver(self, outputs: list[tuple[_Tracked | None, RequestOutput]]) -> None:
+        """Hand outputs to their sinks (outside the lock): per-request sinks one by one, the
+        rest to the batch sink in one call."""
+        batch = []
+        for tracked, out in outputs:
+            if tracked is None:
+                continue
+            if tracked.sink is None:
+                batch.append(out)
+            else:
+                tracked.sink(out)
+        if batch and self.batch_sink is not None:
+            self.batch_sink(batch)
 
     # ---------------- offline API ----------------
     def generate(

@@ -17,7 +17,7 @@ import ray
 
 from cluster.config import EngineConfig
 from cluster.kv_offload import ensure_kv_store
-from cluster.replica import Replica
+from cluster.replica import REPLICA_THREADS, Replica
 from cluster.router import Router, RouterOptions
 
 logger = logging.getLogger(__name__)
@@ -93,9 +93,14 @@ class ServingCluster:
         self._next += 1
         return name
 
+    def _actor_options(self, name: str) -> dict:
+        """Ray options of replica `name`'s actor (a threaded actor that reserves no CPU: its
+        ranks hold the group's resources)."""
+        return {"name": f"manta-{name}", "num_cpus": 0, "max_concurrency": REPLICA_THREADS}
+
     def _spawn(self, name: str):
         opts = self.options
-        actor = ray.remote(Replica).options(name=f"manta-{name}", num_cpus=0, max_concurrency=1000).remote(
+        actor = ray.remote(Replica).options(**self._actor_options(name)).remote(
             opts.engine, name, opts.placement_strategy, opts.nic, opts.cpus_per_rank
         )
         self.actors[name] = actor

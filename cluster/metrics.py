@@ -39,48 +39,63 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0
 
 # Why the router moves a request to another replica before its first token (`record_retry`).
 RETRY_REASONS = ("unavailable", "queue_full", "replica_failed")
+# Label values exported at 0 from start-up, so that every dashboard panel has a series (0, not
+# "no data") before the first event: HTTP error codes the server answers, finish reasons, abort reasons.
+ERROR_CODES = ("400", "401", "404", "413", "499", "500", "503", "504")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+ABORT_REASONS = ("client_gone", "timeout", "error")
 
 # Keys of the dict a replica reports (see `update_replica_stats`).
 STATS_KEYS = ("num_running", "num_waiting", "kv_usage", "prefix_hit_tokens", "prefix_query_tokens")
 
 
-class _PrefixCacheCollector(Collector):
-    """Exports the latest cumulative prefix-cache counts of each replica as counters."""
+class _PolledCounters(Collector):
+    """Exports the latest cumulative counts each replica reported as counters: one family per
+    (metric name, help, key of the replica's stats dict)."""
 
-    def __init__(self) -> None:
+    def __init__(self, families: tuple[tuple[str, str, str], ...]) -> None:
         self._lock = threading.Lock()
-        self._hits: dict[str, float] = {}
-        self._queries: dict[str, float] = {}
+        self._families = families
+        self._values: dict[str, dict[str, float]] = {}  # replica -> stats key -> value
 
-    def set(self, replica: str, hit_tokens: float, query_tokens: float) -> None:
+    def set(self, replica: str, values: dict) -> None:
         with self._lock:
-            self._hits[replica] = float(hit_tokens)
-            self._queries[replica] = float(query_tokens)
+            mine = self._values.setdefault(replica, {})
+            for _, _, key in self._families:
+                if key in values:
+                    mine[key] = float(values[key])
 
     def remove(self, replica: str) -> None:
         with self._lock:
-            self._hits.pop(replica, None)
-            self._queries.pop(replica, None)
+            self._values.pop(replica, None)
 
     def collect(self) -> Iterator[Metric]:
-        hits = CounterMetricFamily(
-            "manta:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", labels=["replica"]
-        )
-        queries = CounterMetricFamily(
-            "manta:prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.",
-            labels=["replica"],
-        )
         with self._lock:
-            for replica, v in self._hits.items():
-                hits.add_metric([replica], v)
-            for replica, v in self._queries.items():
-                queries.add_metric([replica], v)
-        yield hits
-        yield queries
+            for name, doc, key in self._families:
+                fam = CounterMetricFamily(name, doc, labels=["replica"])
+                for replica, values in self._values.items():
+                    if key in values:
+                        fam.add_metric([replica], values[key])
+                yield fam
 
     def describe(self) -> Iterator[Metric]:
         # Registering calls describe(); returning the families (empty) keeps name clashes checked.
         return self.collect()
+
+
+_PREFIX_FAMILIES = (
+    ("manta:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", "prefix_hit_tokens"),
+    ("manta:prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.", "prefix_query_tokens"),
+)
+# The serving path's messages (cluster/replica.py): they follow the engine's steps, not the
+# number of requests; output_messages <= output_steps always.
+_MESSAGE_FAMILIES = (
+    ("manta:replica_submit_messages", "Admission batches the replica received from routers.", "submit_calls"),
+    ("manta:replica_admitted_requests", "Requests the replica admitted.", "admitted"),
+    ("manta:replica_output_messages", "Output batches the replica sent to routers (one poll reply each).",
+     "poll_replies"),
+    ("manta:replica_output_steps", "Engine steps (and aborts/failures) that produced outputs.", "output_steps"),
+)
 
 
 class ServerMetrics:
@@ -145,12 +160,18 @@ class ServerMetrics:
             "manta:replica_restarts", "Times the replica rebuilt its TP group after losing a rank.",
             ["replica"], registry=r,
         )
-        self._prefix = _PrefixCacheCollector()
+        self._prefix = _PolledCounters(_PREFIX_FAMILIES)
         r.register(self._prefix)
+        self._messages = _PolledCounters(_MESSAGE_FAMILIES)
+        r.register(self._messages)
         self._kvstore = KVStoreCollector()  # manta:kvstore_* (cluster/kvstore_metrics.py)
         r.register(self._kvstore)
         self._spec = SpecCollector()  # manta:spec_* (cluster/spec_metrics.py)
         r.register(self._spec)
+        for code in ERROR_CODES:
+            self.request_errors.labels(code)
+        for reason in ABORT_REASONS:
+            self.request_aborts.labels(reason)
 
     # ---------------- written by the server ----------------
     def observe_finished(self, replica: str, out: Any) -> None:
@@ -191,16 +212,29 @@ class ServerMetrics:
             self.kv_cache_usage.labels(replica).set(stats["kv_usage"])
         if "healthy" in stats:
             self.replica_healthy.labels(replica).set(1.0 if stats["healthy"] else 0.0)
-            for reason in RETRY_REASONS:  # exported at 0 from the start: rate() sees the first retry
-                self.router_retries.labels(replica, reason)
+            self.init_replica(replica)
         if "restarts" in stats:
             self.replica_restarts.labels(replica).set(stats["restarts"])
         if "prefix_hit_tokens" in stats or "prefix_query_tokens" in stats:
-            self._prefix.set(replica, stats.get("prefix_hit_tokens", 0), stats.get("prefix_query_tokens", 0))
+            self._prefix.set(replica, {"prefix_hit_tokens": 0, "prefix_query_tokens": 0, **stats})
+        if stats.get("messages"):
+            self._messages.set(replica, stats["messages"])
         if stats.get("kvstore"):
             self._kvstore.set(replica, stats["kvstore"])
         if "spec_draft_tokens" in stats:
             self._spec.set(replica, stats)
+
+    def init_replica(self, replica: str, policy: str | None = None) -> None:
+        """Export a replica's series at 0 from the start (rate() sees the first event, and the
+        dashboard's panels show 0 rather than no data). Idempotent."""
+        for reason in RETRY_REASONS:
+            self.router_retries.labels(replica, reason)
+        for reason in FINISH_REASONS:
+            self.requests_finished.labels(replica, reason)
+        for m in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e):
+            m.labels(replica)
+        if policy is not None:
+            self.router_requests.labels(policy, replica)
 
     def remove_replica(self, replica: str) -> None:
         """Drop a departed replica's state series (gauges, polled counters, route counts).
@@ -211,6 +245,7 @@ class ServerMetrics:
         self.router_requests.remove_by_labels({"replica": replica})
         self.router_retries.remove_by_labels({"replica": replica})
         self._prefix.remove(replica)
+        self._messages.remove(replica)
         self._kvstore.remove(replica)
         self._spec.remove(replica)
 

@@ -1,6 +1,17 @@
 """A replica: one Ray actor owning an engine loop (tokenizer, scheduler, radix cache) that
 drives its TP group of rank actors one step at a time.
 
+The serving path crosses this actor in batches, so its cost does not grow with the number of
+running requests (`cluster/replica_client.py` is the other end, in the HTTP server's process):
+- in: `submit(client, admissions, aborts)`, one call carrying every request a router admitted
+  (and every abort) since its previous call;
+- out: `poll(client, timeout)`, a long poll that returns every output of the engine steps that
+  completed since the previous poll: the engine hands each step's outputs over in one call
+  (`Engine.batch_sink`), so a poll carries at most one step's worth per step, never one
+  message per token per request.
+Outputs are kept per client (each router instance has its own id), so a router rebuilt beside
+an old one never receives the other's outputs.
+
 Failure model: a monitor thread waits on every rank's never-returning `hold()` call; when a
 rank dies the replica marks itself unhealthy at once, fails its in-flight requests with a
 clean error, and refuses new ones until it is restarted (`restart()`), so the router routes
@@ -13,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from cluster.config import EngineConfig
 from cluster.engine import Engine, runner_options
@@ -36,8 +47,27 @@ def admission_error(rid: str | None, exc: Exception) -> RequestOutput:
                          error_type=etype, error_param=param)
 
 
+@dataclass
+class Admission:
+    """One request a router sends to a replica (in a `submit` batch). The prompt is token ids:
+    the server tokenized it once, at the edge."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    is_embedding: bool = False
+
+
+# A client that has not polled for this long is gone (its router closed or died): its requests
+# are aborted and its undelivered outputs dropped.
+CLIENT_TIMEOUT_S = 30.0
+# Threads of the actor: a blocked `poll` per router, plus `submit`, `stats`, `info`, `shutdown`.
+REPLICA_THREADS = 32
+
+
 class Replica:
-    """Plain class; `cluster.launch` wraps it with `ray.remote`."""
+    """Plain class; `cluster.launch` wraps it with `ray.remote` as a threaded actor (a `poll`
+    blocks one thread while `submit` and `stats` run on others)."""
 
     def __init__(self, config: EngineConfig, name: str, placement_strategy: str = "PACK",
                  nic: str | None = None, cpus_per_rank: float = 1.0):
@@ -49,6 +79,12 @@ class Replica:
         self.engine: Engine | None = None
         self.started_at = time.time()
         self.restarts = 0
+        self._cv = threading.Condition()
+        self._outboxes: dict[str, list[RequestOutput]] = {}
+        self._owner: dict[str, str] = {}  # rid -> client that admitted it
+        self._last_seen: dict[str, float] = {}  # client -> monotonic time of its last poll/submit
+        # Messages of the serving path, for the test that they do not grow per token.
+        self.counters = {"submit_calls": 0, "admitted": 0, "poll_replies": 0, "output_steps": 0}
         self._start()
 
     def _start(self) -> None:
@@ -57,7 +93,7 @@ class Replica:
         group = RayWorkerGroup(runner_options(self.config), self.config.tp_size, name=self.name,
                                **self._group_args)
         self.group = group
-        self.engine = Engine(self.config, workers=group)
+        self.engine = Engine(self.config, workers=group, batch_sink=self._on_outputs)
         self.engine.start()
         self.healthy, self.unhealthy_reason = True, None
         threading.Thread(target=self._monitor, args=(group,), name=f"{self.name}-monitor", daemon=True).start()
@@ -95,19 +131,75 @@ class Replica:
         return True
 
     # ---------------- serving ----------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None,
-                       is_embedding: bool = False) -> AsyncIterator[RequestOutput]:
-        if not self.healthy or self.engine is None:
-            yield RequestOutput(rid or "", finished=True, finish_reason="error", error_type="unavailable",
-                                error=f"replica {self.name} is unhealthy: {self.unhealthy_reason}")
-            return
-        try:
-            stream = self.engine.generate_stream(prompt, params, rid=rid, is_embedding=is_embedding)
-            async for out in stream:
+    def submit(self, client: str, admissions: list[Admission], aborts: list[str]) -> list[RequestOutput | None]:
+        """Admit a batch of requests and abort others; one entry per admission: None when it
+        was queued, else a finished error output (invalid, queue full, replica unavailable)."""
+        now = time.monotonic()
+        with self._cv:
+            self.counters["submit_calls"] += 1
+            self._last_seen[client] = now
+            self._outboxes.setdefault(client, [])
+        replies: list[RequestOutput | None] = []
+        for adm in admissions:
+            engine = self.engine
+            if not self.healthy or engine is None:
+                replies.append(RequestOutput(adm.rid, finished=True, finish_reason="error", error_type="unavailable",
+                                             error=f"replica {self.name} is unhealthy: {self.unhealthy_reason}"))
+                continue
+            with self._cv:
+                self._owner[adm.rid] = client
+            try:
+                engine.add_request(adm.prompt_ids, adm.params, None, rid=adm.rid, is_embedding=adm.is_embedding)
+            except (SamplingParamsError, RequestRejected, QueueFull, ValueError) as exc:
+                with self._cv:
+                    self._owner.pop(adm.rid, None)
+                replies.append(admission_error(adm.rid, exc))
+                continue
+            replies.append(None)
+        for rid in aborts:  # after the admissions: a request may be admitted and aborted in one batch
+            self.abort(rid)
+        with self._cv:
+            self.counters["admitted"] += sum(r is None for r in replies)
+        return replies
+
+    def poll(self, client: str, timeout_s: float = 1.0) -> list[RequestOutput]:
+        """Every output for `client`'s requests since its last poll; waits up to `timeout_s`
+        for the first (an empty list then)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            self._last_seen[client] = time.monotonic()
+            box = self._outboxes.setdefault(client, [])
+            while not box:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._cv.wait(left)
+                box = self._outboxes.setdefault(client, [])
+            self._outboxes[client] = []
+            self._last_seen[client] = time.monotonic()
+            self.counters["poll_replies"] += 1
+            return box
+
+    def _on_outputs(self, outs: list[RequestOutput]) -> None:
+        """The engine's batch sink: one call per step (engine thread), or one per abort/failure."""
+        stale: list[str] = []
+        with self._cv:
+            now = time.monotonic()
+            for out in outs:
+                client = self._owner.pop(out.rid, None) if out.finished else self._owner.get(out.rid)
+                if client is None:
+                    continue
+                if now - self._last_seen.get(client, now) > CLIENT_TIMEOUT_S:
+                    stale.append(out.rid)  # nobody polls for it any more
+                    self._outboxes.pop(client, None)
+                    continue
                 out.replica = self.name
-                yield out
-        except (SamplingParamsError, RequestRejected, QueueFull) as exc:
-            yield admission_error(rid, exc)
+                self._outboxes.setdefault(client, []).append(out)
+            self.counters["output_steps"] += 1
+            self._cv.notify_all()
+        for rid in stale:
+            if self.engine is not None:
+                self.engine.abort(rid)
 
     def abort(self, rid: str) -> None:
         if self.engine is not None:
@@ -122,6 +214,7 @@ class Replica:
             "reason": self.unhealthy_reason,
             **eng.stats(),
             "restarts": self.restarts,
+            "messages": dict(self.counters),
             "kvstore": kv_store_stats(eng),  # None without a KV store (cluster/kv_offload.py)
         }
 

@@ -10,6 +10,10 @@ Health: a poller fetches every replica's stats each `stats_interval_s`; a replic
 to answer, reports itself unhealthy, or fails a request before its first token is skipped
 until it answers healthy again. A request that fails before its first token is retried on
 another replica; one that fails later ends with a clean error.
+
+Requests reach a replica through its `ReplicaClient` (`cluster/replica_client.py`): batched
+admissions and one long poll for every output, so the router's Ray traffic follows the engine's
+step rate, not the number of requests.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import ray
 
 from cluster.client_api import HealthStatus, NoReplicaAvailable
 from cluster.prefix_tree import PrefixTree
+from cluster.replica_client import ReplicaClient, ReplicaGone
 from cluster.request import RequestOutput
 from cluster.scheduler import QueueFull, RequestRejected
 from workers.sampling_params import SamplingParams
@@ -66,6 +71,7 @@ class ReplicaHandle:
     inflight: int = 0
     stats: dict = field(default_factory=dict)
     tree: PrefixTree = field(default_factory=PrefixTree)
+    client: ReplicaClient | None = None  # the serving path to the actor (set by add_replica)
 
     @property
     def load(self) -> int:
@@ -92,7 +98,10 @@ class Router:
 
     # ---------------- membership ----------------
     def add_replica(self, name: str, actor) -> None:
-        self.replicas[name] = ReplicaHandle(name, actor, tree=PrefixTree(self.options.tree_max_tokens))
+        self.replicas[name] = ReplicaHandle(name, actor, tree=PrefixTree(self.options.tree_max_tokens),
+                                            client=ReplicaClient(name, actor))
+        if self.metrics is not None:
+            self.metrics.init_replica(name, self.options.policy)
         logger.info("router: replica %s added", name)
 
     def remove_replica(self, name: str) -> ReplicaHandle | None:
@@ -153,39 +162,38 @@ class Router:
                 first_seen = False
                 handle.inflight += 1
                 finished = False
+                assert handle.client is not None
+                stream = handle.client.open(rid, tokens, params, is_embedding)
                 try:
-                    gen = handle.actor.generate.remote(tokens, params, rid, is_embedding)
-                    async for ref in gen:
-                        out: RequestOutput = await ref
+                    async for out in stream:
                         if out.error_type is not None and not first_seen:
                             why = self._admission_failed(handle, out)
                             saw_full |= why == "queue_full"
                             self._record_retry(handle, why)
+                            finished = True  # the replica has forgotten it: nothing to abort
                             break
                         first_seen = True
                         finished = out.finished
                         out.replica = handle.name
                         yield out
-                    if finished:
+                    if finished and first_seen:
                         return
                     if first_seen:  # the stream ended without a final output
                         yield self._failed(rid, handle.name, "the replica closed the stream")
                         return
-                except ray.exceptions.RayError as exc:
-                    self._mark_unhealthy(handle, f"{type(exc).__name__}: {exc}")
-                    handle.dead |= isinstance(exc, ray.exceptions.ActorDiedError)
+                except ReplicaGone as exc:
+                    finished = True  # the replica is gone with the request
+                    self._mark_unhealthy(handle, str(exc))
+                    handle.dead |= isinstance(exc.cause, ray.exceptions.ActorDiedError)
                     if first_seen:
-                        yield self._failed(rid, handle.name, f"replica {handle.name} failed: {type(exc).__name__}")
+                        yield self._failed(rid, handle.name, f"replica {handle.name} failed: {type(exc.cause).__name__}")
                         return
                     self._record_retry(handle, "replica_failed")
                     continue  # nothing sent yet: retry elsewhere
                 finally:
                     handle.inflight -= 1
                     if not finished:
-                        try:
-                            handle.actor.abort.remote(rid)
-                        except Exception:
-                            pass
+                        await stream.aclose()  # aborts it on the replica, in the next submit
             if saw_full:
                 raise QueueFull("every replica's waiting queue is full")
             raise NoReplicaAvailable("no healthy replica can serve the request")
@@ -269,6 +277,8 @@ class Router:
                 logger.exception("router stats poll failed")
 
     async def aclose(self) -> None:
+        """Stop polling stats. Streams still open keep running to their end (each replica
+        client polls while it has any): a router replaced by a new one loses nothing."""
         if self._poller is not None:
             self._poller.cancel()
             self._poller = None

@@ -31,7 +31,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.config import EngineConfig
 from cluster.launch import ClusterOptions, ServingCluster
 from cluster.metrics import ServerMetrics
-from cluster.replica import Replica
 from cluster.router import Router, RouterOptions
 from cluster.server import BackgroundServer, build_app
 from cluster.supervisor import ReplicaSupervisor
@@ -51,15 +50,11 @@ class PinnedCluster(ServingCluster):
     pinned_name: str | None = None
     pinned_node: str | None = None
 
-    def _spawn(self, name: str):
-        opts = self.options
+    def _actor_options(self, name: str) -> dict:
         extra = {}
         if name == self.pinned_name:
             extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.pinned_node, soft=False)
-        actor = ray.remote(Replica).options(name=f"manta-{name}", num_cpus=0, max_concurrency=1000, **extra).remote(
-            opts.engine, name, opts.placement_strategy, opts.nic, opts.cpus_per_rank)
-        self.actors[name] = actor
-        return actor
+        return {**super()._actor_options(name), **extra}
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,9 @@ functions of each replica's load, health and remembered prompts."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 from cluster.prefix_tree import PrefixTree
 from cluster.router import Router, RouterOptions
 
@@ -77,42 +80,37 @@ def test_prefix_tree_evicts_least_recently_used_tokens_within_its_budget():
     assert t.size <= 8
 
 
-class _Stream:
-    """What `actor.generate.remote(...)` returns: an async iterator of awaitable outputs."""
-
-    def __init__(self, outs):
-        self.outs = list(outs)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self.outs:
-            raise StopAsyncIteration
-        out = self.outs.pop(0)
-
-        async def ready():
-            return out
-        return ready()
-
-
 class _Actor:
+    """A replica actor's serving calls (`submit`, `poll`) without Ray: every admission gets
+    `outs` (with its rid), the refused ones at once, the others at the next poll."""
+
     def __init__(self, *outs):
         from types import SimpleNamespace
 
         self.calls = 0
+        self.queued: list = []
 
-        def generate(*args):
-            self.calls += 1
-            return _Stream(outs)
+        async def submit(client, adds, aborts):
+            self.calls += len(adds)
+            replies = []
+            for adm in adds:
+                mine = [dataclasses.replace(o, rid=adm.rid) for o in outs]
+                refused = mine[0].error_type is not None
+                replies.append(mine[0] if refused else None)
+                if not refused:
+                    self.queued += mine
+            return replies
 
-        self.generate = SimpleNamespace(remote=generate)
-        self.abort = SimpleNamespace(remote=lambda rid: None)
+        async def poll(client, timeout):
+            await asyncio.sleep(0)
+            taken, self.queued = self.queued, []
+            return taken
+
+        self.submit = SimpleNamespace(remote=submit)
+        self.poll = SimpleNamespace(remote=poll)
 
 
 def test_a_request_refused_before_its_first_token_is_retried_and_counted():
-    import asyncio
-
     from cluster.metrics import ServerMetrics
     from cluster.request import RequestOutput
     from workers.sampling_params import SamplingParams

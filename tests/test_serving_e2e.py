@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -23,6 +19,7 @@ from cluster.metrics import ServerMetrics
 from cluster.router import RouterOptions
 from cluster.server import BackgroundServer, build_app
 from tests.fixtures import tiny_model_dir
+from tests.serve_process import ServeProcess, alive
 from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -82,76 +79,24 @@ def test_64_concurrent_requests_equal_single_request_greedy(served):
     assert "manta:time_to_first_token_seconds_bucket" in metrics
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_manta_serve_process_starts_answers_and_stops_cleanly(tmp_path):
     if ray.is_initialized():
         ray.shutdown()
-    port = _free_port()
-    env = {**os.environ, "MANTA_CACHE_DIR": str(tmp_path / "cache"), "RAY_ADDRESS": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    served = ServeProcess(tmp_path / "cache")
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.5)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                              max_tokens=5)
         assert out.choices[0].message.content is not None and out.usage.completion_tokens >= 1
     finally:
-        descendants = _descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    log = proc.stdout.read()
-    assert rc == 0, log
-    assert "placement" in log or "replica replica-0 ready" in log
-    # No orphans: no Ray worker process of ours survives the server.
-    time.sleep(1)
+        tree = served.tree()[1:]
+        rc = served.stop()
+    assert rc == 0, served.log
+    assert "placement" in served.log or "replica replica-0 ready" in served.log
     # No orphans: every process the server started (Ray, replicas, ranks) is gone. Only this
     # server's own process tree is looked at: other Ray instances may share the machine.
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(_alive(p) for p in descendants):
+    while time.monotonic() < deadline and any(alive(p) for p in tree):
         time.sleep(0.5)
-    assert descendants and not [p for p in descendants if _alive(p)]
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.append(child)
-            stack.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert tree and not [p for p in tree if alive(p)]

@@ -1,0 +1,106 @@
+"""The serving path of `manta serve` itself (embedded default: local Ray, one replica, the KV
+store on), as a user runs it: a burst of 256 concurrent streams through the real HTTP server
+and Ray, the messages that path exchanged per engine step, and what the idle cluster costs."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+
+from tests.serve_process import ServeProcess, cpu_seconds
+
+pytestmark = pytest.mark.slow
+
+STREAMS = 256
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    if ray.is_initialized():
+        ray.shutdown()
+    proc = ServeProcess(tmp_path_factory.mktemp("serve") / "cache")
+    time.sleep(2.0)  # the router's first stats polls
+    proc.fresh_metrics = httpx.get(f"{proc.url}/metrics").text  # before any request
+    yield proc
+    proc.stop()
+
+
+def test_a_fresh_server_exports_every_series_the_dashboard_queries(served):
+    """Before its first request, the server exports every metric a Grafana panel queries, at 0,
+    so no panel says "no data" (the KV store is on in the embedded default)."""
+    from tests.test_deploy import _dashboard, dashboard_metrics, exported_names
+
+    exported = exported_names(served.fresh_metrics)
+    missing = sorted(set(dashboard_metrics(_dashboard())) - exported)
+    assert not missing, missing
+    assert 'manta:request_errors_total{code="500"} 0.0' in served.fresh_metrics
+    assert 'manta:request_finished_total{finish_reason="error",replica="replica-0"} 0.0' in served.fresh_metrics
+
+
+def _counter(text: str, name: str) -> float:
+    values = [float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
+    assert values, f"{name} is not exported"
+    return sum(values)
+
+
+def test_256_concurrent_streams_and_messages_per_step(served):
+    async def run() -> list[tuple[str, int, str | None]]:
+        client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=300)
+        model = (await client.models.list()).data[0].id
+
+        async def one(i: int) -> tuple[str, int, str | None]:
+            stream = await client.completions.create(
+                model=model, prompt=f"stream {i}: the river and the mountain", max_tokens=MAX_TOKENS,
+                temperature=1.0, seed=i, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
+            text, usage, reason = "", 0, None
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    reason = chunk.choices[0].finish_reason or reason
+                if chunk.usage is not None:
+                    usage = chunk.usage.completion_tokens
+            return text, usage, reason
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(STREAMS)))
+        finally:
+            await client.close()
+
+    before = httpx.get(f"{served.url}/metrics").text
+    results = asyncio.run(run())
+    assert len(results) == STREAMS
+    assert all(usage == MAX_TOKENS and reason == "length" for _, usage, reason in results), results[:3]
+    time.sleep(1.5)  # the router polls the replica's counters every 0.5 s
+    after = httpx.get(f"{served.url}/metrics").text
+    delta = {k: _counter(after, f"manta:replica_{k}_total") - _counter(before, f"manta:replica_{k}_total")
+             for k in ("submit_messages", "admitted_requests", "output_messages", "output_steps")}
+    assert delta["admitted_requests"] == STREAMS, delta
+    # Out: at most one message per engine step that produced outputs, whatever the batch.
+    assert 0 < delta["output_messages"] <= delta["output_steps"], delta
+    assert delta["output_messages"] < STREAMS * MAX_TOKENS / 8, delta
+    # In: admissions travel batched (a burst of 256 needs far fewer calls than requests).
+    assert delta["submit_messages"] <= STREAMS / 4, delta
+    assert _counter(after, "manta:request_errors_total") == _counter(before, "manta:request_errors_total")
+
+
+def test_idle_cluster_uses_no_cpu(served):
+    """After the load above: every manta process (server, replica, rank, KV store) averages
+    under 5% of one core over 30 s."""
+    pids = served.manta_pids()
+    assert {k.split("-")[0] for k in pids} >= {"server", "Replica", "RankWorker", "KVStore"}, pids
+    time.sleep(3)  # let the last streams' bookkeeping settle
+    start = {k: cpu_seconds(p) for k, p in pids.items()}
+    t0 = time.monotonic()
+    time.sleep(30)
+    wall = time.monotonic() - t0
+    usage = {k: (cpu_seconds(p) - start[k]) / wall for k, p in pids.items()}
+    print({k: f"{100 * u:.1f}%" for k, u in usage.items()})
+    assert all(u < 0.05 for u in usage.values()), usage
