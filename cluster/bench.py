@@ -43,7 +43,10 @@ def _print_table(title: str, rows: list[tuple[str, object]]) -> None:
     print(f"\n{title}")
     print("-" * (width + 24))
     for k, v in rows:
-        print(f"{k:<{width}}  {v:>20}" if not isinstance(v, float) else f"{k:<{width}}  {v:>20.3f}")
+        if isinstance(v, float):
+            print(f"{k:<{width}}  {v:>20.3f}")
+        else:
+            print(f"{k:<{width}}  {v if isinstance(v, int | str) else json.dumps(v):>20}")
 
 
 def _write(path: str | None, payload: dict) -> None:

@@ -17,10 +17,20 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RequestTiming:
+    """One request as the client saw it: when each token arrived (tokens that came in one
+    streamed chunk share its time) and when each chunk with tokens arrived."""
+
     start: float
     token_times: list[float] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)
     tokens: int = 0
-    error: str | None = None
+    error: str | None = None  # the kind: "HTTP 503", "stream error: ...", an exception's name
+
+    def add(self, now: float, n_tokens: int) -> None:
+        if n_tokens > 0:
+            self.token_times += [now] * n_tokens
+            self.chunk_times.append(now)
+            self.tokens += n_tokens
 
     @property
     def ttft(self) -> float:
@@ -39,14 +49,24 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def summarize(timings: list[RequestTiming], wall: float) -> dict:
+    """Throughput and latency over the requests that succeeded; errors counted by kind.
+    itl: between consecutive tokens (0 within one chunk); chunk_gap: between consecutive
+    streamed chunks that carried tokens (what a reader of the stream waits)."""
     ok = [t for t in timings if t.error is None and t.token_times]
     itl = [b - a for t in ok for a, b in zip(t.token_times, t.token_times[1:])]
+    gaps = [b - a for t in ok for a, b in zip(t.chunk_times, t.chunk_times[1:])]
     tpots = [t.tpot for t in ok if t.tpot is not None]
     ttfts = [t.ttft for t in ok]
     out_tokens = sum(t.tokens for t in ok)
-    res = {"requests": len(timings), "errors": len(timings) - len(ok), "seconds": wall,
-           "output_tokens_per_s": out_tokens / wall, "request_rate_achieved": len(ok) / wall}
-    for name, xs in (("ttft_ms", ttfts), ("tpot_ms", tpots), ("itl_ms", itl)):
+    errors: dict[str, int] = {}
+    for t in timings:
+        if t.error is not None or not t.token_times:
+            kind = t.error or "no tokens"
+            errors[kind] = errors.get(kind, 0) + 1
+    res = {"requests": len(timings), "errors": len(timings) - len(ok), "errors_by_kind": errors, "seconds": wall,
+           "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall,
+           "request_rate_achieved": len(ok) / wall}
+    for name, xs in (("ttft_ms", ttfts), ("tpot_ms", tpots), ("itl_ms", itl), ("chunk_gap_ms", gaps)):
         res[f"{name}_mean"] = 1e3 * statistics.mean(xs) if xs else float("nan")
         res[f"{name}_p50"] = 1e3 * _pct(xs, 0.5)
         res[f"{name}_p99"] = 1e3 * _pct(xs, 0.99)
@@ -86,10 +106,7 @@ async def run_in_process(engine, prompts: list[list[int]], output_len: int, rate
     async def one(i: int) -> RequestTiming:
         t = RequestTiming(time.perf_counter())
         async for out in engine.generate_stream(prompts[i], params):
-            now = time.perf_counter()
-            for _ in out.delta_token_ids:
-                t.token_times.append(now)
-            t.tokens += len(out.delta_token_ids)
+            t.add(time.perf_counter(), len(out.delta_token_ids))
             if out.error:
                 t.error = out.error
         return t
@@ -106,14 +123,22 @@ async def run_in_process(engine, prompts: list[list[int]], output_len: int, rate
 
 async def run_http(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,
                    seed: int = 0, api_key: str = "none") -> dict:
+    """Streamed /v1/completions against a running server. Tokens are counted from the usage
+    the server reports: on every chunk where it supports vLLM's `continuous_usage_stats`
+    (manta, vLLM), else once at the end (`include_usage`), the chunks' tokens then being
+    spread one per chunk with the rest on the last. Never from text: a byte-level token may
+    decode to nothing until its character completes."""
     import httpx
 
-    async with httpx.AsyncClient(base_url=url, timeout=None,
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits,
                                  headers={"Authorization": f"Bearer {api_key}"}) as client:
         async def one(i: int) -> RequestTiming:
             t = RequestTiming(time.perf_counter())
             body = {"model": model, "prompt": prompts[i], "max_tokens": output_len, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
+                    "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            counted, chunks_without_usage = 0, []
             try:
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
                     if resp.status_code != 200:
@@ -122,13 +147,27 @@ async def run_http(url: str, model: str, prompts: list[list[int]], output_len: i
                     async for line in resp.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
+                        now = time.perf_counter()
                         chunk = json.loads(line[6:])
-                        if chunk.get("choices") and chunk["choices"][0].get("text"):
-                            t.token_times.append(time.perf_counter())
-                            t.tokens += 1
+                        if "error" in chunk:
+                            t.error = f"stream error: {chunk['error'].get('type', 'unknown')}"
+                            continue
+                        usage = chunk.get("usage")
+                        if usage is not None:
+                            total = usage.get("completion_tokens", 0)
+                            if chunks_without_usage:  # the final usage of a server without per-chunk usage
+                                per = [1] * len(chunks_without_usage)
+                                per[-1] += max(0, total - counted - len(per))
+                                for when, n in zip(chunks_without_usage, per):
+                                    t.add(when, n)
+                                chunks_without_usage, counted = [], total
+                            t.add(now, total - counted)
+                            counted = max(counted, total)
+                        elif chunk.get("choices") and (chunk["choices"][0].get("text")
+                                                       or chunk["choices"][0].get("finish_reason")):
+                            chunks_without_usage.append(now)
             except httpx.HTTPError as exc:
                 t.error = type(exc).__name__
-            # A streamed chunk may carry several tokens; count from usage-free text events.
             return t
 
         t0 = time.perf_counter()

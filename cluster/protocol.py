@@ -44,6 +44,8 @@ class _Out(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class _SamplingRequest(_Strict):
@@ -73,6 +75,11 @@ class _SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (`stream_options.continuous_usage_stats`, with include_usage)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def _check_common(self) -> None:
         if not 1 <= self.n <= MAX_N:

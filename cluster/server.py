@@ -306,7 +306,8 @@ class _Serving:
                                                            self.decode, offsets[i])
                 choice = P.CompletionChoice(index=i, text=out.delta_text, logprobs=lp,
                                             finish_reason=out.finish_reason if out.finished else None)
-                yield _sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[choice]))
+                usage = _usage(fan.choices, req.n) if req.continuous_usage else None
+                yield _sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[choice], usage=usage))
             if req.include_usage:
                 yield _sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[],
                                              usage=_usage(fan.choices, req.n)))
@@ -355,7 +356,8 @@ class _Serving:
                     continue
                 lp = P.chat_logprobs(out.delta_token_ids, out.delta_logprobs, self.decode) if req.logprobs else None
                 yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(content=out.delta_text), logprobs=lp,
-                                               finish_reason=out.finish_reason if out.finished else None)])
+                                               finish_reason=out.finish_reason if out.finished else None)],
+                            _usage(fan.choices, req.n) if req.continuous_usage else None)
             if req.include_usage:
                 yield chunk([], _usage(fan.choices, req.n))
 
