@@ -61,8 +61,10 @@ def bench_ttft(config: EngineConfig, input_len: int, num_prompts: int, seed: int
     import ray
 
     from cluster.engine import Engine
-    from cluster.kv_offload import ensure_kv_store
+    from cluster.kv_store_setup import ensure_kv_store, kv_store_stats
 
+    # Each prompt's pages must reach the store as soon as the warm engine computed them.
+    config = config.replace(kv_write_policy="write_through")
     store, _ = ensure_kv_store(config)
     if store is None:
         raise RuntimeError("the KV store did not start")
@@ -91,7 +93,7 @@ def bench_ttft(config: EngineConfig, input_len: int, num_prompts: int, seed: int
             rows["host"].append(t)
             t, cached["radix"] = _ttft(warm, p)
             rows["radix"].append(t)
-        stats = fresh.kv_offload.report(fresh.workers)
+        stats = kv_store_stats(fresh)
     finally:
         warm.shutdown()
         if fresh is not None:
@@ -108,7 +110,7 @@ def run_bench_kvstore(config: EngineConfig, input_len: int, num_prompts: int, st
     """Both parts; `config` gets a page size of at least MIN_PAGE_TOKENS and a store directory."""
     import ray
 
-    from cluster.kv_offload import replica_identity
+    from cluster.kv_store_setup import replica_identity
     from kvstore.bench import bench_store
 
     changes: dict = {}
@@ -123,7 +125,7 @@ def run_bench_kvstore(config: EngineConfig, input_len: int, num_prompts: int, st
         ray.init(address="local", include_dashboard=False, namespace="manta-bench")
     ident = replica_identity(config)
     if ident is None:
-        raise SystemExit(f"{config.model} cannot use the KV store (see cluster/kv_offload.py)")
+        raise SystemExit(f"{config.model} cannot use the KV store (see cluster/kv_store_setup.py)")
     key_bytes = ident[2]
     out = {"model": config.model, "key_bytes": key_bytes,
            "store": bench_store(num_pages=store_pages, page_bytes=key_bytes, batch_pages=32, repeats=3,

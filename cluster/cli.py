@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from cluster.config import EngineConfig, default_cache_dir
-from cluster.kv_offload import add_kv_store_args, kv_store_config_from_args
+from cluster.kv_store_setup import add_kv_store_args, kv_store_config_from_args
 
 DEFAULT_MODEL_ARCH = "llama"
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ATTENTION_BACKENDS = ("flash", "reference", "mla")  # mla: the dedicated MLA backend (MLA models only)
-KV_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # cluster/kv_offload.py
+KV_WRITE_POLICIES = ("write_back_selective", "write_back", "write_through_selective", "write_through")  # cluster/kv_offload.py
 KV_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
@@ -60,10 +60,12 @@ class EngineConfig:
     kv_store_host_gb: float = 1.0
     kv_store_disk_gb: float = 16.0
     kv_host_cache_gb: float = 0.25
-    kv_write_policy: str = "write_through"
+    kv_write_policy: str = "write_back_selective"
     kv_prefetch_policy: str = "timeout"
     kv_prefetch_timeout_s: float = 0.5
     kv_prefetch_timeout_per_page_s: float = 0.002
+    # write_back policies: seconds spent at shutdown saving the pages still cached.
+    kv_drain_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:
@@ -99,6 +101,8 @@ class EngineConfig:
             bad("kv_store_host_gb/kv_store_disk_gb/kv_host_cache_gb", "must be > 0")
         if self.kv_prefetch_timeout_s < 0 or self.kv_prefetch_timeout_per_page_s < 0:
             bad("kv_prefetch_timeout_s", "must be >= 0")
+        if self.kv_drain_timeout_s < 0:
+            bad("kv_drain_timeout_s", "must be >= 0")
 
     @classmethod
     def from_dict(cls, options: dict) -> EngineConfig:

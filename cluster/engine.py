@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig
 from cluster.detokenizer import Detokenizer, DetokState
-from cluster.kv_offload import attach_kv_offload, kv_offload_options
+from cluster.kv_store_setup import attach_kv_offload, close_kv_offload, kv_offload_options
 from cluster.request import FinishReason, Request, RequestOutput
 from cluster.scheduler import RequestRejected, TokenEvent
 from cluster.spec_scheduler import scheduler_class
 from workers.encoder_decoder import GenerationRules
+from workers.forward_batch import ForwardMode
 from workers.group import InProcessWorkerGroup, WorkerGroup
-from workers.messages import TokenLogprobs
+from workers.messages import StepPlan, TokenLogprobs
 from workers.model_config import serving_mode
 from workers.model_runner import RunnerOptions
 from workers.sampling_params import SamplingParams
@@ -265,6 +266,11 @@ class Engine:
             outputs = [self._emit(ev) for ev in events]
         self._deliver(outputs)
         dt = time.perf_counter() - t0
+        if self.kv_offload is not None and done.mode.name in ("EXTEND", "MIXED"):
+            # Prefill speed, against which the store's load speed is judged. Overlapped, the
+            # interval from this call's start is about the completed plan's device time.
+            prompt_tokens = sum(len(r.input_ids) for r in done.reqs if len(r.input_ids) > 1)
+            self.kv_offload.note_prefill(prompt_tokens, dt)
         if self.step_trace is not None:
             self.step_trace.append((t0, time.perf_counter(), done.mode.name, len(done.reqs),
                                     sum(len(r.input_ids) for r in done.reqs)))
@@ -389,17 +395,24 @@ class Engine:
                 if self._stop:
                     return
             try:
-                self.step()
+                stepped = self.step()
             except Exception as exc:  # a failed forward must not hang its requests
                 logger.exception("engine step failed")
                 self.fail_all(f"engine step failed: {exc}")
+                continue
+            if not stepped:  # work that cannot run yet (a store lookup in flight): do not spin
+                with self._lock:
+                    self._wake.wait(timeout=0.002)
 
     @property
     def alive(self) -> bool:
         """The background loop is running (start() was called and shutdown() was not)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def shutdown(self) -> None:
+    def shutdown(self, drain_s: float | None = None) -> None:
+        """Stop the loop, save the cached KV pages a write-back store policy still owes the
+        store (for at most `drain_s`, default the config's `kv_drain_timeout_s`), release the
+        workers."""
         with self._lock:
             self._stop = True
             self._wake.notify_all()
@@ -407,8 +420,34 @@ class Engine:
             self._thread.join(timeout=30)
             self._thread = None
         if self.kv_offload is not None:
-            self.kv_offload.close()
+            try:
+                self._drain_kv(self.config.kv_drain_timeout_s if drain_s is None else drain_s)
+            except Exception:  # the workers may be the reason we stop
+                logger.exception("saving the cached KV pages at shutdown failed")
+            close_kv_offload(self)
         self.workers.shutdown()
+
+    def _drain_kv(self, budget_s: float) -> None:
+        """Write-back policies: write the pages still cached to the store, a chunk per idle
+        plan, until done or `budget_s` has passed (the loop is stopped: nothing else steps)."""
+        saves = self.kv_offload.drain_saves() if budget_s > 0 else []
+        if not saves:
+            return
+        while self._inflight:  # overlapped plans still on the ranks: finish them first
+            self._inflight.popleft()
+            self.workers.collect()
+        t0 = time.monotonic()
+        done = 0
+        for save in saves:
+            if time.monotonic() - t0 > budget_s:
+                break
+            self.scheduler._step_id += 1
+            self.workers.execute(StepPlan(self.scheduler._step_id, ForwardMode.IDLE, [], kv_saves=[save]))
+            self.kv_offload.drained(save)
+            done += len(save.page_ids)
+        total = sum(len(s.page_ids) for s in saves)
+        logger.info("KV store: saved %d of %d cached pages at shutdown in %.1f s", done, total,
+                    time.monotonic() - t0)
 
     async def generate_stream(
         self,

@@ -8,12 +8,17 @@ of this model (fingerprint: config, weights, dtype, page size, TP layout).
 
 Loading a prefix (when the store has a longer prefix than the radix cache):
 
-1. `set_aside(req)`, when the admission loop reaches a new request: match the radix cache
-   (m pages) and lock the match; chain keys of the whole pages of prompt[:-1]; ask the store how
-   many pages past m every rank can load (`StoreProbe.count`, all keys of a page for every
-   rank). If at least `min_pages`: the request leaves the waiting queue and its keys go out as a
-   `KVPrefetch` (ranks read them from the store into their host tier in the background while
-   the replica keeps stepping its other requests). Otherwise it is admitted as usual.
+0. `on_arrival(req)`, when a request is added (on the thread that adds it, not the engine's):
+   chain keys of the whole pages of prompt[:-1], and a lookup of how many leading pages every
+   rank can load is sent to the store (`StoreProbe.start`: all keys of a page for every rank),
+   without waiting for the answer.
+1. `set_aside(req)`, when the admission loop reaches the request: the answer is read without
+   waiting (`DEFER` while it has not come, for at most `PROBE_WAIT_S`: the loop admits the
+   requests behind it meanwhile; a slower store is a miss and probing pauses); match the radix
+   cache (m pages). If the store has at least `min_pages` past m: the match is locked, the
+   request leaves the waiting queue and its keys go out as a `KVPrefetch` (ranks read them from
+   the store into their host tier in the background while the replica keeps stepping its other
+   requests). Otherwise it is admitted as usual.
 2. `orders()`, every step: a prefetching request stops by the stop policy —
    best_effort: at the first step after the prefetch started (take what has arrived);
    wait_complete: when rank 0 reports the prefetch finished (each rank then waits for its own);
@@ -26,29 +31,37 @@ Loading a prefix (when the store has a longer prefix than the radix cache):
 
 Saving pages (the write policy, when device pages get a copy in the host tier and the store):
 
-- write_through (default): every full page the radix cache takes on `release` (a finished or
-  preempted request), in the next plan;
+- write_back_selective (default): write_back's pages plus write_through_selective's. A page is
+  written when it is about to have no other copy (evicted from the GPU, or the replica stops)
+  or has proven hot (matched twice: then other replicas may want it too). Each page is written
+  at most once, and nothing is written while the GPU cache holds the working set: a workload
+  of one-off prompts (a benchmark's random ones) costs the store nothing while it runs.
+- write_back: a page when the radix cache evicts it (the plan that evicts it carries the
+  save, which runs before the forward that may overwrite the page), and at shutdown the pages
+  still cached, most recently cached first, for up to the drain timeout (`drain_saves`).
 - write_through_selective: a cached page once admissions have matched it `HIT_THRESHOLD` (2)
   times, so pages used once never cost a store write;
-- write_back: a page when the radix cache evicts it (the plan that evicts it carries the
-  save, which runs before the forward that may overwrite the page).
+- write_through: every full page the radix cache takes on `release` (a finished or
+  preempted request), in the next plan. Every page of every request: the most store traffic
+  (an 8B model writes 128 KiB per token), for stores that must survive a crash.
 
-The store down, slow or full never stops serving: the probe and the ranks' client time out and
-count errors, a failed probe pauses probing for `backoff_s`, and a load that finds nothing
-admits the request with its radix match only.
+The store down, slow or full never stops serving or holds a step: the probe is read without
+waiting, the ranks drop saves their host tier has no room for, a failed or slow probe pauses
+probing for `backoff_s`, and a load that finds nothing admits the request with its radix
+match only. A store slower than recompute is bypassed: when loading a page has been taking
+longer than prefilling its tokens (both measured as the replica runs), requests are not set
+aside for `BYPASS_S`, then the store is tried again.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from cluster.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES, EngineConfig, default_cache_dir
-from workers.kv_messages import KVLoad, KVOffloadOptions, KVPrefetch, KVSave
+from cluster.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES
+from workers.kv_messages import KVLoad, KVPrefetch, KVSave
 
 logger = logging.getLogger(__name__)
 
@@ -59,114 +72,20 @@ MIN_LOAD_TOKENS = 16  # a store load costs two extra steps: skip shorter ones
 # replicas with smaller pages run without the store.
 MIN_PAGE_TOKENS = 16
 WAIT_COMPLETE_CAP_S = 60.0  # wait_complete still gives up after this long
+PROBE_WAIT_S = 0.1  # a store lookup not answered by then is a miss (and probing pauses)
+BYPASS_S = 30.0  # a store slower than recompute is not used for this long, then tried again
+RATE_SAMPLES = 3  # loads and prefill steps measured before the store may be bypassed
+DRAIN_CHUNK_PAGES = 64  # pages per drain order at shutdown
+WRITE_BACK = ("write_back", "write_back_selective")  # policies that save on eviction and at shutdown
+SELECTIVE = ("write_through_selective", "write_back_selective")  # policies that save hot pages
 
 
-# ---------------------------------------------------------------------------------------------
-# configuration
+class Verdict:
+    """What the store integration says about admitting a request now (`set_aside`)."""
 
-
-@functools.lru_cache(maxsize=8)
-def _identity(model: str, dtype: str | None, device: str, page_size: int, tp_size: int) -> tuple | None:
-    """(fingerprint, layout, bytes of one store key) of a replica, or None when its KV cannot
-    be shared as pages (encoder models, encoder-decoder, hybrid linear attention). Computed
-    once per process and replica shape (reads config.json and 1 MiB of each weight file)."""
-    from kvstore.keys import model_fingerprint, weights_identity
-    from workers.model_config import ModelConfig
-
-    mc = ModelConfig.from_pretrained(model, dtype=dtype or ("float32" if device == "cpu" else None))
-    if mc.is_encoder_decoder or mc.linear_attn_layers or not mc.is_causal or mc.is_embedding_model:
-        return None
-    layout = "mla" if mc.use_mla else "mha"
-    fingerprint = model_fingerprint(model, str(mc.dtype), page_size, tp_size, layout, weights_identity(model))
-    width = mc.kv_lora_rank + mc.qk_rope_head_dim if mc.use_mla else mc.per_rank_kv_heads(tp_size) * mc.head_dim
-    key_bytes = page_size * len(mc.full_attn_layers) * width * mc.dtype.itemsize
-    return fingerprint, layout, key_bytes
-
-
-def replica_identity(config: EngineConfig) -> tuple | None:
-    if config.kv_store is None or config.is_embedding or config.disable_radix_cache:
-        return None
-    if config.page_size < MIN_PAGE_TOKENS:
-        return None
-    if getattr(config, "speculative_draft_model", None):  # the store holds the target's pages only,
-        return None  # and a loaded prefix without the draft's K/V would starve its proposals
-    try:
-        return _identity(config.model, config.dtype, config.device, config.page_size, config.tp_size)
-    except Exception as exc:  # the engine reports a checkpoint it cannot load; the store just stays off
-        logger.warning("KV store off: cannot fingerprint %s (%s: %s)", config.model, type(exc).__name__, exc)
-        return None
-
-
-def kv_offload_options(config: EngineConfig) -> KVOffloadOptions | None:
-    """What every rank of the replica needs (`RunnerOptions.kv_offload`); None: no store."""
-    ident = replica_identity(config)
-    if ident is None:
-        return None
-    return KVOffloadOptions(fingerprint=ident[0], layout=ident[1],
-                            host_cache_bytes=int(config.kv_host_cache_gb * 2**30), store_name=STORE_NAME)
-
-
-def ensure_kv_store(config: EngineConfig, timeout_s: float = 120.0):
-    """Start the cluster's store actor for `config` (or find the running one); returns
-    (handle, created) or (None, False) when it cannot start (serving then runs without it).
-    Call before replicas start, in the namespace the workers will run in."""
-    import ray
-
-    from kvstore.store import get_or_create_store, lookup_store
-
-    if config.kv_store is None:
-        return None, False
-    existing = lookup_store()
-    ident = replica_identity(config)
-    if ident is None and existing is None:
-        logger.info("KV store not started: replicas of %s with --page-size %d do not use one (pages of "
-                    "at least %d tokens, a causal model with the prefix cache on)", config.model_name,
-                    config.page_size, MIN_PAGE_TOKENS)
-        return None, False
-    slot = min(max(ident[2] if ident else 64 << 10, 4 << 10), 4 << 20)
-    try:
-        handle = existing or get_or_create_store(
-            config.kv_store, ram_bytes=max(int(config.kv_store_host_gb * 2**30), slot),
-            file_bytes=int(config.kv_store_disk_gb * 2**30), slot_bytes=slot)
-        ray.get(handle.info.remote(), timeout=timeout_s)
-        return handle, existing is None
-    except Exception as exc:
-        logger.error("KV store under %s did not start (%s: %s): serving without it", config.kv_store,
-                     type(exc).__name__, exc)
-        return None, False
-
-
-def add_kv_store_args(p) -> None:
-    """The KV store options of `manta serve` / `generate` / `bench`."""
-    g = p.add_argument_group("KV store (shared by all replicas; docs/deploy.md section 10)")
-    g.add_argument("--kv-store", default=None, metavar="DIR",
-                   help="directory of the shared KV store (serve default: <cache dir>/kvstore)")
-    g.add_argument("--no-kv-store", action="store_true", help="run without the shared KV store")
-    g.add_argument("--kv-store-host-gb", type=float, default=1.0, help="the store's host-RAM tier")
-    g.add_argument("--kv-store-disk-gb", type=float, default=16.0, help="the store's file tier")
-    g.add_argument("--kv-host-cache-gb", type=float, default=0.25, help="each rank's host tier")
-    g.add_argument("--kv-write-policy", default="write_through", choices=KV_WRITE_POLICIES)
-    g.add_argument("--kv-prefetch-policy", default="timeout", choices=KV_PREFETCH_POLICIES)
-    g.add_argument("--kv-prefetch-timeout", type=float, default=0.5, dest="kv_prefetch_timeout_s",
-                   help="timeout policy: seconds, plus --kv-prefetch-timeout-per-page for each page")
-    g.add_argument("--kv-prefetch-timeout-per-page", type=float, default=0.002,
-                   dest="kv_prefetch_timeout_per_page_s")
-
-
-def kv_store_config_from_args(args) -> dict:
-    """EngineConfig fields from the options above. `manta serve` sets `kv_store_embedded`:
-    without --kv-store it keeps the store under the cache directory."""
-    if getattr(args, "kv_store", None) is None and not hasattr(args, "kv_store_host_gb"):
-        return {}  # a parser without the KV store options
-    root = args.kv_store
-    if args.no_kv_store:
-        root = None
-    elif root is None and getattr(args, "kv_store_embedded", False):
-        root = str(default_cache_dir() / "kvstore")
-    return {"kv_store": root, "kv_store_host_gb": args.kv_store_host_gb, "kv_store_disk_gb": args.kv_store_disk_gb,
-            "kv_host_cache_gb": args.kv_host_cache_gb, "kv_write_policy": args.kv_write_policy,
-            "kv_prefetch_policy": args.kv_prefetch_policy, "kv_prefetch_timeout_s": args.kv_prefetch_timeout_s,
-            "kv_prefetch_timeout_per_page_s": args.kv_prefetch_timeout_per_page_s}
+    ADMIT = "admit"  # admit it as usual
+    SET_ASIDE = "set_aside"  # it left the queue to have its prefix loaded from the store
+    DEFER = "defer"  # its store lookup has not answered yet: admit the ones behind it first
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +102,9 @@ class KVOffloadStats:
     saved_pages: int = 0  # pages ordered saved (device -> host tier -> store)
     early_stops: int = 0  # prefetches stopped before they finished (best_effort, timeout)
     probe_skips: int = 0  # requests not probed while probing pauses after a store error
+    probe_timeouts: int = 0  # lookups not answered within PROBE_WAIT_S
+    bypassed: int = 0  # requests not probed while the store is slower than recompute
+    drained_pages: int = 0  # pages ordered saved at shutdown
 
 
 @dataclass(eq=False)
@@ -201,13 +123,27 @@ class _Loading:
     load_step: int = 0  # the step id of the plan carrying that KVLoad
 
 
+class _Rate:
+    """Tokens per second, averaged (exponentially) over the last few measurements."""
+
+    def __init__(self) -> None:
+        self.value, self.samples = 0.0, 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        self.value = rate if self.samples == 0 else 0.7 * self.value + 0.3 * rate
+        self.samples += 1
+
+
 class SchedulerKVOffload:
     """Attached to one `Scheduler` (sets `scheduler.kv_offload`). Every method runs under the
-    engine's lock, in the scheduler's thread; the store is asked only by `StoreProbe.count`
-    (a bounded Ray call) when a request is set aside."""
+    engine's lock; none waits on the store (lookups are sent by `on_arrival` and read by
+    `set_aside` when they have answered)."""
 
     def __init__(self, scheduler, *, fingerprint: str, layout: str, tp_size: int,
-                 write_policy: str = "write_through", prefetch_policy: str = "timeout",
+                 write_policy: str = "write_back_selective", prefetch_policy: str = "timeout",
                  prefetch_timeout_s: float = 0.5, prefetch_timeout_per_page_s: float = 0.002,
                  store_name: str = STORE_NAME, namespace: str | None = None, probe_timeout_s: float = 2.0,
                  min_pages: int | None = None, backoff_s: float = 5.0, probe=None):
@@ -233,12 +169,16 @@ class SchedulerKVOffload:
         self.pending_saves: list[tuple[int, str]] = []
         self.loading: dict[str, _Loading] = {}
         self.held: dict[str, tuple[object, object]] = {}  # rid -> (req, locked node) until admitted
-        self.probed: set[str] = set()
+        self.probed: set[str] = set()  # requests whose store question is settled
+        self.probes: dict[str, object] = {}  # rid -> kvstore.client.PendingProbe
+        self.prompt_pages: set[int] = set()  # tree pages that hold prompt tokens (drained first)
         self.chains: dict[str, list[str]] = {}
         self._prefetch: list[KVPrefetch] = []
         self._skip_until = 0.0
+        self._bypass_until = 0.0
+        self.load_rate, self.prefill_rate = _Rate(), _Rate()  # tokens/s: loaded from the store; computed
         self.stats = KVOffloadStats()
-        self._poller: _StatsPoller | None = None
+        self.poller = None  # the replica's stats poller (cluster/kv_store_setup.py)
         scheduler.kv_offload = self
         self.radix.on_evict = self._on_evict  # bookkeeping always; saves only under write_back
 
@@ -250,45 +190,77 @@ class SchedulerKVOffload:
         """Pages allocated to loads in flight (neither free, cached nor owned by a request)."""
         return [p for e in self.loading.values() for p in e.pages]
 
-    def set_aside(self, req) -> bool:
-        """True: `req` left admission to have its prefix fetched from the store (the caller
-        pops it from the waiting queue); it comes back to the front when the load is done."""
-        if req.rid in self.probed or req.is_embedding or req.num_preemptions:
-            return False
-        self.probed.add(req.rid)
-        tokens = req.prompt_ids[:-1]  # the last token is always computed: it yields the logits
-        n = len(tokens) // self.P
+    def on_arrival(self, req) -> None:
+        """Send the store lookup of a new request's prefix (answered while it waits)."""
+        if req.is_embedding or req.rid in self.probes:
+            return
+        n = (len(req.prompt_ids) - 1) // self.P  # the last token is always computed
         if n < self.min_pages:
-            return False
-        match = self.radix.match_prefix(tokens)
-        m = len(match.pages)
-        if n - m < self.min_pages:
-            return False
+            return
         now = time.monotonic()
+        if now < self._bypass_until:
+            self.stats.bypassed += 1
+            return
         if now < self._skip_until:
             self.stats.probe_skips += 1
-            return False
-        chain = self._chain(req, n)
+            return
+        if n - len(self.radix.match_prefix(req.prompt_ids[: n * self.P]).pages) < self.min_pages:
+            return  # the GPU cache holds (almost) all of it already
+        self.probes[req.rid] = self.probe.start(self._chain(req, n))
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """A step computed `tokens` prompt tokens in `seconds` (the engine measures it)."""
+        self.prefill_rate.add(tokens, seconds)
+
+    def set_aside(self, req) -> str:
+        """A `Verdict` for admitting `req` now. SET_ASIDE: it left admission to have its prefix
+        fetched from the store (the caller removes it from the waiting queue); it comes back to
+        the front when the load is done."""
+        if req.rid in self.probed or req.is_embedding or req.num_preemptions:
+            return Verdict.ADMIT
+        pending = self.probes.get(req.rid)
+        if pending is None:  # not looked up at arrival (short, cached, or the store paused)
+            self.probed.add(req.rid)
+            return Verdict.ADMIT
+        now = time.monotonic()
+        del self.probes[req.rid]
+        self.probed.add(req.rid)
         errors = self.probe.counters.errors
-        found = self.probe.count(chain[m:])
-        self.stats.query_pages += n - m
-        if self.probe.counters.errors > errors:
+        if pending.done():
+            s = pending.pages()
+            failed = self.probe.counters.errors > errors
+        elif now - pending.started < PROBE_WAIT_S:
+            self.probes[req.rid] = pending
+            self.probed.discard(req.rid)
+            return Verdict.DEFER
+        else:
+            pending.abandon()
+            self.stats.probe_timeouts += 1
+            s, failed = 0, True
+        if failed:
             self._skip_until = now + self.backoff_s  # the store is down or slow: stop asking for a while
+        tokens = req.prompt_ids[:-1]
+        n = len(tokens) // self.P
+        match = self.radix.match_prefix(tokens)
+        m = len(match.pages)
+        found = max(0, min(s, n) - m)
+        self.stats.query_pages += n - m
         self.stats.probe_hit_pages += found
         if found < self.min_pages:
-            return False
+            return Verdict.ADMIT
         self.radix.lock(match.node)
         deadline = now + self.timeout_s + self.per_page_s * found
+        chain = self._chain(req, n)
         self.loading[req.rid] = _Loading(req, chain, m, list(match.pages), match.node, m + found, now, deadline)
         self._prefetch.append(KVPrefetch(req.rid, chain[m : m + found]))
-        return True
+        return Verdict.SET_ASIDE
 
     def admitted(self, req) -> None:
         """`req` was admitted (its radix match is locked by `_admit` now)."""
         held = self.held.pop(req.rid, None)
         if held is not None:
             self.radix.unlock(held[1])
-        if self.write_policy == "write_through_selective" and req.kv is not None:
+        if self.write_policy in SELECTIVE and req.kv is not None:
             for p in req.kv.pages[: req.kv.num_cached_pages]:
                 self.hits[p] += 1
                 if self.hits[p] >= HIT_THRESHOLD and p not in self.saved and p in self.tree_keys:
@@ -301,10 +273,31 @@ class SchedulerKVOffload:
         if n_full <= kept:
             return
         chain = self._chain(req, n_full, token_ids=token_ids)
+        prompt_full = len(req.prompt_ids) // self.P
         for i in range(kept, n_full):
             self.tree_keys[pages[i]] = chain[i]
+            if i < prompt_full:
+                self.prompt_pages.add(pages[i])
             if self.write_policy == "write_through":
                 self._save(pages[i], chain[i])
+
+    def drain_saves(self) -> list[KVSave]:
+        """At shutdown (write_back policies): `sync` saves of every cached page not saved yet,
+        prompt pages first, most recently cached first, in chunks the caller sends one at a
+        time until its deadline. Empty for the write-through policies (their pages went out)."""
+        if self.write_policy not in WRITE_BACK:
+            return []
+        recent = [p for p in reversed(self.tree_keys) if p not in self.saved]
+        order = [p for p in recent if p in self.prompt_pages] + [p for p in recent if p not in self.prompt_pages]
+        out = []
+        for i in range(0, len(order), DRAIN_CHUNK_PAGES):
+            chunk = order[i : i + DRAIN_CHUNK_PAGES]
+            out.append(KVSave(chunk, [self.tree_keys[p] for p in chunk], sync=True))
+        return out
+
+    def drained(self, save: KVSave) -> None:
+        self.saved.update(save.page_ids)
+        self.stats.drained_pages += len(save.page_ids)
 
     def orders(self):
         """This step's KV orders (saves, prefetch starts, loads), or None when there are none
@@ -366,7 +359,8 @@ class SchedulerKVOffload:
         for p in leaf.pages[len(leaf.pages) - take :]:
             key = self.tree_keys.pop(p, None)
             self.hits.pop(p, None)
-            if self.write_policy == "write_back" and key is not None and p not in self.saved:
+            self.prompt_pages.discard(p)
+            if self.write_policy in WRITE_BACK and key is not None and p not in self.saved:
                 self._save(p, key)
             self.saved.discard(p)
 
@@ -416,6 +410,7 @@ class SchedulerKVOffload:
             node = match.node
             self.stats.hit_pages += n
             self.stats.loaded_tokens += n * P
+            self._measure_load(n * P, time.monotonic() - e.started)
         else:
             self.allocator.free(e.pages)
         e.pages = []
@@ -425,6 +420,16 @@ class SchedulerKVOffload:
             return
         self.held[req.rid] = (req, node)
         self.sched.waiting.appendleft(req)
+
+    def _measure_load(self, tokens: int, seconds: float) -> None:
+        """Bypass the store while loading has been slower than computing the same tokens."""
+        self.load_rate.add(tokens, seconds)
+        if (self.load_rate.samples >= RATE_SAMPLES and self.prefill_rate.samples >= RATE_SAMPLES
+                and self.load_rate.value < self.prefill_rate.value):
+            logger.warning("KV store: loading runs at %.0f tokens/s, prefill at %.0f: not using the store for "
+                           "%.0f s", self.load_rate.value, self.prefill_rate.value, BYPASS_S)
+            self._bypass_until = time.monotonic() + BYPASS_S
+            self.load_rate = _Rate()  # measured afresh when the store is tried again
 
     def _sweep(self) -> None:
         """Forget requests that finished (aborted) while set aside or held. A load still
@@ -450,24 +455,19 @@ class SchedulerKVOffload:
         for rid in [r for r in self.probed if r not in live and r not in self.loading]:
             self.probed.discard(rid)
             self.chains.pop(rid, None)
-
-    def close(self) -> None:
-        """Stop the stats poller (the engine shuts down)."""
-        if self._poller is not None:
-            self._poller.stop()
+        for rid in [r for r in self.probes if r not in live]:  # finished before admission
+            self.probes.pop(rid).abandon()
+            self.chains.pop(rid, None)
 
     # ---------------- metrics ----------------
-    def report(self, workers) -> dict:
-        """Counters for `Replica.stats()` (and so for the router's metrics): the scheduler's,
-        every rank's client and host tier (polled in the background), the store's usage."""
-        if self._poller is None:
-            self._poller = _StatsPoller(workers, self.store_name, self.namespace)
-        ranks, store = self._poller.latest()
+    def counters(self) -> dict:
+        """The scheduler side's counters (`kv_store_setup.kv_store_stats` adds the ranks' and
+        the store's)."""
         probe = self.probe.counters
         return {"layout": self.layout, "write_policy": self.write_policy, "prefetch_policy": self.prefetch_policy,
                 **asdict(self.stats), "probe_errors": probe.errors,
-                "errors": probe.errors + sum(r.get("errors", 0) for r in ranks),
-                "ranks": ranks, "store": store}
+                "load_tokens_per_s": self.load_rate.value, "prefill_tokens_per_s": self.prefill_rate.value,
+                "bypassing": time.monotonic() < self._bypass_until}
 
 
 class _Orders:
@@ -479,109 +479,3 @@ class _Orders:
 
     def apply(self, plan) -> None:
         plan.kv_saves, plan.kv_prefetch, plan.kv_loads = self.saves, self.prefetch, self.loads
-
-
-class _StatsPoller:
-    """Fetches every rank's `kv_store_stats` and the store's usage each `interval_s` in a
-    daemon thread (never on the caller's thread: a busy rank or a hung store must not stall
-    the replica's stats). Stops polling when nobody asked for 30 s."""
-
-    def __init__(self, workers, store_name: str, namespace: str | None, interval_s: float = 1.0):
-        self.workers, self.store_name, self.namespace = workers, store_name, namespace
-        self.interval_s = interval_s
-        self._ranks: list[dict] = []
-        self._store: dict | None = None
-        self._asked = time.monotonic()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def stop(self) -> None:
-        self._asked = float("-inf")
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def latest(self) -> tuple[list[dict], dict | None]:
-        self._asked = time.monotonic()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="kv-store-stats", daemon=True)
-            self._thread.start()
-        with self._lock:
-            return list(self._ranks), self._store
-
-    def _run(self) -> None:
-        import ray
-
-        # Never after ray.shutdown(): a Ray call from here would start a new local instance.
-        while time.monotonic() - self._asked < 30 and ray.is_initialized():
-            self._poll()
-            time.sleep(self.interval_s)
-
-    def _poll(self) -> None:
-        ranks = _rank_stats(self.workers)
-        store = _store_usage(self.store_name, self.namespace)
-        with self._lock:
-            if ranks is not None:
-                self._ranks = ranks
-            self._store = store
-
-
-def _rank_stats(workers, timeout_s: float = 1.0) -> list[dict] | None:
-    actors = getattr(workers, "workers", None)
-    if actors:  # RayWorkerGroup: each rank actor answers on its second thread
-        import ray
-
-        try:
-            return [s for s in ray.get([w.kv_store_stats.remote() for w in actors], timeout=timeout_s) if s]
-        except Exception:
-            return None
-    runner = getattr(workers, "runner", None)  # InProcessWorkerGroup
-    off = getattr(runner, "kv_offload", None)
-    return [off.stats()] if off is not None else []
-
-
-def _store_usage(name: str, namespace: str | None, timeout_s: float = 1.0) -> dict | None:
-    import ray
-
-    try:
-        st = ray.get(ray.get_actor(name, namespace=namespace).stats.remote(), timeout=timeout_s)
-    except Exception:
-        return None
-    return {"ram_used_bytes": st["ram"]["used_bytes"], "ram_capacity_bytes": st["ram"]["capacity_bytes"],
-            "file_used_bytes": st["file"]["used_bytes"], "file_capacity_bytes": st["file"]["capacity_bytes"],
-            "pages": st["pages"]}
-
-
-# ---------------------------------------------------------------------------------------------
-# wiring
-
-
-def attach_kv_offload(engine) -> SchedulerKVOffload | None:
-    """The engine's store integration, or None (no --kv-store, a model whose KV is not shared
-    as pages, no prefix cache, or no Ray in this process to reach the store)."""
-    cfg = engine.config
-    if cfg.kv_store is None:
-        return None
-    ident = replica_identity(cfg)
-    if ident is None or engine.serving.disable_radix_cache or engine.serving.is_embedding:
-        logger.info("KV store off for %s: its KV is not shared as prefix pages of >= %d tokens",
-                    cfg.model_name, MIN_PAGE_TOKENS)
-        return None
-    import ray
-
-    if not ray.is_initialized():
-        logger.warning("KV store off: this process is not part of a Ray cluster")
-        return None
-    fingerprint, layout, _ = ident
-    off = SchedulerKVOffload(engine.scheduler, fingerprint=fingerprint, layout=layout, tp_size=cfg.tp_size,
-                             write_policy=cfg.kv_write_policy, prefetch_policy=cfg.kv_prefetch_policy,
-                             prefetch_timeout_s=cfg.kv_prefetch_timeout_s,
-                             prefetch_timeout_per_page_s=cfg.kv_prefetch_timeout_per_page_s)
-    logger.info("KV store on: layout %s, write policy %s, prefetch %s, fingerprint %s", layout,
-                cfg.kv_write_policy, cfg.kv_prefetch_policy, fingerprint[:12])
-    return off
-
-
-def kv_store_stats(engine) -> dict | None:
-    """`Replica.stats()["kvstore"]`: None when the replica runs without a store."""
-    off = getattr(engine, "kv_offload", None)
-    return off.report(engine.workers) if off is not None else None

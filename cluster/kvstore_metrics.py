@@ -1,6 +1,6 @@
 """Prometheus export of the shared KV store's counters, from what replicas report.
 
-A replica's `stats()["kvstore"]` (cluster/kv_offload.py `SchedulerKVOffload.report`) carries
+A replica's `stats()["kvstore"]` (cluster/kv_store_setup.py `kv_store_stats`) carries
 cumulative counters: the scheduler's (pages looked up in the store, pages loaded), every rank's
 client and host tier, and the store's usage. Like the prefix-cache counters they are exported
 from the latest polled values by a custom collector (a replica that restarts starts again from

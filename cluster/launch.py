@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import ray
 
 from cluster.config import EngineConfig
-from cluster.kv_offload import ensure_kv_store
+from cluster.kv_store_setup import ensure_kv_store
 from cluster.replica import REPLICA_THREADS, Replica
 from cluster.router import Router, RouterOptions
 

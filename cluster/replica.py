@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from cluster.config import EngineConfig
 from cluster.engine import Engine, runner_options
-from cluster.kv_offload import kv_store_stats
+from cluster.kv_store_setup import kv_store_stats
 from cluster.request import RequestOutput
 from cluster.scheduler import QueueFull, RequestRejected
 from workers.sampling_params import SamplingParams, SamplingParamsError
@@ -215,7 +215,7 @@ class Replica:
             **eng.stats(),
             "restarts": self.restarts,
             "messages": dict(self.counters),
-            "kvstore": kv_store_stats(eng),  # None without a KV store (cluster/kv_offload.py)
+            "kvstore": kv_store_stats(eng),  # None without a KV store (cluster/kv_store_setup.py)
         }
 
     def info(self) -> dict:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from cluster import encoder_decoder as encdec
 from cluster.kv_allocator import PageAllocator, RequestKV, slots_for
+from cluster.kv_offload import Verdict
 from cluster.radix_cache import RadixCache
 from cluster.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from workers.forward_batch import ForwardMode
@@ -150,6 +151,8 @@ class Scheduler:
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting={self.max_waiting})")
         self.requests[req.rid] = req
         self.waiting.append(req)
+        if self.kv_offload is not None:  # its store lookup goes out now, answered while it waits
+            self.kv_offload.on_arrival(req)
 
     def abort(self, rid: str) -> Request | None:
         """Finish a request now (client gone); its pages are freed immediately."""
@@ -188,19 +191,25 @@ class Scheduler:
             budget -= n
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_running and self._free_rows:
-            req = self.waiting[0]
+        skip = 0  # waiting requests passed over this step (their store lookup is in flight)
+        while len(self.waiting) > skip and budget > 0 and len(self.running) < self.max_running and self._free_rows:
+            req = self.waiting[skip]
             if req.pending:
                 break  # preempted with a token in flight: re-admit once it is known
-            if self.kv_offload is not None and self.kv_offload.set_aside(req):
-                self.waiting.popleft()  # its prefix is fetched from the KV store first
-                continue
+            if self.kv_offload is not None:
+                verdict = self.kv_offload.set_aside(req)
+                if verdict == Verdict.DEFER:
+                    skip += 1
+                    continue
+                if verdict == Verdict.SET_ASIDE:
+                    del self.waiting[skip]  # its prefix is fetched from the KV store first
+                    continue
             if self.chunk_size is None and req.num_tokens > budget and plan_reqs:
                 break  # whole-prompt prefill must wait for a step with room
             admitted = self._admit(req, budget)
             if admitted is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[skip]
             if self.kv_offload is not None:
                 self.kv_offload.admitted(req)
             n, slots, prefix_slots = admitted

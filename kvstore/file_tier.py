@@ -8,12 +8,20 @@ the page's: the store verifies it after every read into RAM.
 This class keeps the files, their LRU order and their byte count; which entry a file belongs
 to, and what happens to it when a file is evicted, is the store's business (`kvstore.store`).
 All calls come from the store under its lock.
+
+The disk is shared: the tier never fills its filesystem past a reserve (5% of its size, at
+least 256 MiB, at most 20%). At start its capacity is clamped to what the disk has free beyond
+the reserve (with a warning); while running the free space is read again at most every
+second and the capacity shrinks (or grows back, up to the configured cap) with it, so the LRU
+eviction makes room inside what the disk allows. A failed write (a full or failing disk)
+stops file writes for `backoff_s` and is logged once per burst, not once per page.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import struct
 import time
 from collections import OrderedDict
@@ -30,15 +38,79 @@ HEADER_BYTES = 128
 SUFFIX = ".kv"
 
 
+BLOCK = 4096  # what a file takes on disk is counted in whole blocks
+
+
+def file_bytes(page_size: int) -> int:
+    """Disk space of one page file (header + page, in whole blocks)."""
+    return -(-(HEADER_BYTES + page_size) // BLOCK) * BLOCK
+
+
+def disk_reserve(total_bytes: int) -> int:
+    """Bytes of a filesystem the file tier leaves free."""
+    return int(min(max(0.05 * total_bytes, 256 << 20), 0.2 * total_bytes))
+
+
 class FileTier:
-    def __init__(self, root: Path, capacity: int, agent, agent_name: str, fsync: bool = False):
+    def __init__(self, root: Path, capacity: int, agent, agent_name: str, fsync: bool = False,
+                 backoff_s: float = 5.0, disk_check_s: float = 1.0):
         self.root = root
-        self.capacity = capacity
+        self.configured = capacity  # what the operator asked for
+        self.capacity = capacity  # what the disk allows now (<= configured)
         self.agent = agent  # the store's NIXL agent, with a POSIX backend
         self.agent_name = agent_name
         self.fsync = fsync
+        self.backoff_s, self.disk_check_s = backoff_s, disk_check_s
         self.lru: OrderedDict[str, int] = OrderedDict()  # key -> bytes on disk, oldest first
         self.used = 0
+        self.write_errors = 0  # failed page writes (disk full or failing)
+        self.skipped_writes = 0  # writes not tried while backing off after a failure
+        self._backoff_until = 0.0
+        self._checked_at = 0.0
+        self._burst = 0  # failures since the last log line
+
+    # ---------------- the disk ----------------
+    def fit_to_disk(self, warn: bool = False) -> int:
+        """Set the capacity to what the filesystem allows (its free space beyond the reserve,
+        plus what this tier already holds), up to the configured cap; returns it."""
+        self._checked_at = time.monotonic()
+        try:
+            du = shutil.disk_usage(self.root)
+        except OSError:
+            return self.capacity
+        allowed = self.used + max(0, du.free - disk_reserve(du.total))
+        capacity = min(self.configured, allowed)
+        if warn and capacity < self.configured:
+            logger.warning("kv store: the file tier under %s is capped at %.2f GiB, not the %.2f GiB asked for: "
+                           "its filesystem has %.2f GiB free and keeps %.2f GiB in reserve", self.root,
+                           capacity / 2**30, self.configured / 2**30, du.free / 2**30,
+                           disk_reserve(du.total) / 2**30)
+        self.capacity = capacity
+        return capacity
+
+    def writable(self) -> bool:
+        """False while backing off after a failed write (the caller skips the write)."""
+        now = time.monotonic()
+        if now < self._backoff_until:
+            self.skipped_writes += 1
+            return False
+        if now - self._checked_at >= self.disk_check_s:
+            self.fit_to_disk()
+        return True
+
+    def _failed_write(self, key: str) -> None:
+        self.write_errors += 1
+        self._burst += 1
+        self._backoff_until = time.monotonic() + self.backoff_s
+        if self._burst == 1:
+            logger.warning("kv store: writing page %s under %s failed (disk full or failing?); file writes "
+                           "pause for %.0f s", key, self.root, self.backoff_s)
+        self.fit_to_disk()
+
+    def _wrote(self) -> None:
+        if self._burst > 1:
+            logger.warning("kv store: file writes work again after %d failures", self._burst)
+        self._burst = 0
 
     def __contains__(self, key: str) -> bool:
         return key in self.lru
@@ -94,7 +166,7 @@ class FileTier:
                 state = self.agent.check_xfer_state(handle)
             return state == "DONE"
         except Exception as exc:  # short reads and I/O errors surface here
-            logger.warning("kv store: POSIX %s failed: %s", op, exc)
+            logger.debug("kv store: POSIX %s failed: %s", op, exc)  # the caller logs bursts
             return False
         finally:
             if handle is not None:
@@ -107,24 +179,32 @@ class FileTier:
     def write(self, key: str, regions: Sequence[tuple[int, int]], size: int, checksum: int) -> bool:
         """Write a page atomically (tmp + rename); the caller made room (`victims`)."""
         path = self.path(key)
-        path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        ok = False
         try:
-            ok = self._transfer("WRITE", fd, regions)
+            path.parent.mkdir(exist_ok=True)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                ok = self._transfer("WRITE", fd, regions)
+                if ok:
+                    header = HEADER.pack(MAGIC, key.encode(), size, checksum)
+                    os.pwrite(fd, header.ljust(HEADER_BYTES, b"\0"), 0)
+                    if self.fsync:
+                        os.fsync(fd)
+            finally:
+                os.close(fd)
             if ok:
-                header = HEADER.pack(MAGIC, key.encode(), size, checksum)
-                os.pwrite(fd, header.ljust(HEADER_BYTES, b"\0"), 0)
-                if self.fsync:
-                    os.fsync(fd)
-        finally:
-            os.close(fd)
+                os.replace(tmp, path)
+        except OSError as exc:  # ENOSPC on the header, the rename or the directory
+            logger.debug("kv store: page file %s: %s", path, exc)
+            ok = False
         if not ok:
             tmp.unlink(missing_ok=True)
+            self._failed_write(key)
             return False
-        os.replace(tmp, path)
-        self.lru[key] = HEADER_BYTES + size
-        self.used += HEADER_BYTES + size
+        self._wrote()
+        self.lru[key] = file_bytes(size)
+        self.used += file_bytes(size)
         return True
 
     def read(self, key: str, regions: Sequence[tuple[int, int]], size: int, checksum: int) -> bool:
@@ -193,7 +273,7 @@ class FileTier:
                 found.append((mtime, key, *meta))
         out = []
         for _, key, size, crc in sorted(found):
-            self.lru[key] = HEADER_BYTES + size
-            self.used += HEADER_BYTES + size
+            self.lru[key] = file_bytes(size)
+            self.used += file_bytes(size)
             out.append((key, size, crc))
         return out, broken

@@ -35,6 +35,36 @@ def pool_key_bytes(pool) -> list[int]:
             for bufs in pool_buffers(pool)]
 
 
+def pool_device(pool) -> torch.device:
+    return pool_buffers(pool)[0][0].device
+
+
+def stage_out(pool, page_ids: Sequence[int], page_bytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """The bytes of pool pages in a new host buffer [n, page_bytes], without waiting for the
+    device: on a GPU the gather and the copy to pinned memory are enqueued on the current stream
+    (so they run after every kernel already enqueued, and before the next step's kernels can
+    overwrite the pages) and the returned event completes when the bytes have landed."""
+    n, device = len(page_ids), pool_device(pool)
+    if device.type != "cuda":
+        host = torch.empty((n, page_bytes), dtype=torch.uint8)
+        gather_pages(pool, page_ids, host)
+        return host, None
+    dev = torch.empty((n, page_bytes), dtype=torch.uint8, device=device)
+    gather_pages(pool, page_ids, dev)
+    host = torch.empty((n, page_bytes), dtype=torch.uint8, pin_memory=True)
+    host.copy_(dev, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def stage_in(pool, page_ids: Sequence[int], host: torch.Tensor) -> None:
+    """Pool pages page_ids[i] = host[i] without waiting for the device (`host` should be pinned
+    on a GPU; torch keeps a pinned block alive until its copy has run)."""
+    device = pool_device(pool)
+    scatter_pages(pool, page_ids, host.to(device, non_blocking=True) if device.type == "cuda" else host)
+
+
 def pool_page_bytes(pool) -> int:
     """Bytes of one page of `pool` on this rank: the `page_bytes` a client needs."""
     return sum(pool_key_bytes(pool))
@@ -55,11 +85,16 @@ def _views(pool, stage: torch.Tensor) -> list[tuple[list[torch.Tensor], torch.Te
 def _slot_index(pool, page_ids: Sequence[int]) -> torch.Tensor:
     P = pool.page_size
     pages = torch.as_tensor(list(page_ids), dtype=torch.long)
-    return (pages[:, None] * P + torch.arange(P)).reshape(-1).to(pool_buffers(pool)[0][0].device)
+    idx = (pages[:, None] * P + torch.arange(P)).reshape(-1)
+    device = pool_buffers(pool)[0][0].device
+    if device.type == "cuda":  # pinned + non-blocking: a pageable copy would wait for the whole stream
+        return idx.pin_memory().to(device, non_blocking=True)
+    return idx
 
 
 def gather_pages(pool, page_ids: Sequence[int], stage: torch.Tensor) -> None:
-    """stage[i] = the bytes of pool page page_ids[i]. stage: [len(page_ids), page_bytes]."""
+    """stage[i] = the bytes of pool page page_ids[i]. stage: [len(page_ids), page_bytes].
+    With `stage` on the pool's GPU every copy is enqueued on the current stream (nothing waits)."""
     n, idx = len(page_ids), _slot_index(pool, page_ids)
     for bufs, view in _views(pool, stage):
         for layer, buf in enumerate(bufs):
@@ -67,7 +102,8 @@ def gather_pages(pool, page_ids: Sequence[int], stage: torch.Tensor) -> None:
 
 
 def scatter_pages(pool, page_ids: Sequence[int], stage: torch.Tensor) -> None:
-    """Pool page page_ids[i] = the bytes in stage[i] (the inverse of gather_pages)."""
+    """Pool page page_ids[i] = the bytes in stage[i] (the inverse of gather_pages). With
+    `stage` on the pool's GPU every copy is enqueued on the current stream (nothing waits)."""
     n, idx = len(page_ids), _slot_index(pool, page_ids)
     for bufs, view in _views(pool, stage):
         for layer, buf in enumerate(bufs):

@@ -36,7 +36,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.file_tier import HEADER_BYTES, SUFFIX, FileTier
+from kvstore.file_tier import HEADER_BYTES, SUFFIX, FileTier, file_bytes
 from kvstore.keys import validate_key, validate_keys
 from kvstore.ram_tier import RamTier
 
@@ -200,7 +200,8 @@ class KVStore:
                 "ram": {"used_bytes": self.ram.used, "capacity_bytes": self.ram.capacity,
                         "pages": len(self.ram_lru)},
                 "file": {"used_bytes": self.files.used, "capacity_bytes": self.files.capacity,
-                         "pages": len(self.files)},
+                         "configured_bytes": self.files.configured, "pages": len(self.files),
+                         "write_errors": self.files.write_errors, "skipped_writes": self.files.skipped_writes},
                 "pages": len(self.index), "pending": len(self.pending), "leases": len(self.leases),
                 "dirty": len(self.dirty), "clients": len(self.clients),
                 "counters": dict(self.counters), "writes_by_client": dict(self.writes_by_client),
@@ -460,9 +461,12 @@ class KVStore:
 
     # ---------------- file tier ----------------
     def _write_file(self, key: str, entry: _Entry) -> bool:
-        """Copy a RAM page to its file, deleting least recently used files to make room."""
+        """Copy a RAM page to its file, deleting least recently used files to make room (within
+        what the disk allows); False without writing while file writes back off."""
         assert entry.slots is not None
-        victims = self.files.victims(HEADER_BYTES + entry.size, keep=key)
+        if not self.files.writable():
+            return False
+        victims = self.files.victims(file_bytes(entry.size), keep=key)
         if victims is None:
             return False
         for victim in victims:
@@ -474,6 +478,7 @@ class KVStore:
                 del self.index[victim]
         if not self.files.write(key, self.ram.regions(entry.slots, entry.size), entry.size, entry.checksum):
             self.counters["errors"] += 1
+            self.counters["file_write_errors"] += 1
             return False
         entry.on_file = True
         self.counters["files_written"] += 1
@@ -493,7 +498,8 @@ class KVStore:
         self.counters["corrupt"] += broken
         for key, size, crc in found:
             self.index[key] = _Entry(size, crc, "", on_file=True)
-        if self.files.used > self.files.capacity:  # started with a smaller capacity
+        self.files.fit_to_disk(warn=True)  # never past the filesystem's reserve
+        if self.files.used > self.files.capacity:  # started with a smaller capacity, or a fuller disk
             for victim in self.files.victims(0, keep="") or []:
                 self.files.remove(victim)
                 del self.index[victim]
@@ -502,12 +508,17 @@ class KVStore:
                         self.files.used / 2**20, self.root)
 
     def _flush_some(self, limit: int) -> int:
+        """Write up to `limit` dirty pages to files; stops at the first that cannot be written
+        (the disk is full or failing: it and the rest stay dirty, for a later round). Returns
+        how many pages left the dirty list."""
         done = 0
         for key in list(self.dirty)[:limit]:
-            self.dirty.pop(key, None)
             entry = self.index.get(key)
             if entry is not None and entry.slots is not None and not entry.on_file:
-                done += self._write_file(key, entry)
+                if not self._write_file(key, entry):
+                    break
+            self.dirty.pop(key, None)
+            done += 1
         return done
 
     def _progress(self) -> None:
@@ -529,7 +540,9 @@ class KVStore:
             try:
                 while self.dirty and not self._stop.is_set():
                     with self._lock:
-                        self._flush_some(16)  # small batches: serving calls wait on the lock
+                        moved = self._flush_some(16)  # small batches: serving calls wait on the lock
+                    if not moved:
+                        break  # the disk refuses: try again next round
             except Exception:
                 logger.exception("kv store flusher")
 

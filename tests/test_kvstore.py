@@ -19,6 +19,7 @@ import torch
 from kvstore import keys as K
 from kvstore.bench import bench_store
 from kvstore.client import KVStoreClient, StoreProbe, agree_on_pages
+from kvstore.file_tier import file_bytes as page_file_bytes
 from kvstore.pages import pool_page_bytes
 from kvstore.store import HEADER_BYTES, SUFFIX, get_or_create_store
 from workers.memory_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -371,7 +372,7 @@ def test_restart_keeps_pages_drops_corrupt_ones_and_dead_store_misses(ray_local,
 
 def test_ram_eviction_spills_to_files_and_file_lru_deletes(ray_local, tmp_path):
     page = 4096
-    handle, name = new_store(tmp_path, ram_bytes=4 * page, slot_bytes=page, file_bytes=6 * (HEADER_BYTES + page))
+    handle, name = new_store(tmp_path, ram_bytes=4 * page, slot_bytes=page, file_bytes=6 * page_file_bytes(page))
     c = client(handle, name, "mla", page_bytes=page)
     chain = c.chain_keys(tokens(12, salt=2), PAGE)
     data = [[torch.full((page // 4,), float(i))] for i in range(12)]
@@ -390,6 +391,62 @@ def test_ram_eviction_spills_to_files_and_file_lru_deletes(ray_local, tmp_path):
     big = client(handle, name, "mla", page_bytes=8 * page)
     assert not big.batch_set(big.chain_keys(tokens(1, salt=99), PAGE), [[torch.zeros(8 * page // 4)]])
     assert ray.get(handle.stats.remote())["counters"]["refused_full"] == 1
+    ray.kill(handle)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 32 MiB tmpfs (root and `mount` needed, as on the CI machine); unmounted after."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_file_tier_never_fills_its_disk(ray_local, small_fs, caplog):
+    """A file tier asked for 16 GiB on a 32 MiB filesystem: capped to the disk's free space
+    beyond its reserve at start, and when someone else fills the disk while it runs it shrinks,
+    evicting its own files, instead of failing page after page; failed writes are counted."""
+    import shutil
+
+    from kvstore.file_tier import disk_reserve
+
+    page = 256 << 10
+    root = small_fs / "kv"
+    handle, name = new_store(root, ram_bytes=8 * page, slot_bytes=page, file_bytes=16 << 30)
+    total = shutil.disk_usage(small_fs).total
+    st = ray.get(handle.stats.remote())
+    assert st["file"]["configured_bytes"] == 16 << 30
+    assert 0 < st["file"]["capacity_bytes"] <= total - disk_reserve(total)
+    c = client(handle, name, "mla", page_bytes=page)
+    chain = c.chain_keys(tokens(200, salt=7), PAGE)  # 50 MiB of pages through 8 MiB of RAM
+    for i in range(0, 200, 8):
+        c.batch_set(chain[i : i + 8], [[torch.full((page // 4,), float(j))] for j in range(i, i + 8)])
+        assert shutil.disk_usage(small_fs).free >= disk_reserve(total) - page
+    ray.get(handle.flush.remote())
+    st = ray.get(handle.stats.remote())
+    assert st["file"]["used_bytes"] <= st["file"]["capacity_bytes"] and st["file"]["pages"] > 10
+    assert st["file"]["write_errors"] == 0
+    # Someone else fills the disk: the tier shrinks to what is left and keeps serving.
+    hog = small_fs / "hog"
+    with open(hog, "wb") as f:
+        f.write(b"\0" * max(0, shutil.disk_usage(small_fs).free - 2 * page))
+    time.sleep(1.1)  # the tier reads the disk's free space at most once a second
+    more = c.chain_keys(tokens(40, salt=8), PAGE)
+    for i in range(0, 40, 8):
+        c.batch_set(more[i : i + 8], [[torch.full((page // 4,), float(j))] for j in range(8)])
+    ray.get(handle.flush.remote())
+    st = ray.get(handle.stats.remote())
+    assert st["file"]["capacity_bytes"] <= st["file"]["used_bytes"] + 2 * page
+    out = [[torch.empty(page // 4)]]
+    assert c.batch_get([more[-1]], out) == 1  # the newest pages are still served (from RAM)
     ray.kill(handle)
 
 

@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from cluster.kv_offload import SchedulerKVOffload
+from cluster.kv_store_setup import kv_store_stats
 from cluster.request import Request
 from cluster.scheduler import Scheduler
 from kvstore.client import ClientCounters
@@ -27,11 +28,13 @@ FP = "ab" * 32
 
 
 class FakeProbe:
-    """The store as the scheduler sees it: the chain keys it holds for every rank."""
+    """The store as the scheduler sees it: the chain keys it holds for every rank. `hold`:
+    lookups stay unanswered until `answer()`."""
 
-    def __init__(self, keys=(), fail=False):
+    def __init__(self, keys=(), fail=False, hold=False):
         self.keys = set(keys)
         self.fail = fail
+        self.hold = hold
         self.counters = ClientCounters()
         self.calls = 0
 
@@ -44,6 +47,26 @@ class FakeProbe:
         while n < len(chain) and chain[n] in self.keys:
             n += 1
         return n
+
+    def start(self, chain):
+        return _Pending(self, chain)
+
+    def answer(self):
+        self.hold = False
+
+
+class _Pending:
+    def __init__(self, probe, chain):
+        self.probe, self.chain, self.started = probe, list(chain), time.monotonic()
+
+    def done(self):
+        return not self.probe.hold
+
+    def pages(self):
+        return self.probe.count(self.chain)
+
+    def abandon(self):
+        pass
 
 
 def make(policy="write_through", prefetch="timeout", probe=None, num_pages=65, **kw):
@@ -225,10 +248,44 @@ def test_a_load_lost_with_its_step_frees_its_pages():
 def test_failed_probe_pauses_probing():
     probe = FakeProbe(fail=True)
     s, off = make(probe=probe)
-    for i in range(3):
+    s.add_request(req("r0", 41, first=1000))
+    step(s)  # its lookup failed: lookups pause
+    for i in (1, 2):
         s.add_request(req(f"r{i}", 41, first=1000 * (i + 1)))
     run_until_idle(s)
     assert probe.calls == 1 and off.stats.probe_skips == 2 and s.requests == {}
+
+
+def test_a_lookup_in_flight_never_holds_the_step():
+    """A request whose store lookup has not answered is passed over (the ones behind it are
+    admitted in the same step); once the answer comes it is set aside for its load."""
+    stored = list(range(100, 141))
+    probe = FakeProbe(keys_of(stored[:40]), hold=True)
+    s, off = make(probe=probe, prefetch_timeout_s=60.0)
+    s.add_request(Request("slow", stored, SamplingParams(max_tokens=2, ignore_eos=True)))
+    s.add_request(req("short", 4, first=900))  # too short to look up (no whole page before its last token)
+    plan = step(s)
+    assert [r.rid for r in plan.reqs] == ["short"] and [r.rid for r in s.waiting] == ["slow"]
+    probe.answer()
+    plan = step(s)
+    assert "slow" in off.loading and [p.rid for p in plan.kv_prefetch] == ["slow"]
+    assert probe.calls == 1
+
+
+def test_a_lookup_that_never_answers_is_a_miss():
+    import cluster.kv_offload as ko
+
+    probe = FakeProbe(keys_of(list(range(100, 140))), hold=True)
+    s, off = make(probe=probe)
+    s.add_request(req("r", 41))
+    assert s.schedule() is None  # deferred: nothing to run yet
+    old, ko.PROBE_WAIT_S = ko.PROBE_WAIT_S, 0.0
+    try:
+        plans = run_until_idle(s)
+    finally:
+        ko.PROBE_WAIT_S = old
+    assert off.stats.probe_timeouts == 1 and not off.loading and s.requests == {}
+    assert plans[0].reqs and plans[0].reqs[0].prefix_len == 0  # computed, not loaded
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +334,7 @@ def engine_config(model: str, root, **kw):
 
     args = dict(model=model, page_size=PAGE, kv_cache_tokens=4096, max_running_requests=8, kv_store=str(root),
                 kv_store_host_gb=0.01, kv_store_disk_gb=0.1, kv_host_cache_gb=0.001,
-                kv_prefetch_policy="wait_complete")
+                kv_prefetch_policy="wait_complete", kv_write_policy="write_through")
     args.update(kw)
     return EngineConfig(**args)
 
@@ -553,6 +610,29 @@ def test_killed_store_comes_back_and_serves_its_pages_from_disk(no_store_after, 
         cluster.shutdown()
 
 
+@pytest.mark.slow
+def test_default_policy_writes_at_eviction_and_shutdown_not_per_request(engines, tmp_path, llama_dir):
+    """write_back_selective (the default): one-off prompts the GPU cache holds cost the store
+    nothing while they run; at shutdown the replica saves what it caches, and a replica started
+    afresh loads those prefixes instead of computing them, with the same greedy output."""
+    start_store(tmp_path / "kv")
+    cfg = engine_config(llama_dir, tmp_path / "kv", kv_write_policy="write_back_selective")
+    prompts = [prompt_ids(161, seed=s) for s in (40, 41, 42)]  # prompt[:-1]: 10 whole pages each
+    first = engines(cfg)
+    ref = first.generate(prompts, greedy(4))
+    time.sleep(1.0)
+    assert store_keys() == [] and first.kv_offload.stats.saved_pages == 0
+    first.shutdown()  # the drain: every cached page, prompt pages first
+    assert first.kv_offload.stats.drained_pages >= 3 * 10
+    keys = store_keys()
+    assert len(keys) >= 2 * 3 * 10  # MHA: a K and a V key per page
+    again = engines(cfg)
+    outs = again.generate(prompts, greedy(4))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert again.kv_offload.stats.hit_pages == 3 * 10
+    assert all(o.cached_tokens == 160 for o in outs)
+
+
 @ray.remote(num_cpus=0)
 class HungStore:
     """A store that answers nothing in time."""
@@ -590,7 +670,7 @@ def test_dead_hung_or_full_store_never_stops_serving(engines, tmp_path, llama_di
     assert time.monotonic() - t0 < 10
     assert eng.kv_offload.probe.counters.errors >= 1 and errors(eng) >= 2
     # The replica's report (what the metrics export) catches up with them in the background.
-    wait_for(lambda: eng.kv_offload.report(eng.workers)["errors"] >= 2, 10, "the errors in the report")
+    wait_for(lambda: kv_store_stats(eng)["errors"] >= 2, 10, "the errors in the report")
 
     # Hung: the probe times out once, then probing pauses; writes time out on the I/O thread.
     hung = HungStore.options(name=STORE_NAME, namespace=NS).remote()

@@ -44,6 +44,11 @@ class WorkerGroup(ABC):
     def describe(self) -> dict:
         return {"kind": type(self).__name__}
 
+    def kv_store_stats(self, timeout_s: float = 1.0) -> list[dict] | None:
+        """Every rank's KV store client and host-tier counters (`workers.kv_offload`); [] when
+        the ranks run without a store, None when they could not be asked in time."""
+        return []
+
 
 class RemoteOverlap:
     """`launch`/`collect` for groups whose ranks run in other processes and answer an
@@ -111,6 +116,10 @@ class InProcessWorkerGroup(WorkerGroup):
 
     def discard_inflight(self) -> None:
         self.runner.discard_inflight()
+
+    def kv_store_stats(self, timeout_s: float = 1.0) -> list[dict] | None:
+        off = self.runner.kv_offload
+        return [off.stats()] if off is not None else []
 
     def shutdown(self) -> None:
         if self.runner.kv_offload is not None:  # its I/O thread and NIXL agent

@@ -16,10 +16,13 @@ from dataclasses import dataclass
 @dataclass
 class KVSave:
     """Copy device pages page_ids[i] (holding chain key keys[i]) into the host tier now and on
-    to the shared store in the background (MLA: ranks != 0 keep the host copy, write nothing)."""
+    to the shared store in the background (MLA: ranks != 0 keep the host copy, write nothing).
+    `sync`: write them straight to the store before the step answers (the drain at shutdown,
+    when no step runs; never in serving)."""
 
     page_ids: list[int]
     keys: list[str]
+    sync: bool = False
 
 
 @dataclass

@@ -4,16 +4,22 @@ The host tier (`HostTier`) is one host tensor of page rows (pinned when a GPU is
 by chain key, least recently used first out. It sits between the rank's device pool and the
 cluster's store actor (`kvstore.store`, reached through this rank's `kvstore.client`):
 
-- save (`KVSave`, at the start of a step, before the forward): device pages are gathered into
-  host rows now (the device page may be reused by this very step), then an I/O thread writes
-  them on to the store (write-through from host to store). MLA ranks != 0 keep their host copy
-  and write nothing (the client skips: contract 5).
+- save (`KVSave`, at the start of a step, before the forward): the device pages' bytes are
+  copied out to pinned host memory by copies enqueued on the compute stream ahead of this
+  step's forward (which may overwrite a saved page: stream order keeps the copy first), and
+  nothing waits for them; the I/O thread waits for the copy's event, puts the bytes into host
+  rows and writes them on to the store. When the host tier has no free row (every row still
+  on its way to a slow store) the page is dropped and counted, never written in the step.
+  MLA ranks != 0 keep their host copy and write nothing (the client skips: contract 5).
+  A `sync` save (the drain at shutdown, no step running) writes straight to the store.
 - prefetch (`KVPrefetch`): the I/O thread reads the request's keys from the store into host
   rows, a chunk at a time, while the rank keeps computing other requests' steps.
-- load (`KVLoad`): wait up to `wait_s` for the prefetch (the scheduler's stop policy), copy the
-  leading host-resident pages into the device pages, and agree with the other ranks on the
-  count (min over ranks). Every rank runs the same loads in the same order, so the collective
-  lines up; a rank that fails locally contributes 0 and never skips the collective.
+- load (`KVLoad`): wait up to `wait_s` (at most `LOAD_WAIT_CAP_S`) for the prefetch (the
+  scheduler orders a load once rank 0's prefetch is done or its deadline passed, so a rank
+  rarely waits), copy the leading host-resident pages into pinned memory and enqueue their copy
+  into the device pages, and agree with the other ranks on the count (min over ranks). Every
+  rank runs the same loads in the same order, so the collective lines up; a rank that fails
+  locally contributes 0 and never skips the collective.
 
 Which pages are saved, and when (write-through, selective, write-back), and when a prefetch
 stops, is decided by the scheduler (`cluster.kv_offload`); this file only carries out orders.
@@ -35,6 +41,21 @@ from workers.kv_messages import KVLoad, KVOffloadOptions, KVPrefetch, KVSave
 
 logger = logging.getLogger(__name__)
 
+# A load never holds the step longer than this for a lagging rank's prefetch (the scheduler
+# already waited for rank 0's): what has not arrived by then is computed.
+LOAD_WAIT_CAP_S = 0.02
+
+
+@dataclass(eq=False)
+class _Write:
+    """Pages on their way to the store: bytes in `stage` once `event` completes (None: now),
+    then in host rows `rows` (taken, invisible until published), then written."""
+
+    keys: list[str]
+    rows: list[int]
+    stage: torch.Tensor
+    event: object = None
+
 
 class HostTier:
     """Page rows of one rank keyed by chain key: data [capacity, page_bytes] uint8.
@@ -46,6 +67,7 @@ class HostTier:
 
     def __init__(self, capacity_pages: int, page_bytes: int, pin: bool):
         self.page_bytes = page_bytes
+        self.pinned = pin
         self.data = torch.empty((capacity_pages, page_bytes), dtype=torch.uint8, pin_memory=pin)
         self.ready: OrderedDict[str, int] = OrderedDict()
         self.pins: dict[int, int] = {}
@@ -188,12 +210,13 @@ class RankKVOffload:
         self.host = HostTier(pages, self.page_bytes, pin=torch.cuda.is_available())
         self.jobs: dict[str, _Prefetch] = {}
         self._reads: deque[_Prefetch] = deque()
-        self._writes: deque[tuple[list[str], list[int]]] = deque()
+        self._writes: deque[_Write] = deque()
         self._finished: list[str] = []  # prefetches done since the last report
         self._cv = threading.Condition()
         self._stop = False
         self.counters = {"pages_saved_host": 0, "pages_loaded": 0, "loads": 0, "host_hit_pages": 0,
-                         "prefetched_pages": 0, "host_full": 0, "write_failures": 0, "errors": 0}
+                         "prefetched_pages": 0, "host_full": 0, "write_failures": 0, "errors": 0,
+                         "dropped_pages": 0, "drained_pages": 0}
         self._thread = threading.Thread(target=RankKVOffload._io_main, args=(weakref.ref(self),),
                                         name=f"kv-offload-r{tp.rank}", daemon=True)
         self._thread.start()
@@ -224,33 +247,40 @@ class RankKVOffload:
             result.kv_prefetched = finished
 
     def _save(self, save: KVSave) -> None:
-        from kvstore.pages import gather_pages
+        from kvstore.pages import stage_out
 
+        if save.sync:
+            self._save_now(save)
+            return
         todo = [(p, k) for p, k in zip(save.page_ids, save.keys) if not self.host.has(k)]
         rows = self.host.take(len(todo))
         if len(rows) < len(todo):
-            # The host tier is full of pages still on their way to the store: the rest go
-            # straight from the device pool to the store, now (the pages may be reused next).
-            rest, todo = todo[len(rows) :], todo[: len(rows)]
-            self.counters["host_full"] += len(rest)
-            self._count_write(self.client.save_pages, self.pool, [p for p, _ in rest], [k for _, k in rest])
+            # Every host row is still on its way to the store (it is slow or down): drop the
+            # rest rather than make the step wait for it.
+            self.counters["dropped_pages"] += len(todo) - len(rows)
+            self.counters["host_full"] += 1
+            todo = todo[: len(rows)]
         if not todo:
             return
         try:
-            stage = torch.empty((len(todo), self.page_bytes), dtype=torch.uint8)
-            gather_pages(self.pool, [p for p, _ in todo], stage)
-            self.host.data[torch.tensor(rows)] = stage
+            stage, event = stage_out(self.pool, [p for p, _ in todo], self.page_bytes)
         except Exception:
-            logger.exception("kv offload: saving %d pages to the host tier failed", len(todo))
+            logger.exception("kv offload: copying %d pages out of the device pool failed", len(todo))
             self.counters["errors"] += 1
             self.host.give(rows)
             return
-        keys = [k for _, k in todo]
-        held = self.host.publish(keys, rows, pin=True)  # pinned until the store write is done
         self.counters["pages_saved_host"] += len(todo)
         with self._cv:
-            self._writes.append((keys, held))
+            self._writes.append(_Write([k for _, k in todo], rows, stage, event))
             self._cv.notify_all()
+
+    def _save_now(self, save: KVSave) -> None:
+        """Write pages straight from the device pool to the store (the drain: no step runs)."""
+        n = len(save.page_ids)
+        if n and self.client.save_pages(self.pool, save.page_ids, save.keys):
+            self.counters["drained_pages"] += n
+        elif n:
+            self.counters["write_failures"] += 1
 
     def _start_prefetch(self, pre: KVPrefetch) -> None:
         old = self.jobs.pop(pre.rid, None)
@@ -264,17 +294,20 @@ class RankKVOffload:
 
     def _load(self, load: KVLoad) -> int:
         from kvstore.client import agree_on_pages
-        from kvstore.pages import scatter_pages
+        from kvstore.pages import stage_in
 
         job = self.jobs.pop(load.rid, None)
         n_local, rows = 0, []
         try:
             if job is not None and load.wait_s > 0:
-                job.done.wait(load.wait_s)
+                job.done.wait(min(load.wait_s, LOAD_WAIT_CAP_S))
             rows = self.host.leading(load.keys[: len(load.page_ids)])
             if rows:
-                stage = self.host.data[torch.tensor(rows)]  # a copy, taken while the rows are pinned
-                scatter_pages(self.pool, load.page_ids[: len(rows)], stage)
+                # A copy taken while the rows are pinned, into pinned memory: its copy to the
+                # device is enqueued, not waited for.
+                stage = torch.empty((len(rows), self.page_bytes), dtype=torch.uint8, pin_memory=self.host.pinned)
+                torch.index_select(self.host.data, 0, torch.tensor(rows), out=stage)
+                stage_in(self.pool, load.page_ids[: len(rows)], stage)
             n_local = len(rows)
         except Exception:
             logger.exception("kv offload: loading %d pages failed", len(load.page_ids))
@@ -315,13 +348,13 @@ class RankKVOffload:
             if job is not None:
                 job.cancelled = True  # ends at once (done is still set below)
             if write is not None:
-                self.host.unpin(write[1])
+                self.host.give(write.rows)
                 write = None
         try:
             if job is not None:
                 self._prefetch(job)
             elif write is not None:
-                self._write(*write)
+                self._write(write)
         except Exception:
             logger.exception("kv offload I/O")
             self.counters["errors"] += 1
@@ -341,11 +374,20 @@ class RankKVOffload:
             off += n
         return views
 
-    def _write(self, keys: list[str], rows: list[int]) -> None:
+    def _write(self, w: _Write) -> None:
+        """Land a save's bytes in its host rows, publish them, write them to the store."""
         try:
-            self._count_write(self.client.batch_set, keys, [self._row_views(r) for r in rows])
+            if w.event is not None:
+                w.event.synchronize()
+            self.host.data[torch.tensor(w.rows)] = w.stage
+        except Exception:
+            self.host.give(w.rows)
+            raise
+        held = self.host.publish(w.keys, w.rows, pin=True)  # pinned until the store write is done
+        try:
+            self._count_write(self.client.batch_set, w.keys, [self._row_views(r) for r in held])
         finally:
-            self.host.unpin(rows)
+            self.host.unpin(held)
 
     def _count_write(self, write, *args) -> None:
         """A store write; a failure (store down or full: those pages just miss later) counts

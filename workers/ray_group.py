@@ -119,6 +119,13 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
             self._dead = f"TP rank {rank} died: {type(exc).__name__}"
             return self._dead
 
+    def kv_store_stats(self, timeout_s: float = 1.0) -> list[dict] | None:
+        """Each rank actor answers on its second thread (beside a running step)."""
+        try:
+            return [s for s in ray.get([w.kv_store_stats.remote() for w in self.workers], timeout=timeout_s) if s]
+        except Exception:
+            return None
+
     def describe(self) -> dict:
         return {"kind": "ray", "tp_size": self.tp_size, "step_channel": "tcp",
                 "attention": self.attention, "ranks": self.placements}
