@@ -100,7 +100,8 @@ def add_kv_store_args(p) -> None:
     g.add_argument("--no-kv-store", action="store_true", help="run without the shared KV store")
     g.add_argument("--kv-store-host-gb", type=float, default=1.0, help="the store's host-RAM tier")
     g.add_argument("--kv-store-disk-gb", type=float, default=16.0, help="the store's file tier")
-    g.add_argument("--kv-host-cache-gb", type=float, default=0.25, help="each rank's host tier")
+    g.add_argument("--kv-host-cache-gb", type=float, default=2.0,
+                   help="each rank's host tier (pinned on a GPU): pages on their way to and from the store")
     g.add_argument("--kv-write-policy", default="write_back_selective", choices=KV_WRITE_POLICIES,
                    help="when pages are written to the store (cluster/kv_offload.py): write_back_selective "
                         "(default) writes a page when the GPU evicts it, when it proves hot (matched twice) and "

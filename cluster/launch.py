@@ -212,10 +212,12 @@ class ServingCluster:
         return router
 
     def shutdown(self) -> None:
+        # A replica saves its cached KV pages first (write-back store policies): give it time.
+        drain_s = self.options.engine.kv_drain_timeout_s if self.kv_store is not None else 0.0
         for name in list(self.actors):
-            _stop_actor(self.actors.pop(name))
+            _stop_actor(self.actors.pop(name), timeout_s=30 + drain_s)
         if self.kv_store is not None:  # flushes its RAM tier to files first
-            _stop_actor(self.kv_store)
+            _stop_actor(self.kv_store, timeout_s=60 + drain_s)
             self.kv_store = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
@@ -274,9 +276,9 @@ def _describe_kv_store() -> str:
         return f"unreachable ({type(exc).__name__}: {exc})"
 
 
-def _stop_actor(actor) -> None:
+def _stop_actor(actor, timeout_s: float = 30) -> None:
     try:
-        ray.get(actor.shutdown.remote(), timeout=30)
+        ray.get(actor.shutdown.remote(), timeout=timeout_s)
     except Exception:
         pass
     try:

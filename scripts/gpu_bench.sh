@@ -1,18 +1,46 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs quoted in BENCHMARKS.md, on a device with torch + triton + transformers
 # (no install: run from the repository root). Stages: build tests sweep gemv profile l8 l8ab l8serial l8serve dsv2 spec specid
-# l8tp2 dsv2tp2 compiles
-# (default: all but l8serial and the two-GPU l8tp2 dsv2tp2). Each writes JSON to ${OUT:-/tmp/out}; models are built once under
-# /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
+# l8tp2 dsv2tp2 compiles, and the product path through `manta serve` (Ray, router, HTTP, KV store; needs Ray, NIXL
+# and FastAPI on PYTHONPATH: ../shared/gpu/README.md): l8http (store on: a cold run, then the server restarted and the
+# same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2, two GPUs).
+# (default: all but l8serial, the two-GPU l8tp2 dsv2tp2 and the l8http* stages). Each writes JSON to ${OUT:-/tmp/out};
+# models are built once under /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M="python3 -m cluster.cli"
-F="--device cuda --page-size 16 --max-context-len 4096 --mem-fraction 0.6"
+F=${F:-"--device cuda --page-size 16 --max-context-len 4096 --mem-fraction 0.6"}
 stages=${*:-build tests profile l8 l8serve dsv2 spec}
 build() {  # build DIR ARGS...: a random-weight checkpoint, once
   local d=$1; shift
   [ -f "$d/config.json" ] || $M make-model "$d" "$@" --dtype bfloat16 >/dev/null
+}
+# `manta serve` in its own process group, and the serve workload over HTTP (streamed, usage per chunk).
+SERVE_MODEL=${SERVE_MODEL:-/tmp/l8} PORT=${PORT:-8100} SPID=
+WORK=${WORK:-"--num-prompts 200 --input-len 1024 --output-len 1024 --request-rate 16"}
+serve_model() { [ "$SERVE_MODEL" != /tmp/l8 ] || build /tmp/l8 --preset llama-3.1-8b; }
+serve_start() {  # serve_start NAME FLAGS...: start, wait for /health (the log goes to $OUT/serve_NAME.log)
+  local name=$1; shift
+  setsid $M serve --model "$SERVE_MODEL" --port "$PORT" "$@" > "$OUT/serve_$name.log" 2>&1 & SPID=$!
+  for _ in $(seq 600); do
+    python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=1)" \
+      2>/dev/null && { echo "serve $name up after $SECONDS s"; return 0; }
+    kill -0 $SPID 2>/dev/null || { echo "serve $name died"; tail -30 "$OUT/serve_$name.log"; return 1; }
+    sleep 1
+  done; echo "serve $name did not come up"; return 1
+}
+serve_stop() {  # SIGINT to the server (it drains the KV cache, flushes the store, stops Ray), then the group
+  kill -INT $SPID 2>/dev/null; local t0=$SECONDS
+  while kill -0 $SPID 2>/dev/null && [ $((SECONDS - t0)) -lt 180 ]; do sleep 0.5; done
+  echo "serve stopped in $((SECONDS - t0)) s"; kill -KILL -- -$SPID 2>/dev/null; SPID=
+}
+http_bench() {  # http_bench NAME: the workload against the running server; JSON + a /metrics scrape
+  $M bench serve --model "$SERVE_MODEL" --url "http://127.0.0.1:$PORT" $WORK --out "$OUT/$1.json" 2>&1 \
+    | grep -v "INFO\|Warning"
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
+    > "$OUT/$1_metrics.txt"; grep -E "^manta:(kvstore_(hit|query)_pages|replica_output_(messages|steps))" "$OUT/$1_metrics.txt"
+  ps -eo pid,pcpu,rss,args | grep -E "ray::(Replica|RankWorker|KVStore)|cluster.cli serve" | grep -v grep
 }
 for s in $stages; do
   echo "=== $s $(date -u +%FT%TZ)"
@@ -56,6 +84,16 @@ for s in $stages; do
           --max-position 8192
         $M bench spec --model /tmp/l8 $F --speculative-draft-model /tmp/l1b --speculative-num-tokens 4 \
           --max-running-requests 32 --batch 1 4 --input-len 512 --output-len 128 --out "$OUT/spec.json" ;;
+    l8http) serve_model  # defaults (KV store on), a small file tier on this disk
+        KV=${KV_DIR:-/tmp/kvstore}; rm -rf "$KV"; df -h /tmp | tail -1
+        SF="$F --kv-store $KV --kv-store-disk-gb ${KV_DISK_GB:-24} --kv-drain-timeout ${KV_DRAIN_S:-60}"
+        serve_start cold $SF && { http_bench l8_http_cold; serve_stop; }
+        du -sh "$KV"; serve_start replay $SF && { http_bench l8_http_replay; serve_stop; }
+        rm -rf "$KV" ;;
+    l8httpns) serve_model
+        serve_start nostore $F --no-kv-store && { http_bench l8_http_nostore; serve_stop; } ;;
+    l8httptp2) serve_model  # 2 GPUs: NCCL between Ray rank actors
+        serve_start tp2 $F --tp 2 --no-kv-store && { http_bench l8_http_tp2; serve_stop; } ;;
     specid) build /tmp/l8 --preset llama-3.1-8b  # an agreeing, cheap draft: the target's first 2 layers
         $M bench spec --model /tmp/l8 $F --speculative-num-tokens 4 --identity-tail-layers 2 --identity-tail-only \
           --max-running-requests 32 --batch 1 4 16 --input-len 512 --output-len 128 --out "$OUT/spec_identity.json" ;;
