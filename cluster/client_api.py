@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -154,8 +155,11 @@ class ChoiceResult:
     completion_tokens: int = 0
     cached_tokens: int = 0
     embedding: list[float] | None = None  # embedding requests: the pooled vector
+    first_token_at: float | None = None  # monotonic time its first token reached this process
 
     def add(self, out: RequestOutput) -> None:
+        if self.first_token_at is None and (out.delta_token_ids or out.embedding is not None):
+            self.first_token_at = time.monotonic()
         if out.embedding is not None:
             self.embedding = out.embedding
         self.text += out.delta_text
@@ -170,6 +174,15 @@ class ChoiceResult:
 Job = tuple[str | list[int], SamplingParams]
 
 
+@dataclass(frozen=True)
+class EdgeTiming:
+    """A request's latencies as the HTTP server saw them, from the moment it received it:
+    queueing in the server, the router and the replica included (None: no token)."""
+
+    ttft_s: float | None
+    e2e_s: float
+
+
 class FanOut:
     """Requests admitted together (the n choices of one HTTP request): `open` admits all or none,
     `outputs` merges their outputs tagged with the request's index, `aclose` aborts the unfinished.
@@ -177,26 +190,32 @@ class FanOut:
     Whoever holds a FanOut must `aclose` it (idempotent), whether or not it iterated `outputs`.
     """
 
-    def __init__(self, firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]],
-                 on_finished: Callable[[RequestOutput], None]):
+    def __init__(self, firsts: list[tuple[RequestOutput, float]], streams: list[AsyncIterator[RequestOutput]],
+                 on_finished: Callable[[RequestOutput, EdgeTiming], None], arrival: float):
         self.firsts, self.streams, self._on_finished = firsts, streams, on_finished
+        self.arrival = arrival
         self.choices = [ChoiceResult() for _ in streams]
+        for choice, (out, at) in zip(self.choices, firsts):  # when the first output reached us
+            if out.delta_token_ids or out.embedding is not None:
+                choice.first_token_at = at
         self._tasks: list[asyncio.Future] = []
         self._closed = False
 
     @classmethod
     async def open(cls, client: ServingClient, jobs: list[Job], rid: str,
-                   on_finished: Callable[[RequestOutput], None] = lambda out: None,
-                   is_embedding: bool = False) -> FanOut:
+                   on_finished: Callable[[RequestOutput, EdgeTiming], None] = lambda out, timing: None,
+                   is_embedding: bool = False, arrival: float | None = None) -> FanOut:
         """Admit every job concurrently (request ids `{rid}-{i}`) and wait for each one's first
         output. If any admission fails, or this is cancelled, the admitted ones are aborted and
-        the error propagates. `is_embedding`: the jobs are embedding requests."""
+        the error propagates. `is_embedding`: the jobs are embedding requests. `arrival`: when
+        the request reached the server (monotonic; default now): latencies are measured from it."""
+        arrival = time.monotonic() if arrival is None else arrival
         streams: list[AsyncIterator[RequestOutput]] = []
         tasks: list[asyncio.Future] = []
 
-        async def first(s: AsyncIterator[RequestOutput]) -> RequestOutput:
+        async def first(s: AsyncIterator[RequestOutput]) -> tuple[RequestOutput, float]:
             try:
-                return await anext(s)
+                return await anext(s), time.monotonic()
             except StopAsyncIteration:
                 raise GenerationFailed("the serving client's stream ended without output") from None
 
@@ -211,7 +230,7 @@ class FanOut:
             await asyncio.gather(*tasks, return_exceptions=True)
             await _close_all(streams)
             raise
-        return cls(list(firsts), streams, on_finished)
+        return cls(list(firsts), streams, on_finished, arrival)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) in arrival order until every request finished; raises
@@ -227,7 +246,7 @@ class FanOut:
             finally:
                 queue.put_nowait((i, None))
 
-        for i, first in enumerate(self.firsts):
+        for i, (first, _) in enumerate(self.firsts):
             queue.put_nowait((i, first))
         self._tasks = [asyncio.ensure_future(pump(i)) for i in range(len(self.streams))]
         remaining = len(self.streams)
@@ -238,11 +257,15 @@ class FanOut:
                 continue
             if isinstance(item, BaseException):
                 raise item
-            self.choices[i].add(item)
+            choice = self.choices[i]
+            choice.add(item)
             if item.finished:
+                now = time.monotonic()
+                first = choice.first_token_at
+                self._on_finished(item, EdgeTiming(None if first is None else first - self.arrival,
+                                                   now - self.arrival))
                 if item.finish_reason == "error":
                     raise GenerationFailed(item.error or "the replica failed the request")
-                self._on_finished(item)
             yield i, item
 
     async def collect(self) -> list[ChoiceResult]:

@@ -312,6 +312,7 @@ class Engine:
             out.finish_reason = req.finish_reason.value if req.finish_reason else None
             out.ttft_s = (req.first_token_time or now) - req.arrival_time
             out.e2e_s = now - req.arrival_time
+            out.queue_s = (req.scheduled_time or now) - req.arrival_time
             del self._tracked[req.rid]
         return tracked, out
 

@@ -115,15 +115,26 @@ class ServerMetrics:
             "manta:kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1).", ["replica"], registry=r
         )
         self.ttft = Histogram(
-            "manta:time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            "manta:time_to_first_token_seconds", "Time from the HTTP server receiving a request to its first token "
+            "reaching the server (queueing in the server, router and replica included).",
             ["replica"], buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.engine_ttft = Histogram(
+            "manta:engine_time_to_first_token_seconds", "Time from the replica's engine receiving a request to its "
+            "first token (time_to_first_token_seconds counts from the HTTP server receiving it).",
+            ["replica"], buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.queue_time = Histogram(
+            "manta:request_queue_time_seconds", "Time a request waits, by stage: engine (in the replica's queue "
+            "before its first step), serving_path (time to first token spent outside the engine: HTTP server, "
+            "router, the hops to the replica and back).", ["replica", "stage"], buckets=TTFT_BUCKETS, registry=r,
         )
         self.tpot = Histogram(
             "manta:time_per_output_token_seconds", "Mean time per generated token after the first.",
             ["replica"], buckets=TPOT_BUCKETS, registry=r,
         )
         self.e2e = Histogram(
-            "manta:e2e_request_latency_seconds", "Time from arrival to the last token.",
+            "manta:e2e_request_latency_seconds", "Time from the HTTP server receiving a request to its last token.",
             ["replica"], buckets=E2E_BUCKETS, registry=r,
         )
         self.prompt_tokens = Counter(
@@ -174,17 +185,28 @@ class ServerMetrics:
             self.request_aborts.labels(reason)
 
     # ---------------- written by the server ----------------
-    def observe_finished(self, replica: str, out: Any) -> None:
-        """Record one finished request (`out` is its final `RequestOutput`)."""
+    def observe_finished(self, replica: str, out: Any, edge: Any = None) -> None:
+        """Record one finished request: `out` is its final `RequestOutput` (the engine's own
+        timings), `edge` its `EdgeTiming` (from the moment the HTTP server received it). TTFT,
+        TPOT and end-to-end latency are the edge's, what a client sees; without one (a server
+        test over an engine) the engine's."""
         self.requests_finished.labels(replica, out.finish_reason or "unknown").inc()
         self.prompt_tokens.labels(replica).inc(max(0, out.prompt_tokens))
         self.generation_tokens.labels(replica).inc(max(0, out.completion_tokens))
-        if out.ttft_s is not None and out.completion_tokens > 0:
-            self.ttft.labels(replica).observe(out.ttft_s)
-        if out.e2e_s is not None:
-            self.e2e.labels(replica).observe(out.e2e_s)
-            if out.ttft_s is not None and out.completion_tokens > 1:
-                tpot = (out.e2e_s - out.ttft_s) / (out.completion_tokens - 1)
+        ttft = edge.ttft_s if edge is not None else out.ttft_s
+        e2e = edge.e2e_s if edge is not None else out.e2e_s
+        if ttft is not None and out.completion_tokens > 0:
+            self.ttft.labels(replica).observe(ttft)
+            if out.ttft_s is not None:
+                self.engine_ttft.labels(replica).observe(out.ttft_s)
+                # Outside the engine: the HTTP server, the router, the hops to the replica and back.
+                self.queue_time.labels(replica, "serving_path").observe(max(0.0, ttft - out.ttft_s))
+        if out.queue_s is not None:
+            self.queue_time.labels(replica, "engine").observe(out.queue_s)
+        if e2e is not None:
+            self.e2e.labels(replica).observe(e2e)
+            if ttft is not None and out.completion_tokens > 1:
+                tpot = (e2e - ttft) / (out.completion_tokens - 1)
                 self.tpot.labels(replica).observe(max(0.0, tpot))
 
     def record_error(self, code: int) -> None:
@@ -231,8 +253,10 @@ class ServerMetrics:
             self.router_retries.labels(replica, reason)
         for reason in FINISH_REASONS:
             self.requests_finished.labels(replica, reason)
-        for m in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e):
+        for m in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.engine_ttft):
             m.labels(replica)
+        for stage in ("engine", "serving_path"):
+            self.queue_time.labels(replica, stage)
         if policy is not None:
             self.router_requests.labels(policy, replica)
 

@@ -47,6 +47,7 @@ class Request:
     num_preemptions: int = 0
     # Wall-clock marks for metrics.
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first admitted into the running batch
     first_token_time: float | None = None
     finish_time: float | None = None
     aborted: bool = False
@@ -113,6 +114,8 @@ class RequestOutput:
     embedding: list[float] | None = None
     # Which replica served the request (set by the router).
     replica: str = "local"
-    # Seconds from arrival, filled when finished (for metrics and clients that ask).
+    # Seconds from the engine's arrival, filled when finished (for metrics and clients that ask):
+    # to the first token, to the last, and waiting in the engine's queue before the first step.
     ttft_s: float | None = None
     e2e_s: float | None = None
+    queue_s: float | None = None

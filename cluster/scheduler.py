@@ -31,6 +31,7 @@ preempted request with a token in flight is not re-admitted until the token is k
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 
 from cluster import encoder_decoder as encdec
@@ -287,6 +288,7 @@ class Scheduler:
             req.kv, req.prefix_node = None, None
             return None
         if req.num_preemptions == 0:
+            req.scheduled_time = time.monotonic()
             req.cached_tokens = match.num_tokens
             self.stats.prefix_hit_tokens += match.num_tokens
             self.stats.prefix_query_tokens += len(req.prompt_ids)

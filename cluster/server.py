@@ -39,7 +39,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import protocol as P
-from cluster.client_api import ChoiceResult, FanOut, GenerationFailed, NoReplicaAvailable, ServingClient
+from cluster.client_api import (
+    ChoiceResult,
+    EdgeTiming,
+    FanOut,
+    GenerationFailed,
+    NoReplicaAvailable,
+    ServingClient,
+)
 from cluster.deadline import RequestTimedOut, stamp, stream_within, within
 from cluster.embeddings_api import EmbeddingRequest, check_dimensions, embedding_response
 from cluster.metrics import CONTENT_TYPE, ServerMetrics
@@ -224,12 +231,12 @@ class _Serving:
 
     async def open(self, request: Request, jobs: list[tuple[list[int], SamplingParams]], rid: str,
                    is_embedding: bool = False) -> FanOut:
-        def finished(out: RequestOutput) -> None:
-            self.metrics.observe_finished(getattr(out, "replica", "local"), out)
+        def finished(out: RequestOutput, edge: EdgeTiming) -> None:
+            self.metrics.observe_finished(out.replica, out, edge)
 
         try:
             return await _until_disconnect(request, within(request.state, FanOut.open(
-                self.client, list(jobs), rid, finished, is_embedding)))
+                self.client, list(jobs), rid, finished, is_embedding, arrival=request.state.arrival)))
         except (_ClientGone, RequestTimedOut) as exc:  # FanOut.open aborted what it had admitted
             self.metrics.record_aborts("client_gone" if isinstance(exc, _ClientGone) else "timeout", len(jobs))
             raise
@@ -506,6 +513,7 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
                            code="invalid_api_key")
 
     async def handle(endpoint: Callable[[Request, Any], Awaitable[Response]], request: Request) -> Response:
+        request.state.arrival = time.monotonic()  # latencies are measured from here (the edge)
         stamp(request.state, request_timeout_s)
         try:
             return await endpoint(request, await within(request.state, _read_json(request, max_body_bytes)))

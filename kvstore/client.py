@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
@@ -42,7 +43,14 @@ from kvstore.keys import (
     store_keys,
     validate_keys,
 )
-from kvstore.pages import gather_pages, pool_key_bytes, pool_layout, pool_page_bytes, scatter_pages
+from kvstore.pages import (
+    gather_pages,
+    pool_device,
+    pool_key_bytes,
+    pool_layout,
+    pool_page_bytes,
+    scatter_pages,
+)
 from kvstore.store import STORE_NAME, LocateReply, ReserveReply
 
 logger = logging.getLogger(__name__)
@@ -51,14 +59,31 @@ _FAILED = object()  # a control call that failed (already counted as an error)
 
 
 def _serialized(method):
-    """One data-path call at a time per client: they share the staging buffer."""
+    """A data-path call holds one of the client's staging areas for its duration: up to
+    `staging_slots` calls run at once (from different threads), each in its own area."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with self._lock:
+        if getattr(self._tls, "stage", None) is not None:  # nested: already holds an area
             return method(self, *args, **kwargs)
+        stage = self._free.get()
+        self._tls.stage = stage
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._tls.stage = None
+            self._free.put(stage)
 
     return wrapper
+
+
+@dataclass(eq=False)
+class _Stage:
+    """One staging area: `staging_pages` page buffers inside the registered buffer."""
+
+    tensor: torch.Tensor
+    np: np.ndarray
+    base: int  # its address
 
 
 def agree_on_pages(tp_group, found: int) -> int:
@@ -153,7 +178,7 @@ class KVStoreClient:
     def __init__(self, store, layout: str, tp_rank: int, tp_size: int, page_bytes: int,
                  fingerprint: str, staging_pages: int = 64, *, timeout_s: float = 2.0,
                  store_name: str = STORE_NAME, namespace: str | None = None,
-                 retry_interval_s: float = 1.0, name: str | None = None):
+                 retry_interval_s: float = 1.0, name: str | None = None, staging_slots: int = 1):
         self.layout = check_layout(layout)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.kpp = keys_per_page(layout)
@@ -166,23 +191,42 @@ class KVStoreClient:
         self.counters = ClientCounters()
         self.link = StoreLink(store, self.counters, timeout_s, store_name, namespace, retry_interval_s)
         # zeros, not empty: touched now, so the first transfers do not pay page faults.
-        self.staging = torch.zeros(staging_pages * self.page_bytes, dtype=torch.uint8,
+        self._buffer = torch.zeros(staging_slots * staging_pages * self.page_bytes, dtype=torch.uint8,
                                    pin_memory=torch.cuda.is_available())
-        self._np = self.staging.numpy()
-        self._base = self.staging.data_ptr()
+        self._free: queue.SimpleQueue[_Stage] = queue.SimpleQueue()
+        area = staging_pages * self.page_bytes
+        for i in range(staging_slots):
+            t = self._buffer[i * area : (i + 1) * area]
+            self._free.put(_Stage(t, t.numpy(), t.data_ptr()))
+        self._tls = threading.local()
         self._store_agent: str | None = None
         self._registered_gen = -1
-        self._lock = threading.Lock()
+        self._conn_lock = threading.Lock()  # registration with the store
         self.agent = None
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
             # No progress thread (it busy-polls a core): `_xfer` progresses while it waits.
-            self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-            self._reg = self.agent.register_memory(self.staging)
+            # STRICT: several I/O threads share the agent.
+            self.agent = nixl_agent(self.name, nixl_agent_config(
+                enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+            self._reg = self.agent.register_memory(self._buffer)
         except Exception:
             logger.exception("kv store client %s: no NIXL agent; the store is disabled", self.name)
             self.agent = None
+
+    # The calling thread's staging area (held for the duration of a data-path call).
+    @property
+    def staging(self) -> torch.Tensor:
+        return self._tls.stage.tensor
+
+    @property
+    def _np(self) -> np.ndarray:
+        return self._tls.stage.np
+
+    @property
+    def _base(self) -> int:
+        return self._tls.stage.base
 
     # ---------------- queries ----------------
     def chain_keys(self, token_ids: Sequence[int], page_size: int, parent: str | None = None) -> list[str]:
@@ -298,10 +342,17 @@ class KVStoreClient:
                              f"(page_bytes {self.page_bytes})")
 
     def _gather(self, pool, page_ids: Sequence[int]) -> None:
-        gather_pages(pool, page_ids, self.staging[: len(page_ids) * self.page_bytes].view(len(page_ids), -1))
+        stage = self.staging[: len(page_ids) * self.page_bytes].view(len(page_ids), -1)
+        if pool_device(pool).type == "cuda":  # gathered on the device, one copy out (not one per layer)
+            dev = torch.empty(stage.shape, dtype=torch.uint8, device=pool_device(pool))
+            gather_pages(pool, page_ids, dev)
+            stage.copy_(dev)
+        else:
+            gather_pages(pool, page_ids, stage)
 
     def _scatter(self, pool, page_ids: Sequence[int]) -> None:
-        scatter_pages(pool, page_ids, self.staging[: len(page_ids) * self.page_bytes].view(len(page_ids), -1))
+        stage = self.staging[: len(page_ids) * self.page_bytes].view(len(page_ids), -1)
+        scatter_pages(pool, page_ids, stage.to(pool_device(pool)) if pool_device(pool).type == "cuda" else stage)
 
     # ---------------- transfers ----------------
     def _valid(self, chain: Sequence[str]) -> bool:
@@ -320,6 +371,12 @@ class KVStoreClient:
             return False
         if self._registered_gen == self.link.generation and self._store_agent is not None:
             return True
+        with self._conn_lock:
+            return self._register()
+
+    def _register(self) -> bool:
+        if self._registered_gen == self.link.generation and self._store_agent is not None:
+            return True  # another thread did it while this one waited
         reply = self.link.call("register_client", self.name, self.agent.get_agent_metadata())
         if reply is _FAILED:
             return False

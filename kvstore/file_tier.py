@@ -159,12 +159,7 @@ class FileTier:
             handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(mem, "DRAM"),
                                                 self.agent.get_xfer_descs(files, "FILE"),
                                                 self.agent_name, backends=["POSIX"])
-            state = self.agent.transfer(handle)
-            deadline = time.monotonic() + 30.0
-            while state == "PROC" and time.monotonic() < deadline:
-                time.sleep(0.00005)
-                state = self.agent.check_xfer_state(handle)
-            return state == "DONE"
+            return self._wait(handle)
         except Exception as exc:  # short reads and I/O errors surface here
             logger.debug("kv store: POSIX %s failed: %s", op, exc)  # the caller logs bursts
             return False
@@ -219,6 +214,69 @@ class FileTier:
             return self._header(fd, key) == (size, checksum) and self._transfer("READ", fd, regions)
         finally:
             os.close(fd)
+
+    def read_many(self, items: Sequence[tuple[str, Sequence[tuple[int, int]], int, int]]) -> list[bool]:
+        """`read` for several pages (key, DRAM regions, size, crc32) in one NIXL transfer;
+        per page, whether it landed. A failed batch is retried page by page, so one bad file
+        never costs the others."""
+        fds: list[int | None] = []
+        try:
+            for key, _, size, checksum in items:
+                try:
+                    fd = os.open(self.path(key), os.O_RDONLY)
+                except OSError:
+                    fds.append(None)
+                    continue
+                if self._header(fd, key) != (size, checksum):
+                    os.close(fd)
+                    fd = None
+                fds.append(fd)
+            good = [i for i, fd in enumerate(fds) if fd is not None]
+            if good and self._transfer_many("READ", [(fds[i], items[i][1]) for i in good]):
+                return [fd is not None for fd in fds]
+            return [fd is not None and self._transfer("READ", fd, items[i][1]) for i, fd in enumerate(fds)]
+        finally:
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
+
+    def _transfer_many(self, op: str, files: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> bool:
+        """One transfer between several files (fd, DRAM regions after the header) and DRAM."""
+        reg = self.agent.register_memory([(0, 0, fd, "") for fd, _ in files], "FILE", backends=["POSIX"])
+        handle = None
+        try:
+            mem, descs = [], []
+            for fd, regions in files:
+                off = HEADER_BYTES
+                for addr, n in regions:
+                    mem.append((addr, n, 0))
+                    descs.append((off, n, fd))
+                    off += n
+            handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(mem, "DRAM"),
+                                                self.agent.get_xfer_descs(descs, "FILE"),
+                                                self.agent_name, backends=["POSIX"])
+            return self._wait(handle)
+        except Exception as exc:
+            logger.debug("kv store: POSIX %s of %d files failed: %s", op, len(files), exc)
+            return False
+        finally:
+            if handle is not None:
+                try:
+                    self.agent.release_xfer_handle(handle)
+                except Exception:
+                    pass
+            self.agent.deregister_memory(reg, backends=["POSIX"])
+
+    def _wait(self, handle) -> bool:
+        state = self.agent.transfer(handle)
+        deadline = time.monotonic() + 30.0
+        spins = 0
+        while state == "PROC" and time.monotonic() < deadline:
+            spins += 1
+            if spins > 200:
+                time.sleep(0.00005)
+            state = self.agent.check_xfer_state(handle)
+        return state == "DONE"
 
     def read_bytes(self, key: str, size: int, checksum: int) -> bytes | None:
         """The page bytes through plain file I/O (control path: verify())."""

@@ -67,3 +67,4 @@ class KVOffloadOptions:
     timeout_s: float = 2.0
     chunk_pages: int = 16
     idle_wait_s: float = 0.01
+    io_threads: int = 3  # requests whose pages move to or from the store at once

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -204,7 +205,8 @@ class RankKVOffload:
         self.key_bytes = pool_key_bytes(pool)
         self.client = KVStoreClient(None, opts.layout, tp.rank, tp.size, pool_page_bytes(pool), opts.fingerprint,
                                     staging_pages=opts.chunk_pages, timeout_s=opts.timeout_s,
-                                    store_name=opts.store_name, namespace=opts.namespace)
+                                    store_name=opts.store_name, namespace=opts.namespace,
+                                    staging_slots=opts.io_threads + 1)  # + the drain's
         self.page_bytes = self.client.page_bytes
         pages = max(opts.host_cache_bytes // self.page_bytes, opts.chunk_pages)
         self.host = HostTier(pages, self.page_bytes, pin=torch.cuda.is_available())
@@ -212,14 +214,19 @@ class RankKVOffload:
         self._reads: deque[_Prefetch] = deque()
         self._writes: deque[_Write] = deque()
         self._finished: list[str] = []  # prefetches done since the last report
+        self._writing = 0  # saves being written by the I/O threads (their host rows are pinned)
         self._cv = threading.Condition()
         self._stop = False
         self.counters = {"pages_saved_host": 0, "pages_loaded": 0, "loads": 0, "host_hit_pages": 0,
                          "prefetched_pages": 0, "host_full": 0, "write_failures": 0, "errors": 0,
                          "dropped_pages": 0, "drained_pages": 0}
-        self._thread = threading.Thread(target=RankKVOffload._io_main, args=(weakref.ref(self),),
-                                        name=f"kv-offload-r{tp.rank}", daemon=True)
-        self._thread.start()
+        # Several requests' prefetches (and saves) move at once: each thread holds one of the
+        # client's staging areas for its transfer, and the checksums run outside the GIL.
+        self._threads = [threading.Thread(target=RankKVOffload._io_main, args=(weakref.ref(self),),
+                                          name=f"kv-offload-r{tp.rank}-{i}", daemon=True)
+                         for i in range(opts.io_threads)]
+        for t in self._threads:
+            t.start()
         logger.info("KV store client on rank %d: layout %s, %d-byte pages, host tier %d pages (%.1f MiB)",
                     tp.rank, opts.layout, self.page_bytes, pages, pages * self.page_bytes / 2**20)
 
@@ -334,7 +341,8 @@ class RankKVOffload:
             del offload
 
     def _io_round(self) -> bool:
-        """One read or write (reads first: a request waits on them); False at shutdown."""
+        """One read or write (reads first: a request waits on them); False at shutdown. Runs
+        on each of the I/O threads."""
         with self._cv:
             if not self._stop and not self._reads and not self._writes:
                 self._cv.wait(1.0)
@@ -342,6 +350,7 @@ class RankKVOffload:
                 return False
             job = self._reads.popleft() if self._reads else None
             write = self._writes.popleft() if job is None and self._writes else None
+            self._writing += write is not None
         import ray
 
         if not ray.is_initialized():  # shut down under us: a store call would start a new Ray
@@ -359,6 +368,10 @@ class RankKVOffload:
             logger.exception("kv offload I/O")
             self.counters["errors"] += 1
         finally:
+            if write is not None:
+                with self._cv:
+                    self._writing -= 1
+                    self._cv.notify_all()  # its rows are free to take
             if job is not None:
                 job.done.set()
                 with self._cv:
@@ -398,6 +411,19 @@ class RankKVOffload:
             if self.client.counters.errors == before:
                 self.counters["errors"] += 1
 
+    def _take_rows(self, n: int, job: _Prefetch, wait_s: float = 1.0) -> list[int]:
+        """Rows for a prefetch chunk; while none is free but saves are being written (their
+        rows come free when done), wait for them rather than give up, a bounded while."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            rows = self.host.take(n)
+            if rows or job.cancelled:
+                return rows
+            with self._cv:
+                if not self._writing or time.monotonic() > deadline:
+                    return []
+                self._cv.wait(0.01)
+
     def _prefetch(self, job: _Prefetch) -> None:
         keys = job.keys
         while job.ready < len(keys) and not job.cancelled:
@@ -408,7 +434,7 @@ class RankKVOffload:
                     return
                 continue
             chunk = keys[job.ready : job.ready + self.opts.chunk_pages]
-            rows = self.host.take(len(chunk))
+            rows = self._take_rows(len(chunk), job)
             if not rows:  # every row is pinned: the prefix is longer than the host tier
                 self.counters["host_full"] += 1
                 return
@@ -439,7 +465,8 @@ class RankKVOffload:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=30)
+        for t in self._threads:
+            t.join(timeout=30)
         self.client.close()
 
 
