@@ -36,8 +36,14 @@ serve_stop() {  # SIGINT to the server (it drains the KV cache, flushes the stor
   echo "serve stopped in $((SECONDS - t0)) s"; kill -KILL -- -$SPID 2>/dev/null; SPID=
 }
 http_bench() {  # http_bench NAME: the workload against the running server; JSON + a /metrics scrape
+  # PROFILE=1: py-spy samples the server and the replica actor for 8 s in the middle of the run.
+  if [ -n "${PROFILE:-}" ]; then
+    ( sleep 12; for role in server:"cluster.cli serve" replica:"ray::Replica"; do pid=$(pgrep -f "${role#*:}" | head -1)
+        ${PYSPY:-py-spy} record --nonblocking -d 8 -r 100 -f speedscope -o "$OUT/prof_$1_${role%%:*}.json" \
+          --pid "$pid" >/dev/null 2>&1 & done; wait ) & PROF=$!
+  fi
   $M bench serve --model "$SERVE_MODEL" --url "http://127.0.0.1:$PORT" $WORK --out "$OUT/$1.json" 2>&1 \
-    | grep -v "INFO\|Warning"
+    | grep -v "INFO\|Warning"; [ -z "${PROFILE:-}" ] || wait $PROF
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
     > "$OUT/$1_metrics.txt"; grep -E "^manta:(kvstore_(hit|query)_pages|replica_output_(messages|steps))" "$OUT/$1_metrics.txt"
   ps -eo pid,pcpu,rss,args | grep -E "ray::(Replica|RankWorker|KVStore)|cluster.cli serve" | grep -v grep

@@ -68,7 +68,7 @@ def test_cache_aware_falls_back_to_least_load_only_past_both_balance_thresholds(
 
 
 def test_prefix_tree_evicts_least_recently_used_tokens_within_its_budget():
-    t = PrefixTree(max_tokens=8)
+    t = PrefixTree(max_tokens=8, block=1)  # token by token: exact counts
     old, new, third = list(range(10, 16)), list(range(50, 56)), list(range(90, 94))
     t.insert(old)
     t.insert(new)  # 12 tokens: the 4 least recently used go, the tail of `old`
