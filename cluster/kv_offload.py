@@ -76,6 +76,9 @@ PROBE_WAIT_S = 0.1  # a store lookup not answered by then is a miss (and probing
 BYPASS_S = 30.0  # a store slower than recompute is not used for this long, then tried again
 RATE_SAMPLES = 3  # loads and prefill steps measured before the store may be bypassed
 DRAIN_CHUNK_PAGES = 64  # pages per drain order at shutdown
+# Requests loading from the store at once: beyond that the store's pipeline (each rank's I/O
+# threads) is busy and one more would queue behind the others; it is computed instead.
+MAX_LOADING = 4
 WRITE_BACK = ("write_back", "write_back_selective")  # policies that save on eviction and at shutdown
 SELECTIVE = ("write_through_selective", "write_back_selective")  # policies that save hot pages
 
@@ -104,6 +107,7 @@ class KVOffloadStats:
     probe_skips: int = 0  # requests not probed while probing pauses after a store error
     probe_timeouts: int = 0  # lookups not answered within PROBE_WAIT_S
     bypassed: int = 0  # requests not probed while the store is slower than recompute
+    busy: int = 0  # requests computed because MAX_LOADING others were loading
     drained_pages: int = 0  # pages ordered saved at shutdown
 
 
@@ -239,6 +243,9 @@ class SchedulerKVOffload:
             s, failed = 0, True
         if failed:
             self._skip_until = now + self.backoff_s  # the store is down or slow: stop asking for a while
+        if s and len(self.loading) >= MAX_LOADING:
+            self.stats.busy += 1
+            return Verdict.ADMIT
         tokens = req.prompt_ids[:-1]
         n = len(tokens) // self.P
         match = self.radix.match_prefix(tokens)

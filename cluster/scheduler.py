@@ -247,7 +247,7 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int, slots: list[int]) -> ScheduledReq:
         start = req.num_computed - n  # reserve() has already advanced num_tokens
-        ids = req.all_ids[start : start + n]
+        ids = req.ids_slice(start, start + n)
         sr = ScheduledReq(
             rid=req.rid,
             req_pool_idx=req.req_pool_idx,

@@ -108,7 +108,7 @@ class SpecScheduler(Scheduler):
             reqs.append(ScheduledReq(
                 rid=req.rid,
                 req_pool_idx=req.req_pool_idx,
-                input_ids=req.all_ids[d : L + 1],
+                input_ids=req.ids_slice(d, L + 1),
                 prefix_len=d,
                 out_cache_loc=slots_for(req.kv.pages, d, L - d, self.page_size) + slots,
             ))
