@@ -186,7 +186,7 @@ def _store_usage(name: str, namespace: str | None, timeout_s: float = 1.0) -> di
         return None
     return {"ram_used_bytes": st["ram"]["used_bytes"], "ram_capacity_bytes": st["ram"]["capacity_bytes"],
             "file_used_bytes": st["file"]["used_bytes"], "file_capacity_bytes": st["file"]["capacity_bytes"],
-            "pages": st["pages"]}
+            "file_write_errors": st["file"].get("write_errors", 0), "pages": st["pages"]}
 
 
 # ---------------------------------------------------------------------------------------------

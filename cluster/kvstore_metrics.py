@@ -11,7 +11,10 @@ zero, which `rate()` reads as a counter reset).
     manta:kvstore_hit_pages_total{replica}     pages loaded into the device pool from the store
     manta:kvstore_query_pages_total{replica}   pages past the radix-cache match looked up
     manta:kvstore_bytes_total{replica,direction}   bytes moved, direction "write" | "read"
-    manta:kvstore_errors_total{replica}        failed store calls, transfers, bad checksums
+    manta:kvstore_errors_total{replica,op}     failed store operations: op "probe" (lookups), "write"
+                                               and "read" (the ranks' transfers), "file_write" (the
+                                               store's file tier, replica "store")
+    manta:kvstore_dropped_pages_total{replica} saves dropped because a rank's host tier was full
     manta:kvstore_usage_bytes{tier}            "ram" and "file" (the store), "host" (ranks' host tiers)
 """
 
@@ -33,8 +36,9 @@ class KVStoreCollector(Collector):
     def set(self, replica: str, report: dict) -> None:
         with self._lock:
             self._replicas[replica] = report
-            if report.get("store") is not None:
-                self._store = report["store"]
+            # The store's usage as last seen; None while it cannot be reached (dead, restarting):
+            # a dead store's bytes are not reported.
+            self._store = report.get("store")
 
     def remove(self, replica: str) -> None:
         with self._lock:
@@ -54,7 +58,11 @@ class KVStoreCollector(Collector):
                                      labels=["replica", "direction"])
         errors = CounterMetricFamily("manta:kvstore_errors",
                                      "KV store failures (timeouts, unreachable store, failed transfers, bad "
-                                     "checksums); each is a miss, never a failed request.", labels=["replica"])
+                                     "checksums, failed file writes); each is a miss or a page not saved, never a "
+                                     "failed request.", labels=["replica", "op"])
+        dropped = CounterMetricFamily("manta:kvstore_dropped_pages",
+                                      "Pages not saved to the KV store because a rank's host tier had no room (the "
+                                      "store is slower than the saves).", labels=["replica"])
         usage = GaugeMetricFamily("manta:kvstore_usage_bytes",
                                   "Bytes held by KV store tiers: ram and file (the shared store), host (the "
                                   "ranks' host tiers, all replicas).", labels=["tier"])
@@ -63,9 +71,13 @@ class KVStoreCollector(Collector):
             for replica, rep in self._replicas.items():
                 hits.add_metric([replica], rep.get("hit_pages", 0))
                 queries.add_metric([replica], rep.get("query_pages", 0))
-                errors.add_metric([replica], rep.get("errors", 0))
+                ranks = rep.get("ranks", [])
+                errors.add_metric([replica, "probe"], rep.get("probe_errors", 0))
+                errors.add_metric([replica, "write"], sum(r.get("write_errors", 0) for r in ranks))
+                errors.add_metric([replica, "read"], sum(r.get("read_errors", 0) for r in ranks))
+                dropped.add_metric([replica], sum(r.get("offload_dropped_pages", 0) for r in ranks))
                 wbytes = rbytes = 0
-                for r in rep.get("ranks", []):
+                for r in ranks:
                     labels = [replica, str(r.get("layout", rep.get("layout", ""))), str(r.get("tp_rank", 0))]
                     written.add_metric(labels, r.get("pages_written", 0))
                     read.add_metric(labels, r.get("pages_read", 0))
@@ -77,9 +89,10 @@ class KVStoreCollector(Collector):
             if self._store is not None:
                 usage.add_metric(["ram"], self._store.get("ram_used_bytes", 0))
                 usage.add_metric(["file"], self._store.get("file_used_bytes", 0))
+                errors.add_metric(["store", "file_write"], self._store.get("file_write_errors", 0))
             if self._replicas:
                 usage.add_metric(["host"], host)
-        yield from (written, read, hits, queries, nbytes, errors, usage)
+        yield from (written, read, hits, queries, nbytes, errors, dropped, usage)
 
     def describe(self) -> Iterator[Metric]:
         return self.collect()

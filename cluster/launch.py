@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -120,22 +121,36 @@ class ServingCluster:
 
     # ---------------- replacing replicas, rebuilding the router (cluster/supervisor.py) ----------------
     def restore_kv_store(self, ping_timeout_s: float = 5.0) -> bool:
-        """Start the KV store again if this cluster started it and it is gone (blocking: run it
-        off the event loop). The new store rebuilds its index from the same directory, so the
-        pages that reached its files are served again; the ranks' clients find it by name and
-        register anew. True when it was restarted."""
+        """Start the KV store again if this cluster started it and it is gone for good
+        (blocking: run it off the event loop). A store whose process died is restarted by Ray
+        itself (`max_restarts`); this handles one that cannot come back that way (killed with
+        `ray.kill`, restarts exhausted). The new store rebuilds its index from the same
+        directory, so the pages that reached its files are served again; the ranks' clients
+        find it by name and register anew. True when it was started again."""
         if self.kv_store is None:
             return False
         try:
             ray.get(self.kv_store.info.remote(), timeout=ping_timeout_s)
             return False  # alive (a slow answer counts as alive: a busy store is not restarted)
-        except ray.exceptions.GetTimeoutError:
-            return False
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            return False  # busy, or Ray is restarting it
         except ray.exceptions.RayError:
             pass
+        from kvstore.store import lookup_store
+
+        try:  # make sure the dead actor releases its name
+            ray.kill(self.kv_store, no_restart=True)
+        except Exception:
+            pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            found = lookup_store()
+            if found is None or found._actor_id != self.kv_store._actor_id:
+                break
+            time.sleep(0.1)
         store, _created = ensure_kv_store(self.options.engine)
         if store is None:
-            return False  # not yet (the old name may still be registered): the next check retries
+            return False  # not yet: the next check retries
         self.kv_store = store
         logger.warning("KV store: it had died; started again on %s", self.options.engine.kv_store)
         return True

@@ -56,6 +56,7 @@ from kvstore.store import STORE_NAME, LocateReply, ReserveReply
 logger = logging.getLogger(__name__)
 
 _FAILED = object()  # a control call that failed (already counted as an error)
+WARN_EVERY_S = 10.0  # a failing store is logged once per burst, then this often
 
 
 def _serialized(method):
@@ -68,11 +69,18 @@ def _serialized(method):
             return method(self, *args, **kwargs)
         stage = self._free.get()
         self._tls.stage = stage
+        errors = self.counters.errors
         try:
             return method(self, *args, **kwargs)
         finally:
             self._tls.stage = None
             self._free.put(stage)
+            failed = self.counters.errors - errors  # attributed to this call's kind, for the metrics
+            if failed > 0:
+                if method.__name__ in ("batch_set", "save_pages"):
+                    self.counters.write_errors += failed
+                else:
+                    self.counters.read_errors += failed
 
     return wrapper
 
@@ -108,6 +116,8 @@ class ClientCounters:
     bytes_read: int = 0  # store -> client
     errors: int = 0  # failed calls, timeouts, failed transfers, bad checksums
     corrupt: int = 0  # pages whose checksum failed after a read
+    write_errors: int = 0  # of `errors`, those of writes (batch_set, save_pages)
+    read_errors: int = 0  # of `errors`, those of reads (batch_get, load_pages)
 
 
 class StoreLink:
@@ -123,6 +133,8 @@ class StoreLink:
         self.retry_interval_s = retry_interval_s
         self.generation = 0  # bumped whenever the handle changes (the client re-registers)
         self._last_lookup = 0.0
+        self._failing = 0  # failed calls since the last success
+        self._warned_at = 0.0
 
     def _lookup(self) -> bool:
         now = time.monotonic()
@@ -148,20 +160,31 @@ class StoreLink:
             if self.store is None and not self._lookup():
                 break
             try:
-                return ray.get(getattr(self.store, method).remote(*args), timeout=self.timeout_s)
+                reply = ray.get(getattr(self.store, method).remote(*args), timeout=self.timeout_s)
+                self._failing = 0
+                return reply
             except ray.exceptions.GetTimeoutError:
-                logger.warning("kv store: %s timed out after %.1fs", method, self.timeout_s)
+                self._warn(f"{method} timed out after {self.timeout_s:.1f}s")
                 break
             except ray.exceptions.RayActorError:
                 if attempt == 0 and self._lookup():
                     continue  # a new store answers under the name: try it once
-                logger.warning("kv store: %s: the store actor is unavailable", method)
+                self._warn(f"{method}: the store actor is unavailable")
                 break
             except Exception as exc:  # the store refused (bad key) or failed
-                logger.warning("kv store: %s failed: %s", method, exc)
+                self._warn(f"{method} failed: {exc}")
                 break
         self.counters.errors += 1
         return _FAILED
+
+    def _warn(self, msg: str) -> None:
+        """Log the first failure of a burst, then one line every WARN_EVERY_S with the count."""
+        self._failing += 1
+        now = time.monotonic()
+        if self._failing == 1 or now - self._warned_at >= WARN_EVERY_S:
+            more = f" ({self._failing} failures in a row)" if self._failing > 1 else ""
+            logger.warning("kv store: %s%s", msg, more)
+            self._warned_at = now
 
     def send(self, method: str, *args) -> None:
         """Fire and forget (releases): never waits on the store."""

@@ -593,7 +593,8 @@ def get_or_create_store(root: str, *, name: str = STORE_NAME, namespace: str | N
                         detached: bool = False, **kwargs):
     """The cluster's store actor, created with `kwargs` (KVStore's) if it does not exist yet.
 
-    An existing actor of that name is returned as is (its root and sizes win). The actor takes
+    An existing actor of that name is returned as is (its root and sizes win). Ray restarts it
+    whenever its process dies. The actor takes
     no CPU from the scheduler's view (num_cpus=0): it mostly waits on memory copies. It runs on
     the head node (Ray's `node:__internal_head__` resource): losing a worker node, which the
     autoscaler does routinely, then never takes the store and its file tier with it; the head's
@@ -601,7 +602,10 @@ def get_or_create_store(root: str, *, name: str = STORE_NAME, namespace: str | N
     import ray
 
     cls = ray.remote(KVStore)
-    return cls.options(name=name, namespace=namespace, get_if_exists=True, num_cpus=0,
+    # max_restarts: a store whose process dies (killed, OOM) is started again by Ray under the
+    # same name and handle; __init__ rebuilds the index from its files, and each client
+    # registers its NIXL agent with the new instance at its next call.
+    return cls.options(name=name, namespace=namespace, get_if_exists=True, num_cpus=0, max_restarts=-1,
                        resources={HEAD_NODE_RESOURCE: 0.001},
                        lifetime="detached" if detached else None).remote(root, **kwargs)
 

@@ -633,6 +633,80 @@ def test_default_policy_writes_at_eviction_and_shutdown_not_per_request(engines,
     assert all(o.cached_tokens == 160 for o in outs)
 
 
+@pytest.mark.slow
+def test_store_killed_with_sigkill_under_load_is_back_within_seconds(no_store_after, tmp_path, llama_dir):
+    """kill -9 of the store's process while requests stream: none of them fails, Ray starts the
+    store again on its directory, and within 10 s of the kill a replica that never saw a prompt
+    loads its pages from the new store (a hit); the metrics never report the dead store's bytes."""
+    import os
+    import signal
+
+    from cluster.launch import ClusterOptions, ServingCluster
+    from cluster.metrics import ServerMetrics
+    from cluster.router import RouterOptions
+    from cluster.supervisor import ReplicaSupervisor
+    from kvstore.store import lookup_store
+
+    cfg = engine_config(llama_dir, tmp_path / "kv")
+    metrics = ServerMetrics()
+    cluster = ServingCluster(ClusterOptions(engine=cfg, replicas=2, namespace=NS,
+                                            router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),
+                             metrics)
+    router = cluster.start()
+    prompt = prompt_ids(201, seed=8)  # 12 whole pages
+
+    async def collect(p, n=6):
+        outs = [o async for o in router.generate_stream(p, greedy(n))]
+        return outs[-1], [t for o in outs for t in o.delta_token_ids]
+
+    async def scenario():
+        await router.start()
+        supervisor = ReplicaSupervisor(cluster, interval_s=0.2)
+        await supervisor.start()
+        try:
+            a, a_tokens = await collect(prompt)  # replica A prefills and writes 12 pages
+            await asyncio.to_thread(wait_for, lambda: len(store_keys()) >= 2 * 12, 60, "A's pages in the store")
+            store = lookup_store()
+            await asyncio.to_thread(lambda: ray.get(store.flush.remote()))
+            old_pid = ray.get(store.info.remote())["pid"]
+            load = [asyncio.create_task(collect(prompt_ids(40, seed=100 + i), 24)) for i in range(8)]
+            await asyncio.sleep(0.3)
+            os.kill(old_pid, signal.SIGKILL)
+            t0 = time.monotonic()
+
+            def back() -> bool:
+                try:
+                    return ray.get(lookup_store().info.remote(), timeout=2)["pid"] != old_pid
+                except Exception:
+                    return False
+
+            await asyncio.to_thread(wait_for, back, 10, "a new store process")
+            # The next request for the prompt goes to replica B (round robin after A's turn).
+            b = None
+            while time.monotonic() - t0 < 10:
+                out, toks = await collect(prompt)
+                if out.replica != a.replica:
+                    b, b_tokens = out, toks
+                    break
+            took = time.monotonic() - t0
+            loaded = await asyncio.gather(*load)
+            return a, a_tokens, b, b_tokens, took, loaded
+        finally:
+            await supervisor.aclose()
+
+    try:
+        a, a_tokens, b, b_tokens, took, loaded = asyncio.run(scenario())
+        assert [o.finish_reason for o, _ in loaded] == ["length"] * 8  # nothing failed
+        assert b is not None and b.cached_tokens == 192 and b_tokens == a_tokens  # a hit, from the new store
+        assert took < 10, took
+        time.sleep(1.0)
+        text = metrics.render().decode()
+        assert 'manta:kvstore_usage_bytes{tier="file"}' in text  # the live store's, reported again
+    finally:
+        asyncio.run(router.aclose())
+        cluster.shutdown()
+
+
 @ray.remote(num_cpus=0)
 class HungStore:
     """A store that answers nothing in time."""
