@@ -150,7 +150,7 @@ class SchedulerKVOffload:
                  write_policy: str = "write_back_selective", prefetch_policy: str = "timeout",
                  prefetch_timeout_s: float = 0.5, prefetch_timeout_per_page_s: float = 0.002,
                  store_name: str = STORE_NAME, namespace: str | None = None, probe_timeout_s: float = 2.0,
-                 min_pages: int | None = None, backoff_s: float = 5.0, probe=None):
+                 min_pages: int | None = None, backoff_s: float = 2.0, probe=None):
         from kvstore.client import StoreProbe
 
         if write_policy not in KV_WRITE_POLICIES or prefetch_policy not in KV_PREFETCH_POLICIES:
