@@ -132,6 +132,10 @@ class LocalEngineClient:
         alive = self.engine.alive and not self._closed
         return HealthStatus(ok=alive, detail={"replica": self.replica, "engine_loop": alive})
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def aclose(self) -> None:
         if self._closed:
             return
@@ -273,6 +277,10 @@ class FanOut:
             async for _ in outs:
                 pass
         return self.choices
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     async def aclose(self) -> None:
         if self._closed:

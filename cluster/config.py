@@ -65,7 +65,7 @@ class EngineConfig:
     kv_prefetch_timeout_s: float = 0.5
     kv_prefetch_timeout_per_page_s: float = 0.002
     # write_back policies: seconds spent at shutdown saving the pages still cached.
-    kv_drain_timeout_s: float = 10.0
+    kv_drain_timeout_s: float = 3.0
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:

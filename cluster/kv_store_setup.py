@@ -106,8 +106,9 @@ def add_kv_store_args(p) -> None:
                    help="when pages are written to the store (cluster/kv_offload.py): write_back_selective "
                         "(default) writes a page when the GPU evicts it, when it proves hot (matched twice) and "
                         "at shutdown; write_through writes every page")
-    g.add_argument("--kv-drain-timeout", type=float, default=10.0, dest="kv_drain_timeout_s",
-                   help="write_back policies: at shutdown, seconds spent saving the pages still cached")
+    g.add_argument("--kv-drain-timeout", type=float, default=3.0, dest="kv_drain_timeout_s",
+                   help="write_back policies: at shutdown, seconds spent saving the pages still cached (after "
+                        "--shutdown-timeout)")
     g.add_argument("--kv-prefetch-policy", default="timeout", choices=KV_PREFETCH_POLICIES)
     g.add_argument("--kv-prefetch-timeout", type=float, default=0.5, dest="kv_prefetch_timeout_s",
                    help="timeout policy: seconds, plus --kv-prefetch-timeout-per-page for each page")

@@ -227,12 +227,14 @@ class ServingCluster:
         return router
 
     def shutdown(self) -> None:
-        # A replica saves its cached KV pages first (write-back store policies): give it time.
+        """Stop every replica (all at once: each saves its cached KV pages for at most the
+        drain timeout, under write-back store policies), then the store (it flushes its RAM
+        tier to files), then Ray if this cluster started it."""
         drain_s = self.options.engine.kv_drain_timeout_s if self.kv_store is not None else 0.0
-        for name in list(self.actors):
-            _stop_actor(self.actors.pop(name), timeout_s=30 + drain_s)
-        if self.kv_store is not None:  # flushes its RAM tier to files first
-            _stop_actor(self.kv_store, timeout_s=60 + drain_s)
+        actors = [self.actors.pop(name) for name in list(self.actors)]
+        _stop_actors(actors, timeout_s=10 + drain_s)
+        if self.kv_store is not None:
+            _stop_actors([self.kv_store], timeout_s=30)
             self.kv_store = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
@@ -292,11 +294,25 @@ def _describe_kv_store() -> str:
 
 
 def _stop_actor(actor, timeout_s: float = 30) -> None:
-    try:
-        ray.get(actor.shutdown.remote(), timeout=timeout_s)
-    except Exception:
-        pass
-    try:
-        ray.kill(actor)
-    except Exception:
-        pass
+    _stop_actors([actor], timeout_s)
+
+
+def _stop_actors(actors: list, timeout_s: float = 30) -> None:
+    """Ask every actor to shut down at once, wait for them together (at most `timeout_s`),
+    then kill them."""
+    refs = []
+    for actor in actors:
+        try:
+            refs.append(actor.shutdown.remote())
+        except Exception:
+            pass
+    if refs:
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        except Exception:
+            pass
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:
+            pass

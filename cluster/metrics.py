@@ -43,7 +43,7 @@ RETRY_REASONS = ("unavailable", "queue_full", "replica_failed")
 # "no data") before the first event: HTTP error codes the server answers, finish reasons, abort reasons.
 ERROR_CODES = ("400", "401", "404", "413", "499", "500", "503", "504")
 FINISH_REASONS = ("stop", "length", "abort", "error")
-ABORT_REASONS = ("client_gone", "timeout", "error")
+ABORT_REASONS = ("client_gone", "timeout", "error", "shutdown")
 
 # Keys of the dict a replica reports (see `update_replica_stats`).
 STATS_KEYS = ("num_running", "num_waiting", "kv_usage", "prefix_hit_tokens", "prefix_query_tokens")
@@ -160,7 +160,8 @@ class ServerMetrics:
         )
         self.request_aborts = Counter(
             "manta:request_aborts", "Requests the server aborted before they finished (their KV pages freed), "
-            "by reason: client_gone (disconnect), timeout (--request-timeout), error (a sibling choice failed).",
+            "by reason: client_gone (disconnect), timeout (--request-timeout), error (a sibling choice failed), "
+            "shutdown (the server's shutdown deadline).",
             ["reason"], registry=r,
         )
         self.replica_healthy = Gauge(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +29,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     p.add_argument("--request-timeout", type=float, default=None, metavar="S",
                    help="abort a request that runs longer than S seconds (504; its KV pages are freed)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM/SIGINT: stop admitting, let requests in flight finish for up to S seconds, "
+                        "then end them and exit (a second signal exits at once)")
     p.add_argument("--router-max-inflight", type=int, default=None,
                    help="requests the router holds at once before answering 503 (default: with --max-waiting W, "
                         "replicas x (max-running-requests + W); else unbounded)")
@@ -66,21 +68,44 @@ def cluster_options_from_args(args: argparse.Namespace):
     )
 
 
+def _gated_server_class():
+    import uvicorn
+
+    class GatedServer(uvicorn.Server):
+        """uvicorn's server whose SIGINT/SIGTERM start the shutdown gate (`cluster.shutdown`)
+        instead of exiting at once: uvicorn installs its own handlers while it serves, so
+        this is where a signal arrives."""
+
+        on_signal = None
+
+        def handle_exit(self, sig, frame) -> None:  # in the main thread, from the signal handler
+            if self.on_signal is None:
+                super().handle_exit(sig, frame)
+            else:
+                self.on_signal()
+
+    return GatedServer
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from cluster.launch import ServingCluster
     from cluster.metrics import ServerMetrics
     from cluster.server import build_app
+    from cluster.shutdown import ShutdownGate
 
     metrics = ServerMetrics()
     cluster = ServingCluster(cluster_options_from_args(args), metrics)
+    gate = ShutdownGate()
     try:
         router = cluster.start()
         app = build_app(router, metrics, api_key=args.api_key, metrics_public=args.metrics_public,
-                        request_timeout_s=args.request_timeout, admin=cluster)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on")
-        server = uvicorn.Server(config)
+                        request_timeout_s=args.request_timeout, admin=cluster, gate=gate)
+        # The gate ends every request by the deadline; uvicorn then only closes idle connections.
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on",
+                                timeout_graceful_shutdown=2)
+        server = _gated_server_class()(config)
 
         async def main() -> None:
             from cluster.supervisor import ReplicaSupervisor
@@ -89,8 +114,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             supervisor = ReplicaSupervisor(cluster)  # replaces replica actors that die
             await supervisor.start()
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+
+            async def stop_when_drained() -> None:
+                await gate.drained()
+                server.should_exit = True
+
+            def on_signal() -> None:
+                if gate.closing:  # a second signal: now
+                    server.should_exit = True
+                    return
+                gate.begin(args.shutdown_timeout)
+                loop.create_task(stop_when_drained())
+
+            server.on_signal = lambda: loop.call_soon_threadsafe(on_signal)
             logger.info("serving %s on http://%s:%d/v1", router.model_name, args.host, args.port)
             await server.serve()
             await supervisor.aclose()

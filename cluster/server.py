@@ -52,6 +52,7 @@ from cluster.embeddings_api import EmbeddingRequest, check_dimensions, embedding
 from cluster.metrics import CONTENT_TYPE, ServerMetrics
 from cluster.request import RequestOutput
 from cluster.scheduler import QueueFull, RequestRejected
+from cluster.shutdown import ServerShuttingDown, ShutdownGate
 from workers.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ def as_api_error(exc: BaseException) -> APIError:
                         headers={"Retry-After": "1"})
     if isinstance(exc, RequestTimedOut):
         return APIError(504, str(exc), "timeout_error", code="request_timeout")
+    if isinstance(exc, ServerShuttingDown):
+        return APIError(503, str(exc), "service_unavailable", code="server_shutting_down",
+                        headers={"Retry-After": "1"})
     if isinstance(exc, GenerationFailed):
         return APIError(500, f"generation failed: {exc}", "server_error")
     if isinstance(exc, ValidationError):
@@ -106,7 +110,7 @@ def as_api_error(exc: BaseException) -> APIError:
 
 # Exceptions that are answers (4xx/5xx with a message), not bugs.
 _EXPECTED = (APIError, SamplingParamsError, RequestRejected, QueueFull, NoReplicaAvailable, ValidationError,
-             GenerationFailed, _ClientGone, RequestTimedOut)
+             GenerationFailed, _ClientGone, RequestTimedOut, ServerShuttingDown)
 
 
 # JSON leaves U+0085, U+2028 and U+2029 unescaped, and line readers built on str.splitlines
@@ -128,40 +132,54 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work`, cancelling it (and raising _ClientGone) if the client goes away first."""
+async def _until_disconnect(request: Request, work: Awaitable[Any], gate: ShutdownGate) -> Any:
+    """Await `work`, cancelling it and raising _ClientGone if the client goes away first, or
+    ServerShuttingDown at the server's shutdown deadline."""
     task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_wait_disconnect(request))
+    stop = asyncio.ensure_future(gate.stopped.wait())
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             return task.result()
+        if stop in done:
+            raise ServerShuttingDown("the server shut down before the request finished")
         raise _ClientGone()
     finally:
-        for t in (task, watch):
+        for t in (task, watch, stop):
             t.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
+        await asyncio.gather(task, watch, stop, return_exceptions=True)
 
 
 class _SSEResponse(StreamingResponse):
     """Streams SSE while watching for the client's disconnect; always closes the body iterator
     and runs `on_close(client_gone)` (which aborts unfinished requests), however the response ends."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[bool], Awaitable[None]]):
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[bool], Awaitable[None]], gate: ShutdownGate):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
+        self._gate = gate
 
     async def __call__(self, scope, receive, send) -> None:
         stream = asyncio.ensure_future(self.stream_response(send))
         watch = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        stop = asyncio.ensure_future(self._gate.stopped.wait())
         try:
-            await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({stream, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.done() and not stream.done():  # the shutdown deadline: one last event, then close
+                stream.cancel()
+                await asyncio.gather(stream, return_exceptions=True)
+                err = APIError(503, "the server shut down before the request finished", "server_error",
+                               code="server_shutting_down")
+                with contextlib.suppress(Exception):  # a client that does not read gets 1 s
+                    body = (_sse(err.body()) + SSE_DONE).encode()
+                    await asyncio.wait_for(send({"type": "http.response.body", "body": body, "more_body": False}), 1.0)
         finally:
             # The client left: its disconnect arrived, or sending to it failed.
             gone = watch.done() or (stream.done() and not stream.cancelled() and stream.exception() is not None)
-            for t in (stream, watch):
+            for t in (stream, watch, stop):
                 t.cancel()
-            await asyncio.gather(stream, watch, return_exceptions=True)
+            await asyncio.gather(stream, watch, stop, return_exceptions=True)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             await self._on_close(gone)
 
@@ -174,8 +192,8 @@ def _usage(choices: list[ChoiceResult], n: int) -> P.Usage:
 
 
 class _Serving:
-    def __init__(self, client: ServingClient, metrics: ServerMetrics):
-        self.client, self.metrics = client, metrics
+    def __init__(self, client: ServingClient, metrics: ServerMetrics, gate: ShutdownGate):
+        self.client, self.metrics, self.gate = client, metrics, gate
         self.created = int(time.time())
         self.decode = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
 
@@ -235,8 +253,10 @@ class _Serving:
             self.metrics.observe_finished(out.replica, out, edge)
 
         try:
-            return await _until_disconnect(request, within(request.state, FanOut.open(
-                self.client, list(jobs), rid, finished, is_embedding, arrival=request.state.arrival)))
+            fan = await _until_disconnect(request, within(request.state, FanOut.open(
+                self.client, list(jobs), rid, finished, is_embedding, arrival=request.state.arrival)), self.gate)
+            self.gate.enter()  # left in close(): the shutdown waits for it, up to its deadline
+            return fan
         except (_ClientGone, RequestTimedOut) as exc:  # FanOut.open aborted what it had admitted
             self.metrics.record_aborts("client_gone" if isinstance(exc, _ClientGone) else "timeout", len(jobs))
             raise
@@ -244,18 +264,21 @@ class _Serving:
     async def close(self, request: Request, fan: FanOut, client_gone: bool = False) -> None:
         """Close `fan`, aborting its unfinished requests (their KV pages are freed at once), and
         count them in `manta:request_aborts_total` by why they were cut short."""
+        if fan.closed:
+            return
         unfinished = sum(1 for c in fan.choices if c.finish_reason is None)
         if unfinished:
             reason = ("timeout" if getattr(request.state, "timed_out", False)
-                      else "client_gone" if client_gone else "error")
+                      else "client_gone" if client_gone else "shutdown" if self.gate.stopped.is_set() else "error")
             self.metrics.record_aborts(reason, unfinished)
         await fan.aclose()
+        self.gate.leave()
 
     async def collect(self, request: Request, fan: FanOut) -> list[ChoiceResult]:
         """Every choice of `fan`, within the deadline and while the client waits; closes `fan`."""
         gone = False
         try:
-            return await _until_disconnect(request, within(request.state, fan.collect()))
+            return await _until_disconnect(request, within(request.state, fan.collect()), self.gate)
         except _ClientGone:
             gone = True
             raise
@@ -268,7 +291,7 @@ class _Serving:
         """Stream `events(fan)` as SSE, or collect the choices and return `build(choices)`."""
         if stream:
             return _SSEResponse(self._guarded(stream_within(request.state, events(fan))),
-                                functools.partial(self.close, request, fan))
+                                functools.partial(self.close, request, fan), self.gate)
         body = build(await self.collect(request, fan))
         return Response(body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body),
                         media_type="application/json")
@@ -472,14 +495,16 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None = None, *,
               metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              request_timeout_s: float | None = None, admin=None) -> FastAPI:
+              request_timeout_s: float | None = None, admin=None, gate: ShutdownGate | None = None) -> FastAPI:
     """The HTTP app. With `api_key`, every route but /health (and /metrics when `metrics_public`)
     needs `Authorization: Bearer <api_key>`. With `request_timeout_s`, a POST request (reading its
     body included) that runs longer is aborted and answered 504 (`cluster.deadline`). With
     `admin` (the `ServingCluster` behind `client`), the operator routes of `cluster.admin_api`.
     The app does not close `client`: its owner does."""
     app = FastAPI(title="manta", docs_url=None, redoc_url=None, openapi_url=None)
-    serving = _Serving(client, metrics)
+    gate = gate if gate is not None else ShutdownGate()
+    app.state.gate = gate
+    serving = _Serving(client, metrics, gate)
 
     def error_response(err: APIError) -> Response:
         metrics.record_error(err.status)
@@ -514,6 +539,7 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
 
     async def handle(endpoint: Callable[[Request, Any], Awaitable[Response]], request: Request) -> Response:
         request.state.arrival = time.monotonic()  # latencies are measured from here (the edge)
+        gate.check_open()
         stamp(request.state, request_timeout_s)
         try:
             return await endpoint(request, await within(request.state, _read_json(request, max_body_bytes)))

@@ -1,0 +1,89 @@
+"""`manta serve --shutdown-timeout S` under load: SIGTERM stops admissions (503), lets requests
+finish for S seconds, then ends the streams still open with an error event (a client that does
+not read its stream cannot hold the server), and every process of the server is gone within
+S + 5 s, leaving nothing in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+
+from tests.serve_process import ServeProcess, alive
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_S = 3.0
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _unread_stream(port: int) -> socket.socket:
+    """A client that asks for a large stream (n=64 x 300 tokens) and never reads it."""
+    body = json.dumps({"prompt": "the river", "max_tokens": 300, "n": 64, "stream": True,
+                       "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
+def _reader(url: str, out: list) -> None:
+    """A client that reads its stream to the end and keeps the last event."""
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"prompt": "the mountain", "max_tokens": 480, "stream": True, "ignore_eos": True}) as r:
+            last = None
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    last = json.loads(line[6:])
+            out.append(last)
+    except httpx.HTTPError as exc:
+        out.append(exc)
+
+
+def test_sigterm_ends_everything_by_the_deadline(tmp_path):
+    if ray.is_initialized():
+        ray.shutdown()
+    shm_before = _shm()
+    served = ServeProcess(tmp_path / "cache", "--shutdown-timeout", str(DEADLINE_S))
+    try:
+        unread = _unread_stream(served.port)
+        results: list = []
+        readers = [threading.Thread(target=_reader, args=(served.url, results)) for _ in range(4)]
+        for t in readers:
+            t.start()
+        time.sleep(2.0)  # generation under way
+        tree = served.tree()
+        served.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        refused = httpx.post(served.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+        for t in readers:
+            t.join(timeout=DEADLINE_S + 10)
+        served.proc.wait(timeout=DEADLINE_S + 30)
+        while any(alive(p) for p in tree) and time.monotonic() - t0 < DEADLINE_S + 30:
+            time.sleep(0.1)
+        gone_s = time.monotonic() - t0
+        unread.close()
+    finally:
+        served.stop()
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+    assert refused.headers.get("retry-after") == "1"
+    # The readers' streams ended at the deadline with the shutdown error as their last event.
+    assert len(results) == 4 and all(isinstance(r, dict) for r in results), results
+    assert all(r.get("error", {}).get("code") == "server_shutting_down" for r in results), results
+    assert not [p for p in tree if alive(p)]
+    print(f"processes gone {gone_s:.1f} s after SIGTERM (deadline {DEADLINE_S} s)")
+    assert gone_s <= DEADLINE_S + 5, f"processes gone after {gone_s:.1f} s"
+    assert _shm() <= shm_before, sorted(_shm() - shm_before)
