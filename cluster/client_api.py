@@ -61,6 +61,7 @@ class ServingClient(Protocol):
         params: SamplingParams,
         rid: str | None = None,
         is_embedding: bool = False,
+        group: str | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     def health(self) -> HealthStatus: ...
@@ -116,10 +117,11 @@ class LocalEngineClient:
         params: SamplingParams,
         rid: str | None = None,
         is_embedding: bool = False,
+        group: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self._closed:
             raise NoReplicaAvailable("the engine is shut down")
-        stream = self.engine.generate_stream(prompt, params, rid=rid, is_embedding=is_embedding)
+        stream = self.engine.generate_stream(prompt, params, rid=rid, is_embedding=is_embedding, group=group)
         try:
             async for out in stream:
                 out.replica = self.replica  # type: ignore[attr-defined]
@@ -225,7 +227,10 @@ class FanOut:
 
         try:
             for i, (prompt, params) in enumerate(jobs):
-                streams.append(client.generate_stream(prompt, params, rid=f"{rid}-{i}", is_embedding=is_embedding))
+                # The choices of one HTTP request share a group: the scheduler's fair share
+                # counts them together (a request with n=64 cannot starve the others).
+                streams.append(client.generate_stream(prompt, params, rid=f"{rid}-{i}", is_embedding=is_embedding,
+                                                      group=rid))
             tasks = [asyncio.ensure_future(first(s)) for s in streams]
             firsts = await asyncio.gather(*tasks)
         except BaseException:

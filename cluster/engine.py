@@ -177,6 +177,7 @@ class Engine:
         sink: Sink | None,
         rid: str | None = None,
         is_embedding: bool = False,
+        group: str | None = None,
     ) -> str:
         """Queue a request; raises (and queues nothing) if it is invalid or the queue is full.
         An embedding replica refuses generation; an encoder-decoder model refuses embeddings.
@@ -192,9 +193,9 @@ class Engine:
                                   "does not serve embeddings")
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if self.decoder_prompt is not None:
-            req = Request(rid, list(self.decoder_prompt), params, encoder_ids=self.tokenize(prompt))
+            req = Request(rid, list(self.decoder_prompt), params, encoder_ids=self.tokenize(prompt), group=group)
         else:
-            req = Request(rid, self.tokenize(prompt), params, is_embedding=is_embedding)
+            req = Request(rid, self.tokenize(prompt), params, is_embedding=is_embedding, group=group)
         detok = self.detokenizer.new_state(req.prompt_ids, params.stop, params.skip_special_tokens)
         with self._lock:
             self.scheduler.add_request(req)
@@ -456,12 +457,13 @@ class Engine:
         params: SamplingParams,
         rid: str | None = None,
         is_embedding: bool = False,
+        group: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as they come; cancelling the iterator aborts the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = self.add_request(prompt, params, lambda o: loop.call_soon_threadsafe(queue.put_nowait, o),
-                               rid=rid, is_embedding=is_embedding)
+                               rid=rid, is_embedding=is_embedding, group=group)
         finished = False
         try:
             while not finished:

@@ -56,6 +56,7 @@ class Admission:
     prompt_ids: list[int]
     params: SamplingParams
     is_embedding: bool = False
+    group: str | None = None  # requests that share the scheduler's fair share (one HTTP request's n)
 
 
 # A client that has not polled for this long is gone (its router closed or died): its requests
@@ -149,7 +150,8 @@ class Replica:
             with self._cv:
                 self._owner[adm.rid] = client
             try:
-                engine.add_request(adm.prompt_ids, adm.params, None, rid=adm.rid, is_embedding=adm.is_embedding)
+                engine.add_request(adm.prompt_ids, adm.params, None, rid=adm.rid, is_embedding=adm.is_embedding,
+                                   group=adm.group)
             except (SamplingParamsError, RequestRejected, QueueFull, ValueError) as exc:
                 with self._cv:
                     self._owner.pop(adm.rid, None)

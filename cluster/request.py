@@ -36,6 +36,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     is_embedding: bool = False
+    group: str | None = None  # requests sharing one fair share (the choices of one HTTP request); None: its own
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

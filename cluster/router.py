@@ -139,7 +139,7 @@ class Router:
         return list(self.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
 
     async def generate_stream(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None,
-                              is_embedding: bool = False) -> AsyncIterator[RequestOutput]:
+                              is_embedding: bool = False, group: str | None = None) -> AsyncIterator[RequestOutput]:
         params.validate(self.vocab_size)
         if self._poller is None:  # the stats poller lives on the serving event loop
             await self.start()
@@ -163,7 +163,7 @@ class Router:
                 handle.inflight += 1
                 finished = False
                 assert handle.client is not None
-                stream = handle.client.open(rid, tokens, params, is_embedding)
+                stream = handle.client.open(rid, tokens, params, is_embedding, group)
                 try:
                     async for out in stream:
                         if out.error_type is not None and not first_seen:

@@ -43,6 +43,13 @@ from workers.forward_batch import ForwardMode
 from workers.messages import NewRequest, ScheduledReq, StepPlan, StepResult, TokenLogprobs
 from workers.sampling_params import SamplingParamsError
 
+# Requests preempted per step to give waiting groups their fair share of running slots.
+FAIR_PREEMPT_PER_STEP = 16
+
+
+def _group(req: Request) -> str:
+    return req.group or req.rid
+
 
 class RequestRejected(ValueError):
     """A request that can never run (too long for the context or the KV cache). `param` names
@@ -72,6 +79,7 @@ class SchedulerStats:
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     preemptions: int = 0
+    fair_preemptions: int = 0  # of those, to give a waiting group its fair share of running slots
     # Speculative decoding (cluster/spec_scheduler.py): drafts proposed, drafts accepted, and
     # request-rounds verified (mean acceptance length = (accepted + rounds) / rounds).
     spec_draft_tokens: int = 0
@@ -174,6 +182,7 @@ class Scheduler:
         plan_reqs: list[ScheduledReq] = []
         new_reqs: list[NewRequest] = []
         table_writes: list[tuple[int, int, list[int]]] = []
+        share, counts, starved = self._fairness()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -192,11 +201,16 @@ class Scheduler:
             budget -= n
             i += 1
 
-        skip = 0  # waiting requests passed over this step (their store lookup is in flight)
+        skip = 0  # waiting requests passed over this step (store lookup in flight, token in flight, over share)
         while len(self.waiting) > skip and budget > 0 and len(self.running) < self.max_running and self._free_rows:
             req = self.waiting[skip]
             if req.pending:
-                break  # preempted with a token in flight: re-admit once it is known
+                skip += 1  # preempted with a token in flight: re-admit once it is known
+                continue
+            group = _group(req)
+            if counts[group] >= share and starved - {group}:
+                skip += 1  # its group has its share while another group's requests wait with less
+                continue
             if self.kv_offload is not None:
                 verdict = self.kv_offload.set_aside(req)
                 if verdict == Verdict.DEFER:
@@ -211,6 +225,9 @@ class Scheduler:
             if admitted is None:
                 break
             del self.waiting[skip]
+            counts[group] += 1
+            if counts[group] >= share:
+                starved.discard(group)
             if self.kv_offload is not None:
                 self.kv_offload.admitted(req)
             n, slots, prefix_slots = admitted
@@ -240,6 +257,34 @@ class Scheduler:
         if kv_orders is not None:
             kv_orders.apply(plan)
         return plan
+
+    def _fairness(self) -> tuple[int, collections.Counter, set[str]]:
+        """Fair sharing of the running slots between groups (the n choices of one HTTP request
+        form a group; every other request is its own): (share, running requests per group,
+        groups waiting below their share). Each group's share is max_running / number of
+        groups with running or waiting requests. When a group below its share waits and no
+        slot is free, the newest requests of the groups furthest over their share are preempted
+        (at most FAIR_PREEMPT_PER_STEP a step; their K/V stays in the prefix cache), and
+        over-share groups are passed over at admission until the others have their share."""
+        counts: collections.Counter = collections.Counter()
+        if not self.waiting:
+            return self.max_running, counts, set()
+        counts.update(_group(r) for r in self.running)
+        groups = set(counts) | {_group(r) for r in self.waiting}
+        if len(groups) < 2:
+            return self.max_running, counts, set()
+        share = max(1, self.max_running // len(groups))
+        starved = {_group(r) for r in self.waiting if not r.pending and counts[_group(r)] < share}
+        if starved and not self._free_rows:
+            for _ in range(min(len(starved), FAIR_PREEMPT_PER_STEP)):
+                over = max(counts, key=lambda g: counts[g])
+                if counts[over] <= share:
+                    break
+                victim = next(r for r in reversed(self.running) if _group(r) == over)
+                self._preempt(victim)
+                counts[over] -= 1
+                self.stats.fair_preemptions += 1
+        return share, counts, starved
 
     def _piece(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed, budget)

@@ -200,3 +200,36 @@ def test_request_outgrowing_the_whole_cache_ends_with_length_not_livelock():
     assert finished[0].finish_reason == FinishReason.LENGTH
     assert len(finished[0].output_ids) == 16 - 10 + 1  # filled every slot, then one token more
     assert s.allocator.num_free == s.allocator.num_total
+
+
+def test_a_request_with_many_choices_cannot_starve_the_others():
+    """8 choices of one request (one group) fill every running slot; two single requests that
+    arrive then get slots at the next step (the group's newest are preempted down to its fair
+    share), and the group gets its slots back once they finish."""
+    s = make_scheduler(max_running_requests=8, max_num_batched_tokens=256)
+    for i in range(8):
+        s.add_request(Request(f"big-{i}", list(range(100, 110)), SamplingParams(max_tokens=50, ignore_eos=True),
+                              group="big"))
+    run_step(s)
+    assert len(s.running) == 8
+    s.add_request(req("x", 10, max_tokens=3, first=300))
+    s.add_request(req("y", 10, max_tokens=3, first=400))
+    plan, _ = run_step(s)
+    assert {n.rid for n in plan.new_requests} == {"x", "y"}
+    assert s.stats.fair_preemptions == 2 and sum(r.group == "big" for r in s.running) == 6
+    assert [r.rid for r in s.waiting] == ["big-6", "big-7"]  # the newest two wait
+    while any(r.rid in ("x", "y") for r in s.running):
+        run_step(s)
+    run_step(s)
+    assert sum(r.group == "big" for r in s.running) == 8 and not s.waiting
+
+
+def test_fair_share_needs_a_waiting_group():
+    """One group alone may use every slot; preemption only happens for another group."""
+    s = make_scheduler(max_running_requests=4)
+    for i in range(6):
+        s.add_request(Request(f"g-{i}", list(range(100, 110)), SamplingParams(max_tokens=20, ignore_eos=True),
+                              group="g"))
+    for _ in range(3):
+        run_step(s)
+    assert len(s.running) == 4 and s.stats.fair_preemptions == 0

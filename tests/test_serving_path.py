@@ -104,3 +104,41 @@ def test_idle_cluster_uses_no_cpu(served):
     usage = {k: (cpu_seconds(p) - start[k]) / wall for k, p in pids.items()}
     print({k: f"{100 * u:.1f}%" for k, u in usage.items()})
     assert all(u < 0.05 for u in usage.values()), usage
+
+
+def test_large_n_does_not_starve_single_requests(served):
+    """4 requests with n=64 (256 sequences: every running slot of the replica) and then 32
+    single requests: the singles get slots within a step or two (fair share), so their TTFT
+    stays under 5 s on the CPU machine while the big ones run, and everything finishes."""
+    async def run() -> tuple[list, list[float]]:
+        client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=600)
+        model = (await client.models.list()).data[0].id
+
+        async def big(i: int):
+            r = await client.completions.create(model=model, prompt=f"big {i}: the river", n=64, max_tokens=400,
+                                                temperature=1.0, seed=i, extra_body={"ignore_eos": True})
+            return [c.finish_reason for c in r.choices]
+
+        async def single(i: int) -> float:
+            t0 = time.perf_counter()
+            stream = await client.completions.create(model=model, prompt=f"single {i}: the city", max_tokens=16,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            ttft = None
+            async for chunk in stream:
+                if ttft is None and chunk.choices and chunk.choices[0].text:
+                    ttft = time.perf_counter() - t0
+            return ttft if ttft is not None else float("inf")
+
+        try:
+            bigs = [asyncio.create_task(big(i)) for i in range(4)]
+            await asyncio.sleep(3.0)  # the 256 sequences hold every running slot
+            ttfts = await asyncio.gather(*(single(i) for i in range(32)))
+            return await asyncio.gather(*bigs), list(ttfts)
+        finally:
+            await client.close()
+
+    bigs, ttfts = asyncio.run(run())
+    assert all(reasons == ["length"] * 64 for reasons in bigs)
+    p50 = sorted(ttfts)[len(ttfts) // 2]
+    print(f"single requests beside n=64 ones: TTFT p50 {p50:.2f} s, max {max(ttfts):.2f} s")
+    assert p50 < 5.0, ttfts
