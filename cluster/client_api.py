@@ -39,7 +39,12 @@ class NoReplicaAvailable(RuntimeError):
 
 
 class GenerationFailed(RuntimeError):
-    """A request finished with finish_reason "error" (its replica failed it)."""
+    """A request finished with finish_reason "error" (its replica failed it). `index`: which
+    choice of a FanOut, when known."""
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.index = index
 
 
 @dataclass
@@ -274,8 +279,20 @@ class FanOut:
                 self._on_finished(item, EdgeTiming(None if first is None else first - self.arrival,
                                                    now - self.arrival))
                 if item.finish_reason == "error":
-                    raise GenerationFailed(item.error or "the replica failed the request")
+                    raise GenerationFailed(item.error or "the replica failed the request", index=i)
             yield i, item
+
+    async def outputs_ending_in_error(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """`outputs()`, where a choice that fails yields one last output of its own
+        (finish_reason "error", so a stream says which choice ended and why) before the
+        GenerationFailed is raised."""
+        try:
+            async for item in self.outputs():
+                yield item
+        except GenerationFailed as exc:
+            if exc.index is not None:
+                yield exc.index, RequestOutput("", finished=True, finish_reason="error", error=str(exc))
+            raise
 
     async def collect(self) -> list[ChoiceResult]:
         async with contextlib.aclosing(self.outputs()) as outs:

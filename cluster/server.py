@@ -327,7 +327,7 @@ class _Serving:
 
         async def events(fan: FanOut) -> AsyncIterator[str]:
             offsets = [0] * len(jobs)
-            async for i, out in fan.outputs():
+            async for i, out in fan.outputs_ending_in_error():
                 if not (out.delta_text or out.delta_token_ids or out.finished):
                     continue
                 lp = None
@@ -381,7 +381,7 @@ class _Serving:
         async def events(fan: FanOut) -> AsyncIterator[str]:
             for i in range(len(jobs)):
                 yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))])
-            async for i, out in fan.outputs():
+            async for i, out in fan.outputs_ending_in_error():
                 if not (out.delta_text or out.delta_token_ids or out.finished):
                     continue
                 lp = P.chat_logprobs(out.delta_token_ids, out.delta_logprobs, self.decode) if req.logprobs else None
@@ -446,7 +446,7 @@ class _Serving:
             return m
 
         async def events(fan: FanOut) -> AsyncIterator[str]:
-            async for _, out in fan.outputs():
+            async for _, out in fan.outputs_ending_in_error():
                 if out.delta_text or out.delta_token_ids or out.finished:
                     yield _sse({"text": out.delta_text, "output_ids": out.delta_token_ids,
                                 "meta_info": meta(fan.choices[0], out.finish_reason if out.finished else None)})

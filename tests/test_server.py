@@ -384,7 +384,7 @@ class StubClient:
         self.mode = "ok"
         self.ok = True
 
-    async def generate_stream(self, prompt, params, rid=None, is_embedding=False) -> AsyncIterator[RequestOutput]:
+    async def generate_stream(self, prompt, params, rid=None, is_embedding=False, group=None) -> AsyncIterator[RequestOutput]:
         if self.mode == "queue_full":
             raise QueueFull("3 waiting")
         if self.mode == "no_replica":
@@ -469,3 +469,38 @@ def test_server_metrics_unit(stack):
         assert_error(httpx.get(server.url + "/v1/models"), 401)
     finally:
         server.stop()
+
+
+def test_a_failed_stream_says_which_choice_failed_and_is_counted(stack):
+    """A replica that fails a request mid-stream: the stream's last chunk for that choice has
+    finish_reason "error", then one error event and [DONE]; the failure is counted in
+    manta:request_finished_total{finish_reason="error"}."""
+    import threading
+
+    engine = stack["engine"]
+    url = stack["url"]
+    before = httpx.get(url + "/metrics").text
+    events: list[dict] = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                events.append({"done": True})
+                break
+            events.append(json.loads(line[6:]))
+            if len(events) == 2:  # streaming: the replica fails everything it runs
+                threading.Thread(target=engine.fail_all, args=("a worker died",)).start()
+    assert events[-1] == {"done": True}
+    err, last_chunk = events[-2], events[-3]
+    assert err["error"]["type"] == "server_error" and "a worker died" in err["error"]["message"]
+    assert last_chunk["choices"][0]["finish_reason"] == "error"
+
+    def errors(text: str) -> float:
+        line = next((ln for ln in text.splitlines() if ln.startswith("manta:request_finished_total")
+                     and 'finish_reason="error"' in ln), None)
+        return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+    assert errors(httpx.get(url + "/metrics").text) == errors(before) + 1
