@@ -7,7 +7,8 @@ an idle rank burned a whole core, and every graph left ~40 POSIX semaphores in /
 blocked `recv` on a socket costs nothing while the replica is idle, and a loopback round trip
 is ~0.1 ms (`manta bench overhead`), which is what the compiled graph gave.
 
-Framing: an 8-byte little-endian length, then a pickle (protocol 5) of the object.
+Framing: an 8-byte little-endian length, then a pickle (protocol 5) of the object, read back by
+an unpickler that rebuilds only the step messages' dataclasses and enums (`_MessageUnpickler`).
 Replies: `(True, value)`, or `(False, traceback text)` when the rank's handler raised.
 Failure model: a rank that dies closes its socket (the kernel does it for a killed process);
 the replica's `recv` watches every rank's socket at once, so it raises `RankFailed` as soon as
@@ -17,7 +18,10 @@ The handshake carries a random token, so nothing but the group's own ranks can a
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hmac
+import io
 import logging
 import os
 import pickle
@@ -59,9 +63,34 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+# Where the messages' classes live: only their dataclasses and enums may be rebuilt.
+_MESSAGE_MODULES = ("workers.messages", "workers.kv_messages", "workers.spec_messages", "workers.sampling_params",
+                    "workers.forward_batch")
+_BUILTINS = {"set", "frozenset", "complex", "slice"}
+
+
+class _MessageUnpickler(pickle.Unpickler):
+    """Rebuilds the step messages and nothing else: plain data and the dataclasses and enums of
+    `_MESSAGE_MODULES`. Any other global (a function, a class elsewhere: what a hostile pickle
+    would call) is refused, so a byte stream can never run code here."""
+
+    def find_class(self, module: str, name: str):
+        if module == "builtins" and name in _BUILTINS:
+            return super().find_class(module, name)
+        if module in _MESSAGE_MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        raise pickle.UnpicklingError(f"the step channel does not carry {module}.{name}")
+
+
+def decode(payload: bytes) -> Any:
+    return _MessageUnpickler(io.BytesIO(payload)).load()
+
+
 def _recv(sock: socket.socket) -> Any:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    return pickle.loads(_recv_exact(sock, n))
+    return decode(_recv_exact(sock, n))
 
 
 def _tune(sock: socket.socket) -> None:
