@@ -202,24 +202,27 @@ class FanOut:
     """
 
     def __init__(self, firsts: list[tuple[RequestOutput, float]], streams: list[AsyncIterator[RequestOutput]],
-                 on_finished: Callable[[RequestOutput, EdgeTiming], None], arrival: float):
+                 on_finished: Callable[[RequestOutput, EdgeTiming], None], arrival: float,
+                 on_first_token: Callable[[RequestOutput, float], None]):
         self.firsts, self.streams, self._on_finished = firsts, streams, on_finished
+        self._on_first_token = on_first_token
         self.arrival = arrival
         self.choices = [ChoiceResult() for _ in streams]
-        for choice, (out, at) in zip(self.choices, firsts):  # when the first output reached us
-            if out.delta_token_ids or out.embedding is not None:
-                choice.first_token_at = at
         self._tasks: list[asyncio.Future] = []
         self._closed = False
 
     @classmethod
     async def open(cls, client: ServingClient, jobs: list[Job], rid: str,
                    on_finished: Callable[[RequestOutput, EdgeTiming], None] = lambda out, timing: None,
-                   is_embedding: bool = False, arrival: float | None = None) -> FanOut:
+                   is_embedding: bool = False, arrival: float | None = None,
+                   on_first_token: Callable[[RequestOutput, float], None] = lambda out, ttft: None) -> FanOut:
         """Admit every job concurrently (request ids `{rid}-{i}`) and wait for each one's first
         output. If any admission fails, or this is cancelled, the admitted ones are aborted and
         the error propagates. `is_embedding`: the jobs are embedding requests. `arrival`: when
-        the request reached the server (monotonic; default now): latencies are measured from it."""
+        the request reached the server (monotonic; default now): latencies are measured from it.
+        `on_first_token(out, ttft_s)` runs when a choice's first token is handed on by `outputs`
+        (a stream sends it at once; also for one its client abandons later); `on_finished(out,
+        timing)` when it finishes."""
         arrival = time.monotonic() if arrival is None else arrival
         streams: list[AsyncIterator[RequestOutput]] = []
         tasks: list[asyncio.Future] = []
@@ -244,7 +247,7 @@ class FanOut:
             await asyncio.gather(*tasks, return_exceptions=True)
             await _close_all(streams)
             raise
-        return cls(list(firsts), streams, on_finished, arrival)
+        return cls(list(firsts), streams, on_finished, arrival, on_first_token)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) in arrival order until every request finished; raises
@@ -272,7 +275,10 @@ class FanOut:
             if isinstance(item, BaseException):
                 raise item
             choice = self.choices[i]
-            choice.add(item)
+            had_token = choice.first_token_at is not None
+            choice.add(item)  # stamps first_token_at: when it is handed on (a stream sends it now)
+            if not had_token and choice.first_token_at is not None:
+                self._on_first_token(item, choice.first_token_at - self.arrival)
             if item.finished:
                 now = time.monotonic()
                 first = choice.first_token_at

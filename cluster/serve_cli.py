@@ -103,8 +103,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(router, metrics, api_key=args.api_key, metrics_public=args.metrics_public,
                         request_timeout_s=args.request_timeout, admin=cluster, gate=gate)
         # The gate ends every request by the deadline; uvicorn then only closes idle connections.
+        from cluster.http_protocol import StampedH11Protocol
+
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on",
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, http=StampedH11Protocol)
         server = _gated_server_class()(config)
 
         async def main() -> None:

@@ -252,9 +252,13 @@ class _Serving:
         def finished(out: RequestOutput, edge: EdgeTiming) -> None:
             self.metrics.observe_finished(out.replica, out, edge)
 
+        def first_token(out: RequestOutput, ttft_s: float) -> None:
+            self.metrics.observe_first_token(out.replica, ttft_s)
+
         try:
             fan = await _until_disconnect(request, within(request.state, FanOut.open(
-                self.client, list(jobs), rid, finished, is_embedding, arrival=request.state.arrival)), self.gate)
+                self.client, list(jobs), rid, finished, is_embedding, arrival=request.state.arrival,
+                on_first_token=first_token)), self.gate)
             self.gate.enter()  # left in close(): the shutdown waits for it, up to its deadline
             return fan
         except (_ClientGone, RequestTimedOut) as exc:  # FanOut.open aborted what it had admitted
@@ -538,7 +542,8 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
                            code="invalid_api_key")
 
     async def handle(endpoint: Callable[[Request, Any], Awaitable[Response]], request: Request) -> Response:
-        request.state.arrival = time.monotonic()  # latencies are measured from here (the edge)
+        if getattr(request.state, "arrival", None) is None:  # a server without the stamp (tests)
+            request.state.arrival = time.monotonic()
         gate.check_open()
         stamp(request.state, request_timeout_s)
         try:
@@ -606,7 +611,21 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
     app.include_router(guarded)
     if metrics_public:
         app.include_router(metrics_router)
+    app.add_middleware(_ArrivalStamp)
     return app
+
+
+class _ArrivalStamp:
+    """Stamps each HTTP request with the moment the server got it (`request.state.arrival`),
+    before routing and before its body is read: latencies are measured from here (the edge)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":  # the protocol may have stamped it already, when its bytes came
+            scope.setdefault("state", {}).setdefault("arrival", time.monotonic())
+        await self.app(scope, receive, send)
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -5,6 +5,7 @@ and Ray, the messages that path exchanged per engine step, and what the idle clu
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -25,7 +26,9 @@ MAX_TOKENS = 12
 def served(tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
-    proc = ServeProcess(tmp_path_factory.mktemp("serve") / "cache")
+    log_dir = tmp_path_factory.mktemp("serve")
+    proc = ServeProcess(log_dir / "cache")
+    proc.log_dir = log_dir
     time.sleep(2.0)  # the router's first stats polls
     proc.fresh_metrics = httpx.get(f"{proc.url}/metrics").text  # before any request
     yield proc
@@ -142,3 +145,54 @@ def test_large_n_does_not_starve_single_requests(served):
     p50 = sorted(ttfts)[len(ttfts) // 2]
     print(f"single requests beside n=64 ones: TTFT p50 {p50:.2f} s, max {max(ttfts):.2f} s")
     assert p50 < 5.0, ttfts
+
+
+def _histogram_quantile(text: str, name: str, q: float) -> float:
+    """Prometheus' histogram_quantile over every label set of `name` (linear within a bucket)."""
+    buckets: dict[float, float] = {}
+    for le, v in re.findall(rf'^{name}_bucket{{le="([^"]+)",[^}}]*}} (\S+)$', text, re.M):
+        buckets[float(le)] = buckets.get(float(le), 0.0) + float(v)
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    rank, prev_b, prev_c = q * total, 0.0, 0.0
+    for b in bounds:
+        if buckets[b] >= rank:
+            return prev_b + (b - prev_b) * (rank - prev_c) / max(buckets[b] - prev_c, 1e-9)
+        prev_b, prev_c = b, buckets[b]
+    return bounds[-1]
+
+
+def test_server_ttft_is_what_clients_see(served):
+    """A burst of 500 requests at once: the server's TTFT histogram (measured from the moment
+    the HTTP server received each request) agrees with the clients' own TTFT within 10% at p50."""
+    from tests.serve_process import ServeProcess
+
+    fresh = ServeProcess(served.log_dir / "burst-cache", "--max-running-requests", "64")
+    try:
+        async def run() -> list[float]:
+            async def one(i: int) -> float:
+                # A bare HTTP/1.1 client: its own overhead stays out of the measured TTFT.
+                body = json.dumps({"prompt": f"burst {i}: the river", "max_tokens": 4, "stream": True,
+                                   "ignore_eos": True}).encode()
+                reader, writer = await asyncio.open_connection("127.0.0.1", fresh.port)
+                t0 = time.perf_counter()
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                try:
+                    async for line in reader:
+                        if line.startswith(b"data: {") and b'"text"' in line:
+                            return time.perf_counter() - t0
+                    return float("inf")
+                finally:
+                    writer.close()
+
+            return await asyncio.gather(*(one(i) for i in range(500)))
+
+        client = sorted(asyncio.run(run()))
+        server = _histogram_quantile(httpx.get(f"{fresh.url}/metrics").text, "manta:time_to_first_token_seconds", 0.5)
+    finally:
+        fresh.stop()
+    c50 = client[len(client) // 2]
+    print(f"burst of 500: client TTFT p50 {c50:.2f} s, server's histogram p50 {server:.2f} s")
+    assert c50 > 0.5  # a real queue formed
+    assert abs(server - c50) <= 0.1 * c50, (server, c50)
