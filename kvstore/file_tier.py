@@ -144,6 +144,8 @@ class FileTier:
             self.path(key).unlink()
         except FileNotFoundError:
             pass
+        except OSError as exc:  # a failing disk: the file stays, forgotten (a rebuild re-reads it)
+            logger.debug("kv store: removing %s: %s", key, exc)
 
     # ---------------- NIXL POSIX ----------------
     def _transfer(self, op: str, fd: int, regions: Sequence[tuple[int, int]]) -> bool:
@@ -194,7 +196,10 @@ class FileTier:
             logger.debug("kv store: page file %s: %s", path, exc)
             ok = False
         if not ok:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
             self._failed_write(key)
             return False
         self._wrote()

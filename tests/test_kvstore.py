@@ -413,7 +413,8 @@ def small_fs(tmp_path):
 def test_file_tier_never_fills_its_disk(ray_local, small_fs, caplog):
     """A file tier asked for 16 GiB on a 32 MiB filesystem: capped to the disk's free space
     beyond its reserve at start, and when someone else fills the disk while it runs it shrinks,
-    evicting its own files, instead of failing page after page; failed writes are counted."""
+    evicting its own files, instead of failing page after page; on a failing disk the failed
+    writes are counted and the tier backs off."""
     import shutil
 
     from kvstore.file_tier import disk_reserve
@@ -447,6 +448,21 @@ def test_file_tier_never_fills_its_disk(ray_local, small_fs, caplog):
     assert st["file"]["capacity_bytes"] <= st["file"]["used_bytes"] + 2 * page
     out = [[torch.empty(page // 4)]]
     assert c.batch_get([more[-1]], out) == 1  # the newest pages are still served (from RAM)
+    # A failing disk (remounted read-only): the writes that fail are counted, and the tier
+    # stops trying for a while (no storm of failures) and serves on from RAM.
+    import subprocess
+
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    last = c.chain_keys(tokens(16, salt=9), PAGE)
+    for i in range(0, 16, 8):
+        c.batch_set(last[i : i + 8], [[torch.full((page // 4,), float(j))] for j in range(8)])
+    ray.get(handle.flush.remote())
+    st = ray.get(handle.stats.remote())
+    failed = st["file"]["write_errors"]
+    assert failed >= 1 and st["counters"]["file_write_errors"] == failed
+    assert failed <= 2 and st["file"]["skipped_writes"] >= 1, st["file"]  # it backs off
+    assert c.batch_get([last[-1]], out) == 1
+    subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
     ray.kill(handle)
 
 

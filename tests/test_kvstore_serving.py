@@ -15,6 +15,7 @@ import ray
 
 from cluster.kv_offload import SchedulerKVOffload
 from cluster.kv_store_setup import kv_store_stats
+from tests.test_kvstore import small_fs  # noqa: F401  (a fixture: a 32 MiB tmpfs)
 from cluster.request import Request
 from cluster.scheduler import Scheduler
 from kvstore.client import ClientCounters
@@ -708,6 +709,33 @@ def test_store_killed_with_sigkill_under_load_is_back_within_seconds(no_store_af
     finally:
         asyncio.run(router.aclose())
         cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_a_failing_disk_never_stops_serving(engines, tmp_path, llama_dir, small_fs):
+    """The store's files on a small filesystem that then fails (remounted read-only): every
+    request is answered exactly as without a store, the failed file writes are counted (by op,
+    in what the replica reports for /metrics), and the store serves on from RAM."""
+    import subprocess
+
+    prompts = [prompt_ids(161, seed=s) for s in (30, 31, 32, 33)]
+    ref = engines(engine_config(llama_dir, None, kv_store=None)).generate(prompts, greedy(4))
+    start_store(small_fs / "kv", ram_bytes=32 << 10, file_bytes=16 << 30, slot_bytes=4096)
+    eng = engines(engine_config(llama_dir, small_fs / "kv"))
+    assert eng.generate(prompts[:2], greedy(4))[0].token_ids == ref[0].token_ids
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    try:
+        outs = eng.generate(prompts[2:], greedy(4))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref[2:]]
+        from kvstore.store import lookup_store
+
+        wait_for(lambda: ray.get(lookup_store().stats.remote())["file"]["write_errors"] >= 1, 30, "a failed write")
+        st = ray.get(lookup_store().stats.remote())
+        assert st["counters"]["file_write_errors"] == st["file"]["write_errors"]
+        wait_for(lambda: (kv_store_stats(eng)["store"] or {}).get("file_write_errors", 0) >= 1, 15,
+                 "the failed writes in the replica's report")
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
 
 
 @ray.remote(num_cpus=0)
