@@ -394,22 +394,6 @@ def test_ram_eviction_spills_to_files_and_file_lru_deletes(ray_local, tmp_path):
     ray.kill(handle)
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 32 MiB tmpfs (root and `mount` needed, as on the CI machine); unmounted after."""
-    import subprocess
-
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_file_tier_never_fills_its_disk(ray_local, small_fs, caplog):
     """A file tier asked for 16 GiB on a 32 MiB filesystem: capped to the disk's free space
     beyond its reserve at start, and when someone else fills the disk while it runs it shrinks,

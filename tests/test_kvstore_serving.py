@@ -15,7 +15,6 @@ import ray
 
 from cluster.kv_offload import SchedulerKVOffload
 from cluster.kv_store_setup import kv_store_stats
-from tests.test_kvstore import small_fs  # noqa: F401  (a fixture: a 32 MiB tmpfs)
 from cluster.request import Request
 from cluster.scheduler import Scheduler
 from kvstore.client import ClientCounters
