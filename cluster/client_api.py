@@ -188,10 +188,13 @@ Job = tuple[str | list[int], SamplingParams]
 @dataclass(frozen=True)
 class EdgeTiming:
     """A request's latencies as the HTTP server saw them, from the moment it received it:
-    queueing in the server, the router and the replica included (None: no token)."""
+    queueing in the server, the router and the replica included (None: no token). The wall
+    clock of its arrival and of its first token here, to set against the engine's."""
 
     ttft_s: float | None
     e2e_s: float
+    arrival_wall: float | None = None
+    first_token_wall: float | None = None
 
 
 class FanOut:
@@ -282,8 +285,10 @@ class FanOut:
             if item.finished:
                 now = time.monotonic()
                 first = choice.first_token_at
+                wall = time.time() - (now - self.arrival)  # the arrival, on the wall clock
                 self._on_finished(item, EdgeTiming(None if first is None else first - self.arrival,
-                                                   now - self.arrival))
+                                                   now - self.arrival, wall,
+                                                   None if first is None else wall + (first - self.arrival)))
                 if item.finish_reason == "error":
                     raise GenerationFailed(item.error or "the replica failed the request", index=i)
             yield i, item

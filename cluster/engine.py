@@ -314,6 +314,9 @@ class Engine:
             out.ttft_s = (req.first_token_time or now) - req.arrival_time
             out.e2e_s = now - req.arrival_time
             out.queue_s = (req.scheduled_time or now) - req.arrival_time
+            out.arrival_wall = req.arrival_wall
+            if req.first_token_time is not None:
+                out.first_token_wall = req.arrival_wall + (req.first_token_time - req.arrival_time)
             del self._tracked[req.rid]
         return tracked, out
 

@@ -47,6 +47,8 @@ RETRY_REASONS = ("unavailable", "queue_full", "replica_failed")
 ERROR_CODES = ("400", "401", "404", "413", "499", "500", "503", "504")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 ABORT_REASONS = ("client_gone", "timeout", "error", "shutdown")
+# Where a request's time to first token goes (manta:request_queue_time_seconds{stage}).
+QUEUE_STAGES = ("engine", "serving_path", "to_engine", "from_engine")
 
 # Keys of the dict a replica reports (see `update_replica_stats`).
 STATS_KEYS = ("num_running", "num_waiting", "kv_usage", "prefix_hit_tokens", "prefix_query_tokens")
@@ -130,7 +132,9 @@ class ServerMetrics:
         self.queue_time = Histogram(
             "manta:request_queue_time_seconds", "Time a request waits, by stage: engine (in the replica's queue "
             "before its first step), serving_path (time to first token spent outside the engine: HTTP server, "
-            "router, the hops to the replica and back).", ["replica", "stage"], buckets=TTFT_BUCKETS, registry=r,
+            "router, the hops to the replica and back), and the two halves of serving_path by wall clock: "
+            "to_engine (from the HTTP server to the engine) and from_engine (the first token from the engine to "
+            "the stream).", ["replica", "stage"], buckets=TTFT_BUCKETS, registry=r,
         )
         self.tpot = Histogram(
             "manta:time_per_output_token_seconds", "Mean time per generated token after the first.",
@@ -206,6 +210,12 @@ class ServerMetrics:
                 self.engine_ttft.labels(replica).observe(out.ttft_s)
                 # Outside the engine: the HTTP server, the router, the hops to the replica and back.
                 self.queue_time.labels(replica, "serving_path").observe(max(0.0, ttft - out.ttft_s))
+            if edge is not None and edge.arrival_wall is not None and out.arrival_wall is not None:
+                # The two halves of that, by wall clock: in to the engine, and its first token out.
+                self.queue_time.labels(replica, "to_engine").observe(max(0.0, out.arrival_wall - edge.arrival_wall))
+                if edge.first_token_wall is not None and out.first_token_wall is not None:
+                    self.queue_time.labels(replica, "from_engine").observe(
+                        max(0.0, edge.first_token_wall - out.first_token_wall))
         if out.queue_s is not None:
             self.queue_time.labels(replica, "engine").observe(out.queue_s)
         if e2e is not None:
@@ -265,7 +275,7 @@ class ServerMetrics:
             self.requests_finished.labels(replica, reason)
         for m in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.engine_ttft):
             m.labels(replica)
-        for stage in ("engine", "serving_path"):
+        for stage in QUEUE_STAGES:
             self.queue_time.labels(replica, stage)
         if policy is not None:
             self.router_requests.labels(policy, replica)

@@ -48,6 +48,7 @@ class Request:
     num_preemptions: int = 0
     # Wall-clock marks for metrics.
     arrival_time: float = field(default_factory=time.monotonic)
+    arrival_wall: float = field(default_factory=time.time)  # the same moment, wall clock (across processes)
     scheduled_time: float | None = None  # first admitted into the running batch
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -130,6 +131,11 @@ class RequestOutput:
     ttft_s: float | None = None
     e2e_s: float | None = None
     queue_s: float | None = None
+    # Wall-clock times (time.time()) of the engine receiving the request and emitting its first
+    # token, filled when finished: the server splits its edge latency with them (same host, or
+    # clocks in sync).
+    arrival_wall: float | None = None
+    first_token_wall: float | None = None
 
     def __reduce__(self):
         # Positional, not a __dict__: a step's outputs cross to the server in one message, and

@@ -39,7 +39,7 @@ def test_short_soak(tmp_path, monkeypatch):
     # Walk-aways were aborted by the server (not all: on a loaded machine a slow client may
     # leave only after the whole answer was sent).
     assert res["server_metrics"]["aborts"].get('{reason="client_gone"}', 0) > 0
-    assert not any(code.startswith('{code="5') for code in res["server_metrics"]["errors"])
+    assert not any(code.startswith('{code="5') and n > 0 for code, n in res["server_metrics"]["errors"].items())
     growth = res["memory_mib"]["growth"]
     assert res["memory_mib"]["processes"]["ray_workers"] >= 2  # the tree really held the replica
     assert growth["server_mib"] < SERVER_GROWTH_MIB, res["memory_mib"]
