@@ -255,6 +255,10 @@ class FanOut:
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) in arrival order until every request finished; raises
         GenerationFailed when one finishes with an error. Iterate at most once."""
+        if len(self.streams) == 1:  # the common case: no merging task, no queue hop per token
+            async for item in self._single():
+                yield item
+            return
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int) -> None:
@@ -277,21 +281,35 @@ class FanOut:
                 continue
             if isinstance(item, BaseException):
                 raise item
-            choice = self.choices[i]
-            had_token = choice.first_token_at is not None
-            choice.add(item)  # stamps first_token_at: when it is handed on (a stream sends it now)
-            if not had_token and choice.first_token_at is not None:
-                self._on_first_token(item, choice.first_token_at - self.arrival)
+            yield self._took(i, item)
+
+    async def _single(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        first, _ = self.firsts[0]
+        yield self._took(0, first)
+        if first.finished:
+            return
+        async for item in self.streams[0]:
+            yield self._took(0, item)
             if item.finished:
-                now = time.monotonic()
-                first = choice.first_token_at
-                wall = time.time() - (now - self.arrival)  # the arrival, on the wall clock
-                self._on_finished(item, EdgeTiming(None if first is None else first - self.arrival,
-                                                   now - self.arrival, wall,
-                                                   None if first is None else wall + (first - self.arrival)))
-                if item.finish_reason == "error":
-                    raise GenerationFailed(item.error or "the replica failed the request", index=i)
-            yield i, item
+                return
+
+    def _took(self, i: int, item: RequestOutput) -> tuple[int, RequestOutput]:
+        """Book an output of choice i (first token, finish) before it is handed on."""
+        choice = self.choices[i]
+        had_token = choice.first_token_at is not None
+        choice.add(item)  # stamps first_token_at: when it is handed on (a stream sends it now)
+        if not had_token and choice.first_token_at is not None:
+            self._on_first_token(item, choice.first_token_at - self.arrival)
+        if item.finished:
+            now = time.monotonic()
+            first = choice.first_token_at
+            wall = time.time() - (now - self.arrival)  # the arrival, on the wall clock
+            self._on_finished(item, EdgeTiming(None if first is None else first - self.arrival,
+                                               now - self.arrival, wall,
+                                               None if first is None else wall + (first - self.arrival)))
+            if item.finish_reason == "error":
+                raise GenerationFailed(item.error or "the replica failed the request", index=i)
+        return i, item
 
     async def outputs_ending_in_error(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """`outputs()`, where a choice that fails yields one last output of its own

@@ -199,6 +199,9 @@ class Replica:
                 self._outboxes.setdefault(client, []).append(out)
             self.counters["output_steps"] += 1
             self._cv.notify_all()
+        # Let the waiting poll thread take the GIL now and send these outputs on, rather than
+        # after the engine thread has planned and launched its next step.
+        time.sleep(0)
         for rid in stale:
             if self.engine is not None:
                 self.engine.abort(rid)
