@@ -94,7 +94,9 @@ for s in $stages; do
         KV=${KV_DIR:-/tmp/kvstore}; rm -rf "$KV"; df -h /tmp | tail -1
         SF="$F --kv-store $KV --kv-store-disk-gb ${KV_DISK_GB:-24} --kv-drain-timeout ${KV_DRAIN_S:-60}"
         serve_start cold $SF && { http_bench l8_http_cold; serve_stop; }
-        du -sh "$KV"; serve_start replay $SF && { http_bench l8_http_replay; serve_stop; }
+        if [ "${REPLAY:-1}" = 1 ]; then  # REPLAY=0: the cold run only
+          du -sh "$KV"; serve_start replay $SF && { http_bench l8_http_replay; serve_stop; }
+        fi
         rm -rf "$KV" ;;
     l8httpns) serve_model
         serve_start nostore $F --no-kv-store && { http_bench l8_http_nostore; serve_stop; } ;;
