@@ -178,6 +178,22 @@ def test_the_step_channel_rebuilds_messages_and_refuses_anything_else():
     with pytest.raises(pickle.UnpicklingError, match="does not carry"):
         decode(pickle.dumps(Path("/etc"), protocol=5))
 
+    # Python 3.11.0-3.11.4 (Debian 12's python3 is 3.11.2) pickle an enum member as
+    # getattr(cls, name): that, and only that, comes through (tests/test_ray_up.py's hosts run it).
+    class ByName:
+        def __init__(self, obj, name):
+            self.obj, self.name = obj, name
+
+        def __reduce__(self):
+            return (getattr, (self.obj, self.name))
+
+    assert decode(pickle.dumps(ByName(ForwardMode, "MIXED"), protocol=5)) is ForwardMode.MIXED
+    assert decode(pickle.dumps([ByName(ForwardMode, "DECODE")] * 2, protocol=5)) == [ForwardMode.DECODE] * 2
+    for obj, name in ((ForwardMode, "__init__"), (ForwardMode, "_member_map_"), (StepPlan, "__init__"),
+                      (ForwardMode, "NO_SUCH_MODE")):
+        with pytest.raises(pickle.UnpicklingError, match="does not carry"):
+            decode(pickle.dumps(ByName(obj, name), protocol=5))
+
 
 def test_the_scan_catches_what_it_looks_for(tmp_path):
     sample = tmp_path / "x.py"

@@ -69,6 +69,15 @@ _MESSAGE_MODULES = ("workers.messages", "workers.kv_messages", "workers.spec_mes
 _BUILTINS = {"set", "frozenset", "complex", "slice"}
 
 
+def _enum_member(cls: Any, name: Any) -> enum.Enum:
+    """What `getattr` may do in a message: early Python 3.11 releases (3.11.2, Debian 12's python3)
+    pickle an enum member as `getattr(EnumClass, "NAME")`, later ones by value. Only that: a
+    member of an enum this unpickler let through, by name."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"the step channel does not carry getattr({cls!r}, {name!r})")
+
+
 class _MessageUnpickler(pickle.Unpickler):
     """Rebuilds the step messages and nothing else: plain data and the dataclasses and enums of
     `_MESSAGE_MODULES`. Any other global (a function, a class elsewhere: what a hostile pickle
@@ -77,6 +86,8 @@ class _MessageUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module == "builtins" and name in _BUILTINS:
             return super().find_class(module, name)
+        if module == "builtins" and name == "getattr":
+            return _enum_member
         if module in _MESSAGE_MODULES:
             obj = super().find_class(module, name)
             if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
