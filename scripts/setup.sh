@@ -13,10 +13,19 @@ if [ "${MANTA_TORCH:-cpu}" != "skip" ] && ! .venv/bin/python -c "import torch" 2
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
-# tests/test_prometheus.py scrapes a live server with a real Prometheus (Debian's package).
-# Best effort: only as root, only where apt-get exists; the test skips without the binary.
-if ! command -v prometheus >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
-    >/dev/null 2>&1 || echo "note: could not install prometheus with apt-get (tests/test_prometheus.py will skip)"
+# Debian packages the tests run for real: tests/test_prometheus.py scrapes a live server with
+# Prometheus; tests/test_ray_up.py runs `ray up` over SSH (sshd, rsync) on two hosts in network
+# namespaces. Best effort: only as root, only where apt-get exists; those tests skip without them.
+want=()
+command -v prometheus >/dev/null || want+=(prometheus)
+[ -x /usr/sbin/sshd ] || want+=(openssh-server)
+command -v rsync >/dev/null || want+=(rsync)
+if [ ${#want[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${want[@]}"; } \
+    >/dev/null 2>&1 || echo "note: could not install ${want[*]} with apt-get (the tests that need them will skip)"
+fi
+# The wheelhouse tests/test_ray_up.py installs the cluster's hosts from (they have no internet).
+if [ -x /usr/sbin/sshd ]; then
+  scripts/make_wheelhouse.sh .wheelhouse >/dev/null 2>&1 || { rm -rf .wheelhouse; echo "note: could not build .wheelhouse"; }
 fi
 echo "manta is set up in .venv"

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-RAY_FILES = ("ray-cluster.yaml", "ray-cluster.local.yaml")
+RAY_FILES = ("ray-cluster.yaml", "ray-cluster.local.yaml", "ray-cluster.offline.yaml")
 
 # Metrics the dashboard shows that the server does not export yet (the KV store's, issue 5, and
 # speculative decoding's, issue 8, are exported now). Remove a name here once its work exports
@@ -59,10 +59,15 @@ def test_ray_cluster_file_passes_ray_validation(name):
     assert "ray start --head" in head_start and "--metrics-export-port=8080" in head_start
     assert "--address=$RAY_HEAD_IP:6379" in worker_start and "--metrics-export-port=8080" in worker_start
     setup = "\n".join(cfg["setup_commands"])
-    assert "download.pytorch.org/whl/cu" in setup  # the CUDA build of torch
     assert re.search(r"pip install .*-e \.$", setup, re.M)  # manta itself, from the synced checkout
-    for remote, local in cfg["file_mounts"].items():
-        assert remote == "~/manta" and (ROOT / local).resolve() == ROOT  # `ray up` from the repo root
+    mounts = dict(cfg["file_mounts"])
+    assert (ROOT / mounts.pop("~/manta")).resolve() == ROOT  # `ray up` from the repo root
+    if name == "ray-cluster.offline.yaml":  # no internet: everything from the wheelhouse it copies
+        assert "--no-index --find-links ~/wheelhouse" in setup and "curl" not in setup
+        assert mounts == {"~/wheelhouse": "./.wheelhouse"}
+        assert "--node-ip-address" in head_start and "--node-ip-address" in worker_start
+    else:
+        assert "download.pytorch.org/whl/cu" in setup and not mounts  # the CUDA build of torch
 
 
 def test_aws_cluster_has_a_cpu_head_and_gpu_workers():
@@ -77,12 +82,14 @@ def test_aws_cluster_has_a_cpu_head_and_gpu_workers():
     assert "boto3" in " ".join(cfg["head_setup_commands"])  # the autoscaler's AWS client
 
 
-def test_local_cluster_goes_through_ray_up_bootstrap():
-    """The on-prem file passes the whole `ray up` config path, provider bootstrap included (the
-    local provider needs no network; the AWS one would call AWS)."""
+@pytest.mark.parametrize("name", ["ray-cluster.local.yaml", "ray-cluster.offline.yaml"])
+def test_local_cluster_goes_through_ray_up_bootstrap(name):
+    """The on-prem files pass the whole `ray up` config path, provider bootstrap included (the
+    local provider needs no network; the AWS one would call AWS). tests/test_ray_up.py runs
+    ray-cluster.offline.yaml for real."""
     from ray.autoscaler._private.commands import _bootstrap_config
 
-    cfg = _bootstrap_config(_load("ray-cluster.local.yaml"), no_config_cache=True)
+    cfg = _bootstrap_config(_load(name), no_config_cache=True)
     assert cfg["provider"]["type"] == "local" and cfg["provider"]["head_ip"]
     (node_type,) = cfg["available_node_types"].values()
     assert node_type["min_workers"] == node_type["max_workers"] == len(cfg["provider"]["worker_ips"])
