@@ -129,15 +129,23 @@ class ServingCluster:
         find it by name and register anew. True when it was started again."""
         if self.kv_store is None:
             return False
-        try:
-            ray.get(self.kv_store.info.remote(), timeout=ping_timeout_s)
-            return False  # alive (a slow answer counts as alive: a busy store is not restarted)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
-            return False  # busy, or Ray is restarting it
-        except ray.exceptions.RayError:
-            pass
         from kvstore.store import lookup_store
 
+        # Asked by name first: a store killed for good has lost its name, and is never called
+        # (a call to a killed restartable actor asks the GCS to restart it for lineage
+        # reconstruction, a request Ray 2.60's GCS can die of).
+        found = lookup_store()
+        if found is not None and found._actor_id != self.kv_store._actor_id:
+            self.kv_store = found  # started again by someone else: that one is the store now
+            return False
+        if found is not None:
+            try:
+                ray.get(self.kv_store.info.remote(), timeout=ping_timeout_s)
+                return False  # alive (a slow answer counts as alive: a busy store is not restarted)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+                return False  # busy, or Ray is restarting it
+            except ray.exceptions.RayError:
+                pass
         try:  # make sure the dead actor releases its name
             ray.kill(self.kv_store, no_restart=True)
         except Exception:

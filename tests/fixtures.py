@@ -112,3 +112,27 @@ def gloo_rank(rank: int, port: int, world_size: int):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def kill_named_actor(handle, name: str, namespace: str | None = None, timeout_s: float = 60.0) -> None:
+    """`ray.kill` an actor and wait until its name is free, without one more call to it.
+
+    The KV store is restartable (`max_restarts=-1`): a call to it once it is killed asks the GCS
+    to restart it for lineage reconstruction, and Ray 2.60's GCS can die of that request (a
+    failed check in GcsActorManager::HandleRestartActorForLineageReconstruction; it took a CI
+    run's whole Ray instance, and the test process with it)."""
+    import time
+
+    import ray
+
+    ray.kill(handle)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            found = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return
+        if found._actor_id != handle._actor_id:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"actor {name} did not die within {timeout_s:.0f}s")

@@ -302,17 +302,11 @@ def _restart(root: Path, name: str, **kw):
             time.sleep(0.2)
 
 
-def _kill(handle) -> None:
+def _kill(handle, name: str) -> None:
     """ray.kill, and wait until the actor is dead (kill is asynchronous)."""
-    ray.kill(handle)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            ray.get(handle.info.remote(), timeout=60)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the store actor did not die")
+    from tests.fixtures import kill_named_actor
+
+    kill_named_actor(handle, name, NS)
 
 
 def _page_file(root: Path, key: str) -> Path:
@@ -340,7 +334,7 @@ def test_restart_keeps_pages_drops_corrupt_ones_and_dead_store_misses(ray_local,
     pages = [[torch.full((256,), float(i))] for i in range(5)]
     assert r.batch_set(raw, pages)
     assert ray.get(handle.flush.remote()) == 6 + 5
-    _kill(handle)
+    _kill(handle, name)
     with open(_page_file(tmp_path, raw[4]), "r+b") as f:  # truncated while the store is down
         f.truncate(HEADER_BYTES + 100)
     handle = _restart(tmp_path, name)
@@ -360,7 +354,7 @@ def test_restart_keeps_pages_drops_corrupt_ones_and_dead_store_misses(ray_local,
     assert not _page_file(tmp_path, raw[1]).exists() and not _page_file(tmp_path, raw[2]).exists()
     assert ray.get(handle.stats.remote())["counters"]["corrupt"] == 3
     # The store killed: misses at once, errors counted, nothing raised.
-    _kill(handle)
+    _kill(handle, name)
     errors = c.stats()["errors"]
     t0 = time.monotonic()
     assert c.batch_exists(chain) == 0

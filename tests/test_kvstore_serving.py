@@ -360,20 +360,14 @@ def start_store(root, **kw):
 
 
 def kill_store() -> None:
-    from kvstore.store import lookup_store
+    from kvstore.store import STORE_NAME, lookup_store
+    from tests.fixtures import kill_named_actor
 
     store = lookup_store()
     _held.clear()
     if store is None:
         return
-    ray.kill(store)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            ray.get(store.info.remote(), timeout=60)
-        except (ray.exceptions.RayActorError, AttributeError):
-            return
-        time.sleep(0.05)
+    kill_named_actor(store, STORE_NAME)
 
 
 @pytest.fixture
