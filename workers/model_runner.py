@@ -327,7 +327,7 @@ class ModelRunner:
         self.req_to_token_pool.req_to_token[row_of_token, cols] = out_loc.to(torch.int32)
         if any(len(r.input_ids) == 1 and r.input_ids[0] < 0 for r in reqs):
             # Overlapped scheduling: a decode whose input was still being sampled when the plan
-            # was made reads it from its row's last sampled token (cluster/scheduler.py).
+            # was made reads it from its row's last sampled token (cluster/engine/scheduler.py).
             input_ids = torch.where(input_ids < 0, self.last_token[row_of_token], input_ids)
         seq_lens_cpu = host[3 * n + bs : 3 * n + 2 * bs].to(torch.int32)
         ext_t = ext_t.to(torch.int32)

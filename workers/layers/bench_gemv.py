@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from cluster.bench_roofline import measure_copy_bandwidth
+from cluster.bench.roofline import measure_copy_bandwidth
 from workers.layers import fused, gemv
 from workers.layers.gemv import GemvConfig
 
