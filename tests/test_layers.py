@@ -1,7 +1,8 @@
-"""cluster/'s layers, as docs/architecture.md draws them: `cluster.engine` (one replica's engine)
-at the bottom, `cluster.api` (HTTP) above it, the Ray orchestration at `cluster/`'s top, the
-benchmarks above all. Every import is read, those inside functions included (a lazy import
-still ties two modules together), and the graph must have no cycle."""
+"""The packages' layers, as docs/architecture.md draws them: `attention` and `kvstore` at the
+bottom, `workers` above them, `cluster` on top; inside `cluster`, `cluster.engine` (one replica's
+engine) at the bottom, `cluster.api` (HTTP) above it, the Ray orchestration at `cluster/`'s top,
+the benchmarks above all. Every import that runs is read, those inside functions included (a
+lazy import still ties two modules together), and the graph must have no cycle."""
 
 from __future__ import annotations
 
@@ -17,12 +18,25 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _type_only(tree: ast.Module) -> set[int]:
+    """ids of the nodes under `if TYPE_CHECKING:` (imports for annotations, never executed)."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
 def _imports(path: Path) -> set[str]:
-    """Every module `path` imports, at any depth of its code."""
+    """Every module `path` imports when it runs, at any depth of its code (lazy imports inside
+    functions included; those under `if TYPE_CHECKING:` are annotations only)."""
     tree = ast.parse(path.read_text())
     pkg = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
+    skip = _type_only(tree)
     found = set()
     for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -39,9 +53,10 @@ def _graph() -> dict[str, set[str]]:
     return {m: {i for i in _imports(p) if i in files and i != m} for m, p in files.items()}
 
 
-def _cycles(graph: dict[str, set[str]], within: str) -> list[list[str]]:
-    """The strongly connected components of more than one module among `within.*` (Tarjan)."""
-    nodes = [m for m in graph if m == within or m.startswith(within + ".")]
+def _cycles(graph: dict[str, set[str]], within: str | None = None) -> list[list[str]]:
+    """The strongly connected components of more than one module among `within.*` (all modules
+    when None; Tarjan)."""
+    nodes = [m for m in graph if within is None or m == within or m.startswith(within + ".")]
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):
@@ -74,8 +89,20 @@ def _cycles(graph: dict[str, set[str]], within: str) -> list[list[str]]:
     return out
 
 
-def test_cluster_has_no_import_cycle():
-    assert _cycles(_graph(), "cluster") == []
+def test_no_import_cycle_anywhere():
+    assert _cycles(_graph()) == []
+
+
+# Which packages each package may import (the rest of the project is above it).
+PACKAGE_MAY_IMPORT = {"attention": set(), "kvstore": set(), "workers": {"attention", "kvstore"},
+                      "cluster": {"workers", "attention", "kvstore"}}
+
+
+def test_packages_import_only_the_packages_below_them():
+    bad = sorted({f"{m} imports {d}" for m, deps in _graph().items() for d in deps
+                  if d.split(".")[0] != m.split(".")[0]
+                  and d.split(".")[0] not in PACKAGE_MAY_IMPORT[m.split(".")[0]]})
+    assert bad == [], bad
 
 
 def test_the_cycle_finder_finds_one():

@@ -77,7 +77,7 @@ def _decode_step_times(engine: Engine, batch: int, input_len: int, steps: int) -
 
 def bench_latency(engine: Engine, batches: list[int], input_len: int, steps: int) -> dict:
     """Decode step time per batch size, beside the roofline (in-process worker groups only)."""
-    from cluster.bench.roofline import decode_roofline_ms, measure_copy_bandwidth
+    from workers.roofline import decode_roofline_ms, measure_copy_bandwidth
 
     runner = getattr(engine.workers, "runner", None)
     bandwidth = measure_copy_bandwidth(runner.device) if runner is not None else None
