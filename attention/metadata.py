@@ -12,10 +12,12 @@ columns of request i start at its own offset, never at request 0's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from workers.forward_batch import ForwardBatch
+if TYPE_CHECKING:
+    from workers.forward_batch import ForwardBatch
 
 
 def round_up(x: int, multiple: int) -> int:

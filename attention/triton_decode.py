@@ -3,7 +3,7 @@
 Stage 1 (grid B x Hkv x num_splits): one program takes one request, one KV head and one
 contiguous slice of that request's keys; it loads each K/V block once for all the query heads of
 the KV head (GQA), runs an online softmax and writes a partial (output, log-sum-exp) per head. The last program
-of a (request, KV head) to finish (an arrival counter, `workers.layers.arrival`) merges the
+of a (request, KV head) to finish (an arrival counter, `attention.arrival`) merges the
 partials by their log-sum-exps and writes the output: one launch, no second stage. The MLA
 decode, and batches with more (request, KV head) pairs than there are counters, keep the
 separate merge kernel (`merge_splits`, grid B x H).
@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.layers import pdl
-from workers.layers.arrival import COUNTERS, arrival_counters
+from attention import pdl
+from attention.arrival import COUNTERS, arrival_counters
 
 LOG2E = 1.4426950408889634
 

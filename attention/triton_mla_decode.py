@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention import pdl
 from attention.triton_decode import (
     LOG2E,
     VARYING,
@@ -22,7 +23,6 @@ from attention.triton_decode import (
     merge_splits,
     split_bounds,
 )
-from workers.layers import pdl
 
 # Tokens per latent block (a [BLOCK_N, L] bf16 tile is 32 KB at L = 512; float32 caches take
 # half as many tokens) and heads per program.

@@ -1,65 +1,22 @@
-"""Setting up the shared KV store for a replica: which replicas can share pages (their
-identity), the store actor, the CLI options, attaching the scheduler's side
-(`cluster.kv_offload.SchedulerKVOffload`) to an engine, and the polled statistics a replica
-reports for /metrics.
+"""Setting up the shared KV store for a cluster: the store actor, the CLI options, and the
+polled statistics a replica reports for /metrics. (Which replicas share pages and the engine's
+side of the store: `cluster.engine.kv_store_link`.)
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 
-from cluster.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES, EngineConfig, default_cache_dir
-from cluster.kv_offload import MIN_PAGE_TOKENS, STORE_NAME, SchedulerKVOffload
-from workers.kv_messages import KVOffloadOptions
+from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES, EngineConfig, default_cache_dir
+from cluster.engine.kv_offload import MIN_PAGE_TOKENS
+from cluster.engine.kv_store_link import replica_identity
 
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # configuration
-
-
-@functools.lru_cache(maxsize=8)
-def _identity(model: str, dtype: str | None, device: str, page_size: int, tp_size: int) -> tuple | None:
-    """(fingerprint, layout, bytes of one store key) of a replica, or None when its KV cannot
-    be shared as pages (encoder models, encoder-decoder, hybrid linear attention). Computed
-    once per process and replica shape (reads config.json and 1 MiB of each weight file)."""
-    from kvstore.keys import model_fingerprint, weights_identity
-    from workers.model_config import ModelConfig
-
-    mc = ModelConfig.from_pretrained(model, dtype=dtype or ("float32" if device == "cpu" else None))
-    if mc.is_encoder_decoder or mc.linear_attn_layers or not mc.is_causal or mc.is_embedding_model:
-        return None
-    layout = "mla" if mc.use_mla else "mha"
-    fingerprint = model_fingerprint(model, str(mc.dtype), page_size, tp_size, layout, weights_identity(model))
-    width = mc.kv_lora_rank + mc.qk_rope_head_dim if mc.use_mla else mc.per_rank_kv_heads(tp_size) * mc.head_dim
-    key_bytes = page_size * len(mc.full_attn_layers) * width * mc.dtype.itemsize
-    return fingerprint, layout, key_bytes
-
-
-def replica_identity(config: EngineConfig) -> tuple | None:
-    if config.kv_store is None or config.is_embedding or config.disable_radix_cache:
-        return None
-    if config.page_size < MIN_PAGE_TOKENS:
-        return None
-    if getattr(config, "speculative_draft_model", None):  # the store holds the target's pages only,
-        return None  # and a loaded prefix without the draft's K/V would starve its proposals
-    try:
-        return _identity(config.model, config.dtype, config.device, config.page_size, config.tp_size)
-    except Exception as exc:  # the engine reports a checkpoint it cannot load; the store just stays off
-        logger.warning("KV store off: cannot fingerprint %s (%s: %s)", config.model, type(exc).__name__, exc)
-        return None
-
-
-def kv_offload_options(config: EngineConfig) -> KVOffloadOptions | None:
-    """What every rank of the replica needs (`RunnerOptions.kv_offload`); None: no store."""
-    ident = replica_identity(config)
-    if ident is None:
-        return None
-    return KVOffloadOptions(fingerprint=ident[0], layout=ident[1],
-                            host_cache_bytes=int(config.kv_host_cache_gb * 2**30), store_name=STORE_NAME)
 
 
 def ensure_kv_store(config: EngineConfig, timeout_s: float = 120.0):
@@ -103,7 +60,7 @@ def add_kv_store_args(p) -> None:
     g.add_argument("--kv-host-cache-gb", type=float, default=2.0,
                    help="each rank's host tier (pinned on a GPU): pages on their way to and from the store")
     g.add_argument("--kv-write-policy", default="write_back_selective", choices=KV_WRITE_POLICIES,
-                   help="when pages are written to the store (cluster/kv_offload.py): write_back_selective "
+                   help="when pages are written to the store (cluster/engine/kv_offload.py): write_back_selective "
                         "(default) writes a page when the GPU evicts it, when it proves hot (matched twice) and "
                         "at shutdown; write_through writes every page")
     g.add_argument("--kv-drain-timeout", type=float, default=3.0, dest="kv_drain_timeout_s",
@@ -194,32 +151,6 @@ def _store_usage(name: str, namespace: str | None, timeout_s: float = 1.0) -> di
 # wiring
 
 
-def attach_kv_offload(engine) -> SchedulerKVOffload | None:
-    """The engine's store integration, or None (no --kv-store, a model whose KV is not shared
-    as pages, no prefix cache, or no Ray in this process to reach the store)."""
-    cfg = engine.config
-    if cfg.kv_store is None:
-        return None
-    ident = replica_identity(cfg)
-    if ident is None or engine.serving.disable_radix_cache or engine.serving.is_embedding:
-        logger.info("KV store off for %s: its KV is not shared as prefix pages of >= %d tokens",
-                    cfg.model_name, MIN_PAGE_TOKENS)
-        return None
-    import ray
-
-    if not ray.is_initialized():
-        logger.warning("KV store off: this process is not part of a Ray cluster")
-        return None
-    fingerprint, layout, _ = ident
-    off = SchedulerKVOffload(engine.scheduler, fingerprint=fingerprint, layout=layout, tp_size=cfg.tp_size,
-                             write_policy=cfg.kv_write_policy, prefetch_policy=cfg.kv_prefetch_policy,
-                             prefetch_timeout_s=cfg.kv_prefetch_timeout_s,
-                             prefetch_timeout_per_page_s=cfg.kv_prefetch_timeout_per_page_s)
-    logger.info("KV store on: layout %s, write policy %s, prefetch %s, fingerprint %s", layout,
-                cfg.kv_write_policy, cfg.kv_prefetch_policy, fingerprint[:12])
-    return off
-
-
 def kv_store_stats(engine) -> dict | None:
     """`Replica.stats()["kvstore"]`: None when the replica runs without a store. The
     scheduler's counters, every rank's client and host tier and the store's usage (the last
@@ -233,10 +164,3 @@ def kv_store_stats(engine) -> dict | None:
     counters = off.counters()
     return {**counters, "errors": counters["probe_errors"] + sum(r.get("errors", 0) for r in ranks),
             "ranks": ranks, "store": store}
-
-
-def close_kv_offload(engine) -> None:
-    """Stop the stats poller of the engine's store integration (the engine shuts down)."""
-    off = engine.kv_offload
-    if off is not None and off.poller is not None:
-        off.poller.stop()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from cluster.config import EngineConfig
+from cluster.engine.config import EngineConfig
 from cluster.kv_store_setup import ensure_kv_store
 from cluster.replica import REPLICA_THREADS, Replica
 from cluster.router import Router, RouterOptions
@@ -109,7 +109,7 @@ class ServingCluster:
 
     def stop_replica(self, name: str) -> bool:
         """Stop a replica that is out of rotation (blocking): its engine, ranks and placement
-        group. Adding one is `start_replica`; `cluster.admin_api` drains before it stops one.
+        group. Adding one is `start_replica`; `cluster.api.admin` drains before it stops one.
         False when this cluster has no replica of that name."""
         self.infos.pop(name, None)
         actor = self.actors.pop(name, None)

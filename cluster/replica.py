@@ -26,11 +26,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cluster.config import EngineConfig
-from cluster.engine import Engine, runner_options
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine, runner_options
+from cluster.engine.request import RequestOutput
+from cluster.engine.scheduler import QueueFull, RequestRejected
 from cluster.kv_store_setup import kv_store_stats
-from cluster.request import RequestOutput
-from cluster.scheduler import QueueFull, RequestRejected
 from workers.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)

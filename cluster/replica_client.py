@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator
 
 import ray
 
+from cluster.engine.request import RequestOutput
 from cluster.replica import Admission
-from cluster.request import RequestOutput
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

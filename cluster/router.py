@@ -28,11 +28,11 @@ from typing import Any
 
 import ray
 
-from cluster.client_api import HealthStatus, NoReplicaAvailable
+from cluster.engine.client import HealthStatus, NoReplicaAvailable
+from cluster.engine.request import RequestOutput
+from cluster.engine.scheduler import QueueFull, RequestRejected
 from cluster.prefix_tree import PrefixTree
 from cluster.replica_client import ReplicaClient, ReplicaGone
-from cluster.request import RequestOutput
-from cluster.scheduler import QueueFull, RequestRejected
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

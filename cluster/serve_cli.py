@@ -10,7 +10,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_serve_parser(sub) -> None:
-    from cluster.cli import add_engine_args
+    from cluster.engine_args import add_engine_args
 
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API from a Ray cluster")
     add_engine_args(p)
@@ -36,7 +36,7 @@ def add_serve_parser(sub) -> None:
                    help="requests the router holds at once before answering 503 (default: with --max-waiting W, "
                         "replicas x (max-running-requests + W); else unbounded)")
     # No --kv-store: <cache dir>/kvstore. Pages of 16 tokens by default: the shared KV store
-    # serves pages of at least 16 (cluster/kv_offload.py), and GPU kernels prefer them.
+    # serves pages of at least 16 (cluster/engine/kv_offload.py), and GPU kernels prefer them.
     p.set_defaults(func=cmd_serve, kv_store_embedded=True, page_size=16)
 
 
@@ -50,7 +50,7 @@ def router_max_inflight(args: argparse.Namespace) -> int:
 
 
 def cluster_options_from_args(args: argparse.Namespace):
-    from cluster.cli import engine_config_from_args
+    from cluster.engine_args import engine_config_from_args
     from cluster.launch import ClusterOptions
     from cluster.router import RouterOptions
 
@@ -72,7 +72,7 @@ def _gated_server_class():
     import uvicorn
 
     class GatedServer(uvicorn.Server):
-        """uvicorn's server whose SIGINT/SIGTERM start the shutdown gate (`cluster.shutdown`)
+        """uvicorn's server whose SIGINT/SIGTERM start the shutdown gate (`cluster.api.shutdown`)
         instead of exiting at once: uvicorn installs its own handlers while it serves, so
         this is where a signal arrives."""
 
@@ -90,10 +90,10 @@ def _gated_server_class():
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from cluster.api.metrics import ServerMetrics
+    from cluster.api.server import build_app
+    from cluster.api.shutdown import ShutdownGate
     from cluster.launch import ServingCluster
-    from cluster.metrics import ServerMetrics
-    from cluster.server import build_app
-    from cluster.shutdown import ShutdownGate
 
     metrics = ServerMetrics()
     cluster = ServingCluster(cluster_options_from_args(args), metrics)
@@ -103,7 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(router, metrics, api_key=args.api_key, metrics_public=args.metrics_public,
                         request_timeout_s=args.request_timeout, admin=cluster, gate=gate)
         # The gate ends every request by the deadline; uvicorn then only closes idle connections.
-        from cluster.http_protocol import StampedH11Protocol
+        from cluster.api.http_protocol import StampedH11Protocol
 
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on",
                                 timeout_graceful_shutdown=2, http=StampedH11Protocol)
@@ -136,5 +136,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         asyncio.run(main())
     finally:
-        cluster.shutdown()
+        cluster.api.shutdown()
     return 0

@@ -610,6 +610,13 @@ def get_or_create_store(root: str, *, name: str = STORE_NAME, namespace: str | N
                        lifetime="detached" if detached else None).remote(root, **kwargs)
 
 
+def in_ray_cluster() -> bool:
+    """Whether this process is part of a Ray cluster (and so can reach a store actor)."""
+    import ray
+
+    return ray.is_initialized()
+
+
 def lookup_store(name: str = STORE_NAME, namespace: str | None = None):
     """The named store actor's handle, or None when there is none."""
     import ray

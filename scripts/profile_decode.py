@@ -4,7 +4,7 @@ kernels, the kernels by total time).
 
     python3 scripts/profile_decode.py MODEL_DIR [BATCH] [--out FILE.json]
 
-Under programmatic dependent launch (`workers/layers/pdl.py`, on by default on Hopper) a
+Under programmatic dependent launch (`attention/pdl.py`, on by default on Hopper) a
 kernel starts before its predecessor ends, so per-kernel times overlap and add up to more than
 the step: set `MANTA_PDL=0` for a per-kernel breakdown (the step itself is then slower).
 """
@@ -20,8 +20,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from workers.sampling_params import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""Fuzzing the HTTP API with schemathesis from its own OpenAPI document (`cluster.openapi_spec`).
+"""Fuzzing the HTTP API with schemathesis from its own OpenAPI document (`cluster.api.openapi`).
 
 The real app over a tiny in-process engine (context 64 tokens, so any generation it accepts is
 short) is served on 127.0.0.1; schemathesis generates valid and invalid bodies for every route
@@ -23,12 +23,12 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from cluster.client_api import LocalEngineClient
-from cluster.config import EngineConfig
-from cluster.engine import Engine
-from cluster.metrics import ServerMetrics
-from cluster.openapi_spec import openapi_schema
-from cluster.server import BackgroundServer, build_app
+from cluster.api.metrics import ServerMetrics
+from cluster.api.openapi import openapi_schema
+from cluster.api.server import BackgroundServer, build_app
+from cluster.engine.client import LocalEngineClient
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
 
 EXAMPLES = 50  # per route and generation mode

@@ -21,9 +21,9 @@ if not torch.cuda.is_available() and not INTERPRET:
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1 to run the Triton kernel on CPU)", allow_module_level=True)
 pytest.importorskip("triton")
 
+from attention.arrival import arrival_counters  # noqa: E402
 from tests.triton_interpreter import install_interpreter_shims  # noqa: E402
 from workers.argmax_kernel import argmax_rows  # noqa: E402
-from workers.layers.arrival import arrival_counters  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 if INTERPRET:

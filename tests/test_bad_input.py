@@ -15,11 +15,11 @@ import time
 import httpx
 import pytest
 
-from cluster.client_api import LocalEngineClient
-from cluster.config import EngineConfig
-from cluster.engine import Engine
-from cluster.metrics import ServerMetrics
-from cluster.server import BackgroundServer, build_app
+from cluster.api.metrics import ServerMetrics
+from cluster.api.server import BackgroundServer, build_app
+from cluster.engine.client import LocalEngineClient
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
 
 MODEL = "tiny"
@@ -185,8 +185,8 @@ def test_sse_events_survive_splitlines_readers():
     """A token whose text holds U+0085/U+2028/U+2029 (JSON leaves them raw) must not split an
     SSE line for clients that read lines with str.splitlines (httpx's aiter_lines): the soak
     found this with the tiny model's random tokens."""
-    from cluster import protocol as P
-    from cluster.server import _sse
+    from cluster.api import protocol as P
+    from cluster.api.server import _sse
 
     chunk = P.CompletionChunk(id="c", created=0, model="m",
                               choices=[P.CompletionChoice(index=0, text="a\x85b\u2028c\u2029d\r\ne")])

@@ -1,4 +1,4 @@
-"""What `manta bench latency`'s roofline counts as read per decode step (cluster/bench_roofline.py):
+"""What `manta bench latency`'s roofline counts as read per decode step (workers/roofline.py):
 every weight once, except the rows of an input embedding table that a step does not look up
 (a table tied to the LM head is read whole) and the routed experts no token selects."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench_roofline import step_weight_bytes, weight_bytes
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
+from workers.roofline import step_weight_bytes, weight_bytes
 
 
 def _model(tmp_path_factory, arch, **kw):

@@ -20,8 +20,8 @@ from attention.flash import FlashAttentionBackend
 from attention.metadata import build_attention_metadata, round_up
 from attention.paged import encoder_view
 from attention.torch_ops import paged_attention_ref
-from cluster.request import Request
-from cluster.scheduler import RequestRejected, Scheduler
+from cluster.engine.request import Request
+from cluster.engine.scheduler import RequestRejected, Scheduler
 from workers.forward_batch import ForwardBatch, ForwardMode
 from workers.memory_pool import ReqToTokenPool
 from workers.messages import StepResult

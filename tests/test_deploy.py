@@ -247,11 +247,11 @@ def live(tmp_path_factory):
     """2 replicas x TP 1 of a tiny Llama behind the router and the HTTP server, after a few
     requests (one of them invalid) and a stats poll; yields (scraped /metrics text, launch log,
     the KV store's directory or None)."""
-    from cluster.config import EngineConfig
+    from cluster.api.metrics import ServerMetrics
+    from cluster.api.server import BackgroundServer, build_app
+    from cluster.engine.config import EngineConfig
     from cluster.launch import ClusterOptions, ServingCluster
-    from cluster.metrics import ServerMetrics
     from cluster.router import RouterOptions
-    from cluster.server import BackgroundServer, build_app
     from tests.fixtures import tiny_model_dir
 
     d = tiny_model_dir(tmp_path_factory, "llama")
@@ -274,7 +274,7 @@ def live(tmp_path_factory):
         ray.kill(store)
         kv_root = None
     metrics = ServerMetrics()
-    # Pages of 16 tokens: the replicas use the store (cluster.kv_offload.MIN_PAGE_TOKENS).
+    # Pages of 16 tokens: the replicas use the store (cluster.engine.kv_offload.MIN_PAGE_TOKENS).
     engine = EngineConfig(model=str(d), page_size=16, kv_store=str(kv_root) if kv_root else None)
     cluster = ServingCluster(ClusterOptions(engine=engine, replicas=2,
                                             router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),
@@ -297,7 +297,7 @@ def live(tmp_path_factory):
         launch_logger.setLevel(old_level)
         if server is not None:
             server.stop()
-        cluster.shutdown()
+        cluster.api.shutdown()
         ray.shutdown()
 
 

@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from attention.flash import FlashAttentionBackend
 from attention.paged import should_skip_kv_cache
 from attention.torch_ops import paged_attention_ref, ragged_attention_sdpa, ragged_self_table
-from cluster.client_api import LocalEngineClient
-from cluster.config import EngineConfig
-from cluster.engine import Engine
-from cluster.metrics import ServerMetrics
-from cluster.scheduler import RequestRejected
-from cluster.server import BackgroundServer, build_app
+from cluster.api.metrics import ServerMetrics
+from cluster.api.server import BackgroundServer, build_app
+from cluster.engine.client import LocalEngineClient
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
+from cluster.engine.scheduler import RequestRejected
 from tests.fixtures import tiny_model_dir
 from workers.sampling_params import SamplingParams
 
@@ -413,5 +413,5 @@ def test_ray_router_tp2_minilm_end_to_end(st_model):
         finally:
             server.stop()
     finally:
-        cluster.shutdown()
+        cluster.api.shutdown()
         ray.shutdown()

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.config import EngineConfig
-from cluster.engine import Engine, GenerationResult
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine, GenerationResult
 from tests.fixtures import tiny_model_dir
 from workers.cuda_graph import CudaGraphRunner
 from workers.sampling_params import SamplingParams
@@ -195,7 +195,7 @@ def test_engine_api_and_rejections(bart):
     assert res.token_ids[0] == 1  # generation_config's forced_bos_token_id (<s>)
     # Forced eos on the max_tokens-th token (with forced bos at 1 token, eos wins: as generate).
     assert engine.generate([text], greedy(1))[0].token_ids == [2]
-    from cluster.scheduler import RequestRejected
+    from cluster.engine.scheduler import RequestRejected
 
     with pytest.raises(RequestRejected, match="encoder"):
         engine.generate([[1] * 49], greedy())
@@ -211,9 +211,9 @@ def test_completions_endpoint_takes_the_encoder_input(bart):
 
     import httpx
 
-    from cluster.client_api import LocalEngineClient
-    from cluster.metrics import ServerMetrics
-    from cluster.server import BackgroundServer, build_app
+    from cluster.api.metrics import ServerMetrics
+    from cluster.api.server import BackgroundServer, build_app
+    from cluster.engine.client import LocalEngineClient
 
     engine = Engine(EngineConfig(model=str(bart), served_model_name="tiny-bart"))
     prompt = "Translate to French: The house is small but very warm."

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.config import EngineConfig
-from cluster.engine import Engine, GenerationResult
-from cluster.scheduler import RequestRejected
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine, GenerationResult
+from cluster.engine.scheduler import RequestRejected
 from tests.fixtures import tiny_model_dir
 from workers.sampling_params import SamplingParams, SamplingParamsError
 

@@ -28,11 +28,11 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.config import EngineConfig
+from cluster.api.metrics import ServerMetrics
+from cluster.api.server import BackgroundServer, build_app
+from cluster.engine.config import EngineConfig
 from cluster.launch import ClusterOptions, ServingCluster
-from cluster.metrics import ServerMetrics
 from cluster.router import Router, RouterOptions
-from cluster.server import BackgroundServer, build_app
 from cluster.supervisor import ReplicaSupervisor
 from tests.fixtures import tiny_model_dir
 from workers.sampling_params import SamplingParams

@@ -25,9 +25,9 @@ if not torch.cuda.is_available() and not INTERPRET:
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1 to run the Triton kernel on CPU)", allow_module_level=True)
 pytest.importorskip("triton")
 
+from attention.arrival import arrival_counters  # noqa: E402
 from tests.triton_interpreter import install_interpreter_shims  # noqa: E402
 from workers.layers import fused, gemv, one_row  # noqa: E402
-from workers.layers.arrival import arrival_counters  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 gpu_only = pytest.mark.skipif(INTERPRET, reason="needs a real CUDA device")

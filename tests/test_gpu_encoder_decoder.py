@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
 from tests.test_encoder_decoder import INIT_STD, PROMPTS, assert_equal_to_hf, greedy, run
 

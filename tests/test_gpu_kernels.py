@@ -184,7 +184,7 @@ def test_paged_decode_merges_in_last_program_or_merge_kernel(monkeypatch, counte
     length 0 gets zeros), or, with more (request, KV head) pairs than counters, by the merge
     kernel: both equal the reference."""
     from attention import triton_decode
-    from workers.layers.arrival import arrival_counters
+    from attention.arrival import arrival_counters
 
     if counters is not None:
         monkeypatch.setattr(triton_decode, "COUNTERS", counters)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import PROMPTS, greedy, run_staggered
 from workers.sampling_params import SamplingParams

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from attention.metadata import build_attention_metadata
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import PROMPTS, greedy, run_staggered
 from workers.cuda_graph import CudaGraphRunner

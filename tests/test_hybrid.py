@@ -23,8 +23,8 @@ from attention.base import AttentionBackend, AttentionLayer
 from attention.flash import FlashAttentionBackend
 from attention.hybrid_linear import HybridLinearAttnBackend
 from attention.linear_attn import LinearAttentionBackend
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from tests.fixtures import gloo_rank, tiny_model_dir
 from tests.test_engine import MAX_NEW, PROMPTS, greedy, run_staggered
 from tests.test_mla import CHUNK, Cache, _free_port, _load, _logits, _prompts

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster.kv_offload import SchedulerKVOffload
+from cluster.engine.kv_offload import SchedulerKVOffload
+from cluster.engine.request import Request
+from cluster.engine.scheduler import Scheduler
 from cluster.kv_store_setup import kv_store_stats
-from cluster.request import Request
-from cluster.scheduler import Scheduler
 from kvstore.client import ClientCounters
 from kvstore.keys import chain_keys, rank_keys
 from workers.forward_batch import ForwardMode
@@ -273,7 +273,7 @@ def test_a_lookup_in_flight_never_holds_the_step():
 
 
 def test_a_lookup_that_never_answers_is_a_miss():
-    import cluster.kv_offload as ko
+    import cluster.engine.kv_offload as ko
 
     probe = FakeProbe(keys_of(list(range(100, 140))), hold=True)
     s, off = make(probe=probe)
@@ -292,7 +292,7 @@ def test_a_lookup_that_never_answers_is_a_miss():
 # real Ray, real NIXL
 
 NS = "manta-kvstore-serving-test"
-PAGE = 16  # the store serves replicas with pages of >= 16 tokens (cluster.kv_offload.MIN_PAGE_TOKENS)
+PAGE = 16  # the store serves replicas with pages of >= 16 tokens (cluster.engine.kv_offload.MIN_PAGE_TOKENS)
 
 
 def greedy(n=6) -> SamplingParams:
@@ -330,7 +330,7 @@ def mla_dir(tmp_path_factory):
 
 
 def engine_config(model: str, root, **kw):
-    from cluster.config import EngineConfig
+    from cluster.engine.config import EngineConfig
 
     args = dict(model=model, page_size=PAGE, kv_cache_tokens=4096, max_running_requests=8, kv_store=str(root),
                 kv_store_host_gb=0.01, kv_store_disk_gb=0.1, kv_host_cache_gb=0.001,
@@ -380,7 +380,7 @@ def no_store_after(ray_local):
 def engines(no_store_after):
     """Make in-process engines with `engines(cfg)`; they are shut down after the test (their
     ranks' I/O threads must not outlive the test's Ray instance)."""
-    from cluster.engine import Engine
+    from cluster.engine.loop import Engine
 
     made = []
 
@@ -418,8 +418,8 @@ def test_prefix_prefilled_on_one_replica_is_loaded_by_another(no_store_after, tm
     """Replica A prefills a long prompt and writes its pages; replica B, asked the same prompt
     (round robin), loads them from the store: its prefill computes only the last token, its
     greedy output equals A's, and the metrics show the hits."""
+    from cluster.api.metrics import ServerMetrics
     from cluster.launch import ClusterOptions, ServingCluster
-    from cluster.metrics import ServerMetrics
     from cluster.router import RouterOptions
 
     cfg = engine_config(llama_dir, tmp_path / "kv")
@@ -465,7 +465,7 @@ def test_prefix_prefilled_on_one_replica_is_loaded_by_another(no_store_after, tm
         assert 'manta:kvstore_usage_bytes{tier="file"}' in text and "manta:kvstore_errors_total" in text
     finally:
         asyncio.run(router.aclose())
-        cluster.shutdown()
+        cluster.api.shutdown()
 
 
 @pytest.mark.slow
@@ -476,7 +476,7 @@ def test_tp2_keys_per_page_and_writer_ranks(no_store_after, tmp_path, llama_dir,
     ranks' host tiers, reloading it reads every page back from the store on both ranks (MLA
     rank 1 reading the keys rank 0 wrote) and the ranks agree on the count; once more, and it
     comes from the host tiers."""
-    from cluster.engine import Engine, runner_options
+    from cluster.engine.loop import Engine, runner_options
     from workers.model_config import ModelConfig
     from workers.ray_group import RayWorkerGroup
 
@@ -559,8 +559,8 @@ def test_killed_store_comes_back_and_serves_its_pages_from_disk(no_store_after, 
     """The store actor killed under a serving cluster: requests go on without it, the
     supervisor starts it again on its directory, and a replica that never saw the prompt
     loads the pages the dead store had written to its files."""
+    from cluster.api.metrics import ServerMetrics
     from cluster.launch import ClusterOptions, ServingCluster
-    from cluster.metrics import ServerMetrics
     from cluster.router import RouterOptions
     from cluster.supervisor import ReplicaSupervisor
     from kvstore.store import lookup_store
@@ -601,7 +601,7 @@ def test_killed_store_comes_back_and_serves_its_pages_from_disk(no_store_after, 
         assert any("KV store died" in e for e in stats.events)
     finally:
         asyncio.run(router.aclose())
-        cluster.shutdown()
+        cluster.api.shutdown()
 
 
 @pytest.mark.slow
@@ -635,8 +635,8 @@ def test_store_killed_with_sigkill_under_load_is_back_within_seconds(no_store_af
     import os
     import signal
 
+    from cluster.api.metrics import ServerMetrics
     from cluster.launch import ClusterOptions, ServingCluster
-    from cluster.metrics import ServerMetrics
     from cluster.router import RouterOptions
     from cluster.supervisor import ReplicaSupervisor
     from kvstore.store import lookup_store
@@ -701,7 +701,7 @@ def test_store_killed_with_sigkill_under_load_is_back_within_seconds(no_store_af
                  "the new store's usage in the metrics")
     finally:
         asyncio.run(router.aclose())
-        cluster.shutdown()
+        cluster.api.shutdown()
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import pytest
 
 from attention.flash import FlashAttentionBackend
 from attention.reference import TorchReferenceBackend
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import PROMPTS, greedy, hf_greedy, run_staggered
 

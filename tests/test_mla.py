@@ -21,8 +21,8 @@ import torch
 from attention.flash import FlashAttentionBackend
 from attention.mla import MLAAttentionBackend, MLAAttentionLayer
 from attention.torch_ops import paged_attention_ref
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from tests.fixtures import gloo_rank, tiny_model_dir
 from tests.test_engine import PROMPTS, check_against_hf, greedy
 from workers.forward_batch import ForwardBatch, ForwardMode

@@ -9,8 +9,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from cluster.launch import ClusterOptions, ServingCluster
 from cluster.router import RouterOptions
 from tests.fixtures import tiny_model_dir
@@ -29,7 +29,7 @@ def two_nodes():
     ray.init(address=cluster.address, namespace="manta-multinode")
     yield cluster
     ray.shutdown()
-    cluster.shutdown()
+    cluster.api.shutdown()
 
 
 def test_replica_ranks_spread_over_two_nodes(two_nodes, tmp_path_factory):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import EngineConfig
-from cluster.engine import Engine
-from cluster.request import RequestOutput
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
+from cluster.engine.request import RequestOutput
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import PROMPTS
 from workers.sampling_params import SamplingParams

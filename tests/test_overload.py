@@ -16,11 +16,11 @@ import time
 import httpx
 import pytest
 
-from cluster.client_api import LocalEngineClient
-from cluster.config import EngineConfig
-from cluster.engine import Engine
-from cluster.metrics import ServerMetrics
-from cluster.server import BackgroundServer, build_app
+from cluster.api.metrics import ServerMetrics
+from cluster.api.server import BackgroundServer, build_app
+from cluster.engine.client import LocalEngineClient
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
 
 PROMPT = "The quick brown fox jumps over the lazy dog"

@@ -1,15 +1,15 @@
 """Scheduler-side KV bookkeeping: PageAllocator, RequestKV and the page-granular RadixCache.
 
 Hand-built scenarios with exact page counts, plus one seeded random workload that plays the
-scheduler flow of `cluster.radix_cache` and checks integrity and cached KV contents after each op.
+scheduler flow of `cluster.engine.radix_cache` and checks integrity and cached KV contents after each op.
 """
 
 import random
 
 import pytest
 
-from cluster.kv_allocator import PageAllocator, RequestKV, slots_for
-from cluster.radix_cache import RadixCache
+from cluster.engine.kv_allocator import PageAllocator, RequestKV, slots_for
+from cluster.engine.radix_cache import RadixCache
 
 
 def make(num_pages: int = 64, page_size: int = 4, disabled: bool = False):

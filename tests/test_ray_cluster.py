@@ -9,10 +9,10 @@ import time
 import pytest
 import ray
 
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.api.metrics import ServerMetrics
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from cluster.launch import ClusterOptions, ServingCluster
-from cluster.metrics import ServerMetrics
 from cluster.router import RouterOptions
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import PROMPTS, greedy, hf_greedy, run_staggered
@@ -100,7 +100,7 @@ def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
         assert stats["healthy"] and stats["restarts"] == 1
     finally:
         asyncio.run(router.aclose())
-        cluster.shutdown()
+        cluster.api.shutdown()
 
 
 def test_replicas_added_and_drained_while_serving(ray_local, tmp_path_factory):
@@ -108,7 +108,7 @@ def test_replicas_added_and_drained_while_serving(ray_local, tmp_path_factory):
     first (its long request finishes normally, no new request reaches it); the last one is kept."""
     import httpx
 
-    from cluster.server import BackgroundServer, build_app
+    from cluster.api.server import BackgroundServer, build_app
 
     d = tiny_model_dir(tmp_path_factory, "llama")
     metrics = ServerMetrics()
@@ -153,4 +153,4 @@ def test_replicas_added_and_drained_while_serving(ray_local, tmp_path_factory):
     finally:
         server.stop()
         asyncio.run(router.aclose())
-        cluster.shutdown()
+        cluster.api.shutdown()

@@ -111,8 +111,8 @@ class _Actor:
 
 
 def test_a_request_refused_before_its_first_token_is_retried_and_counted():
-    from cluster.metrics import ServerMetrics
-    from cluster.request import RequestOutput
+    from cluster.api.metrics import ServerMetrics
+    from cluster.engine.request import RequestOutput
     from workers.sampling_params import SamplingParams
 
     metrics = ServerMetrics()
@@ -136,7 +136,7 @@ def test_a_request_refused_before_its_first_token_is_retried_and_counted():
 def test_retry_series_are_exported_at_zero_for_a_polled_replica_and_dropped_with_it():
     """A replica the router polled exports every retry reason at 0 (so rate() sees the first
     retry, and the dashboard's panel has data); removing the replica drops its series."""
-    from cluster.metrics import RETRY_REASONS, ServerMetrics
+    from cluster.api.metrics import RETRY_REASONS, ServerMetrics
 
     metrics = ServerMetrics()
     metrics.update_replica_stats("a", {"healthy": True, "num_running": 0})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.request import FinishReason, Request
-from cluster.scheduler import QueueFull, RequestRejected, Scheduler
+from cluster.engine.request import FinishReason, Request
+from cluster.engine.scheduler import QueueFull, RequestRejected, Scheduler
 from workers.forward_batch import ForwardMode
 from workers.messages import StepResult
 from workers.sampling_params import SamplingParams, SamplingParamsError

@@ -22,8 +22,8 @@ import httpx
 import pytest
 from fastapi.routing import APIRoute
 
-from cluster.metrics import ServerMetrics
-from cluster.server import BackgroundServer, build_app, run_server
+from cluster.api.metrics import ServerMetrics
+from cluster.api.server import BackgroundServer, build_app, run_server
 from kvstore.keys import chain_keys, is_valid_key, validate_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ class _NoClient:
         raise AssertionError("an unauthenticated request reached the serving client")
 
     def health(self):
-        from cluster.client_api import HealthStatus
+        from cluster.engine.client import HealthStatus
 
         return HealthStatus(True)
 

@@ -16,14 +16,14 @@ import httpx
 import openai
 import pytest
 
-from cluster.client_api import HealthStatus, LocalEngineClient, NoReplicaAvailable
-from cluster.config import EngineConfig
-from cluster.engine import Engine
-from cluster.metrics import ServerMetrics
-from cluster.protocol import render_chat
-from cluster.request import RequestOutput
-from cluster.scheduler import QueueFull
-from cluster.server import BackgroundServer, build_app
+from cluster.api.metrics import ServerMetrics
+from cluster.api.protocol import render_chat
+from cluster.api.server import BackgroundServer, build_app
+from cluster.engine.client import HealthStatus, LocalEngineClient, NoReplicaAvailable
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
+from cluster.engine.request import RequestOutput
+from cluster.engine.scheduler import QueueFull
 from tests.fixtures import tiny_model_dir
 from workers.sampling_params import SamplingParams
 

@@ -12,12 +12,12 @@ import openai
 import pytest
 import ray
 
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.api.metrics import ServerMetrics
+from cluster.api.server import BackgroundServer, build_app
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from cluster.launch import ClusterOptions, ServingCluster
-from cluster.metrics import ServerMetrics
 from cluster.router import RouterOptions
-from cluster.server import BackgroundServer, build_app
 from tests.fixtures import tiny_model_dir
 from tests.serve_process import ServeProcess, alive
 from workers.sampling_params import SamplingParams
@@ -44,7 +44,7 @@ def served(tmp_path_factory):
     server = BackgroundServer(build_app(router, metrics))
     yield d, server, cluster
     server.stop()
-    cluster.shutdown()
+    cluster.api.shutdown()
     ray.shutdown()
 
 

@@ -1,4 +1,4 @@
-"""The short soak (`manta bench soak`, cluster/soak.py) in CI: a real `manta serve` process on
+"""The short soak (`manta bench soak`, cluster/bench/soak.py) in CI: a real `manta serve` process on
 loopback (one replica, bounded queue, request timeout), 20 s of mixed traffic from the
 project's asyncio client — streams, chats, fan-outs, bad requests, clients that walk away.
 
@@ -16,7 +16,7 @@ import json
 import pytest
 import ray
 
-from cluster.soak import SoakOptions, run_soak, tree_memory
+from cluster.bench.soak import SoakOptions, run_soak, tree_memory
 
 pytestmark = pytest.mark.slow
 

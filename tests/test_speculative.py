@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (cluster/spec_scheduler.py, workers/spec_runner.py).
+"""Speculative decoding with a draft model (cluster/engine/spec_scheduler.py, workers/spec_runner.py).
 
 - DRAFT_EXTEND_V2 metadata of a skewed batch (a long prefix with a short extend, a short prefix
   with a long extend), field by field against a by-hand computation, eagerly and through the
@@ -24,8 +24,8 @@ import torch
 from attention.base import AttentionLayer
 from attention.flash import FlashAttentionBackend
 from attention.reference import TorchReferenceBackend
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import PROMPTS, greedy, run_staggered
 from workers.cuda_graph import CudaGraphRunner
@@ -433,8 +433,8 @@ def test_in_process_server_exports_spec_metrics(dirs):
     import asyncio
     import re
 
-    from cluster.client_api import LocalEngineClient
-    from cluster.metrics import ServerMetrics
+    from cluster.api.metrics import ServerMetrics
+    from cluster.engine.client import LocalEngineClient
 
     metrics = ServerMetrics()
     client = LocalEngineClient(spec_engine(dirs, "target", k=3, page_size=4), metrics=metrics)
@@ -453,7 +453,7 @@ def test_in_process_server_exports_spec_metrics(dirs):
 
 
 def test_spec_metrics_exported():
-    from cluster.metrics import ServerMetrics
+    from cluster.api.metrics import ServerMetrics
 
     m = ServerMetrics()
     m.update_replica_stats("r0", {"spec_draft_tokens": 40, "spec_accepted_tokens": 30, "spec_verify_requests": 10})

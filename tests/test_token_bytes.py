@@ -1,4 +1,4 @@
-"""Per-token byte tables (`cluster/token_bytes.py`) and the detokenizer's fast path built on
+"""Per-token byte tables (`cluster/engine/token_bytes.py`) and the detokenizer's fast path built on
 them: for byte-level BPE and SentencePiece-style tokenizers the streamed text equals the
 tokenizer's own decode, token by token, with invalid UTF-8, special tokens and stop strings;
 tokenizers whose decode is not a concatenation (WordPiece) get no table."""
@@ -10,8 +10,8 @@ import random
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from cluster.detokenizer import Detokenizer
-from cluster.token_bytes import build_table, token_bytes
+from cluster.engine.detokenizer import Detokenizer
+from cluster.engine.token_bytes import build_table, token_bytes
 from tests.fixtures import tiny_model_dir
 
 CORPUS = ["The river runs past the old mill.", "Prices: 5 € and 7 £, naïve café — ok?", "日本語のテキストも少し。",
@@ -79,7 +79,7 @@ def test_table_streams_the_tokenizers_own_text(kind, byte_level):
         got_slow, _ = _stream(slow, ids, prompt, skip=skip)
         if kind == "sentencepiece" and "\ufffd" in want:
             # A malformed run of byte tokens: the tokenizer replaces the whole run, the stream
-            # only the bytes that broke it (cluster/token_bytes.py::TextDecoder).
+            # only the bytes that broke it (cluster/engine/token_bytes.py::TextDecoder).
             assert "\ufffd" in got_fast
             continue
         assert got_fast == got_slow == want, (ids, got_fast, got_slow, want)

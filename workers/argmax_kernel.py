@@ -5,7 +5,7 @@
 reading 0.5 MB at the GPU's bandwidth takes well under a microsecond. `argmax_rows` splits each
 row into chunks of whole BLOCK-column tiles, one program per chunk (grid (B, S)); each program
 writes its (key, index) partial, and the last program of the row to arrive (an arrival counter,
-`workers.layers.arrival`, reset by that program so CUDA-graph replays need no memset) combines
+`attention.arrival`, reset by that program so CUDA-graph replays need no memset) combines
 the S partials and stores the row's index. No second kernel; PDL as the decode step's kernels.
 
 The result equals torch.argmax exactly: ties go to the lowest index, and NaN counts as larger
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.layers import pdl
-from workers.layers.arrival import COUNTERS, arrival_counters
+from attention import pdl
+from attention.arrival import COUNTERS, arrival_counters
 
 BLOCK = 4096  # columns per tile: 16 floats per thread at 8 warps
 MAX_PROGRAMS = 256  # about two programs per SM of an H100/H200

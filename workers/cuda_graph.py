@@ -110,7 +110,7 @@ class CudaGraphRunner:
             # The new tokens' slots in the request table, before the attention reads it (a
             # batch built elsewhere wrote them already: the same values again); overlapped
             # scheduling: a decode planned before its input was sampled reads its row's last
-            # sampled token (cluster/scheduler.py's placeholder). The draft model has none.
+            # sampled token (cluster/engine/scheduler.py's placeholder). The draft model has none.
             req_to_token = r.req_to_token_pool.req_to_token
             last_token = getattr(r, "last_token", None)
             if input_ids.is_cuda and os.environ.get("MANTA_DECODE_PREP") != "0":  # one kernel, the five torch ops below

@@ -8,7 +8,7 @@ Layout of an encoder-decoder request's row of `req_to_token` (P = page size):
     columns [round_up(encoder_len, P), ...)         decoder token t at round_up(encoder_len, P) + t
 
 The scheduler reserves the encoder pages at admission and sends their slots as a table write at
-column 0 (`cluster/encoder_decoder.py`); the decoder's positions stay 0-based (they index the
+column 0 (`cluster/engine/encoder_decoder.py`); the decoder's positions stay 0-based (they index the
 learned position embedding), only their columns are shifted. Every request has its own offset:
 `attention.metadata.build_attention_metadata` reads `encoder_lens[i]` per request, in eager
 steps and in CUDA-graph replay alike.

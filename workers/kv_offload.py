@@ -22,7 +22,7 @@ cluster's store actor (`kvstore.store`, reached through this rank's `kvstore.cli
   locally contributes 0 and never skips the collective.
 
 Which pages are saved, and when (write-through, selective, write-back), and when a prefetch
-stops, is decided by the scheduler (`cluster.kv_offload`); this file only carries out orders.
+stops, is decided by the scheduler (`cluster.engine.kv_offload`); this file only carries out orders.
 Failures (store down, full, corrupt page) are misses and counted errors, never exceptions
 into the step.
 """

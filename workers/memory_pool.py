@@ -1,7 +1,7 @@
 """Device memory of one rank: the request → token-slot table and the KV pools.
 
 Who decides what: the replica's scheduler owns all *bookkeeping* (which request row and which
-KV pages are free, see `cluster.kv_allocator`); the worker owns the *tensors* and applies the
+KV pages are free, see `cluster.engine.kv_allocator`); the worker owns the *tensors* and applies the
 scheduler's decisions (`ReqToTokenPool.write`). Page 0 is reserved: padded entries of a batch
 (CUDA-graph padding) write their K/V there, so no live page is ever touched by padding.
 """

@@ -14,11 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attention.base import AttentionBackend
-from attention.flash import FlashAttentionBackend
-from attention.paged import should_skip_kv_cache
-from attention.reference import TorchReferenceBackend
 from workers import encoder_decoder
+from workers.attention_choice import make_attention_backend
 from workers.cuda_graph import CudaGraphRunner
 from workers.forward_batch import ForwardBatch, ForwardMode
 from workers.kv_messages import KVOffloadOptions
@@ -26,7 +23,7 @@ from workers.kv_offload import make_rank_offload
 from workers.loader import load_model
 from workers.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from workers.messages import StepPlan, StepResult
-from workers.model_config import ModelConfig, ServingMode, serving_mode
+from workers.model_config import ModelConfig, serving_mode
 from workers.parallel import TPGroup
 from workers.pooling import PoolingState, default_pooling
 from workers.sampler import PendingSample, RequestSamplingState, Sampler
@@ -74,33 +71,6 @@ class RunnerOptions:
     speculative_draft_model: str | None = None
     speculative_num_tokens: int = 4
     kv_offload: KVOffloadOptions | None = None  # the shared KV store; None: off
-
-
-def make_attention_backend(
-    opts: RunnerOptions, use_mla: bool, device: torch.device, mode: ServingMode
-) -> AttentionBackend:
-    """`mode` is the serving mode the checkpoint forces (`workers.model_config.serving_mode`),
-    the same one the engine's scheduler runs under."""
-    skip = should_skip_kv_cache(
-        is_embedding=mode.is_embedding,
-        chunked_prefill_size=mode.chunked_prefill_size,
-        disable_radix_cache=mode.disable_radix_cache,
-        use_mla=use_mla,
-    )
-    if mode.is_embedding:
-        logger.info("embedding fast path (no KV-cache write or read): %s", skip)
-    if opts.attention_backend == "mla" and not use_mla:
-        raise ValueError("attention backend 'mla' serves MLA models only; this checkpoint has none")
-    if use_mla and opts.attention_backend == "mla":
-        from attention.mla import MLAAttentionBackend
-
-        backend: AttentionBackend = MLAAttentionBackend(opts.page_size, device=device.type)
-    elif opts.attention_backend == "reference":
-        backend = TorchReferenceBackend(opts.page_size, skip_kv_cache=skip)
-    else:  # "flash": MHA/GQA layers, and MLA layers (use_mla) over the latent cache
-        backend = FlashAttentionBackend(opts.page_size, skip_kv_cache=skip, device=device.type, use_mla=use_mla)
-    backend.check_capabilities(use_mla=use_mla, page_size=opts.page_size, cuda_graph=False)
-    return backend
 
 
 class ModelRunner:
@@ -327,7 +297,7 @@ class ModelRunner:
         self.req_to_token_pool.req_to_token[row_of_token, cols] = out_loc.to(torch.int32)
         if any(len(r.input_ids) == 1 and r.input_ids[0] < 0 for r in reqs):
             # Overlapped scheduling: a decode whose input was still being sampled when the plan
-            # was made reads it from its row's last sampled token (cluster/scheduler.py).
+            # was made reads it from its row's last sampled token (cluster/engine/scheduler.py).
             input_ids = torch.where(input_ids < 0, self.last_token[row_of_token], input_ids)
         seq_lens_cpu = host[3 * n + bs : 3 * n + 2 * bs].to(torch.int32)
         ext_t = ext_t.to(torch.int32)

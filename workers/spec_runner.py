@@ -171,7 +171,7 @@ class DraftRunner:
 
     def attach(self) -> None:
         """Mirror the target's pools: as many pages (the same slots), the same page table."""
-        from workers.model_runner import make_attention_backend
+        from workers.attention_choice import make_attention_backend
 
         t = self.target
         mc = self.model_config

@@ -24,9 +24,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from cluster.bench_roofline import measure_copy_bandwidth
 from workers.layers import fused, gemv
 from workers.layers.gemv import GemvConfig
+from workers.roofline import measure_copy_bandwidth
 
 # (name, prologue, N, K) of a Llama-3.1-8B step at batch 1; "+add": the residual-adding epilogue
 # (`gemv_add`); NORM: the prologue that takes the row's square sums from it (1,024 blocks)

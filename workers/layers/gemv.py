@@ -41,14 +41,17 @@ import functools
 import logging
 import os
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from workers.layers import pdl
-from workers.layers.arrival import arrival_counters
-from workers.layers.one_row import RopeKV
+from attention import pdl
+from attention.arrival import arrival_counters
+
+if TYPE_CHECKING:
+    from workers.layers.one_row import RopeKV
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Prometheus export of speculative decoding's counters, from what replicas report.
 
 A replica's `stats()` carries the scheduler's cumulative `spec_draft_tokens`,
-`spec_accepted_tokens` and `spec_verify_requests` (cluster/spec_scheduler.py; zero without a
+`spec_accepted_tokens` and `spec_verify_requests` (cluster/engine/spec_scheduler.py; zero without a
 draft model). Like the prefix-cache counters they are exported from the latest polled values.
 
     manta:spec_draft_tokens_total{replica}       draft tokens proposed

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from cluster.kv_allocator import RequestKV
+from cluster.engine.kv_allocator import RequestKV
 from workers.messages import TokenLogprobs
 from workers.sampling_params import SamplingParams
 
@@ -53,11 +53,11 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     aborted: bool = False
-    # Encoder-decoder (cluster/encoder_decoder.py): the encoder input (the user's prompt; then
+    # Encoder-decoder (cluster/engine/encoder_decoder.py): the encoder input (the user's prompt; then
     # prompt_ids is the decoder's start) and its KV pages while running.
     encoder_ids: list[int] | None = None
     encoder_pages: list[int] = field(default_factory=list)
-    # Overlapped scheduling (cluster/scheduler.py): output tokens still being sampled by a step
+    # Overlapped scheduling (cluster/engine/scheduler.py): output tokens still being sampled by a step
     # in flight; they sit at the end of output_ids as PENDING_TOKEN until the result arrives.
     pending: int = 0
 

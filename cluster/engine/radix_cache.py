@@ -30,7 +30,7 @@ import itertools
 from collections.abc import Callable, Collection, Iterator
 from typing import NamedTuple
 
-from cluster.kv_allocator import PageAllocator, RequestKV
+from cluster.engine.kv_allocator import PageAllocator, RequestKV
 
 
 class TreeNode:
@@ -91,7 +91,7 @@ class RadixCache:
         self._ids = itertools.count()
         self._clock = 0  # logical time for LRU: deterministic, unlike wall-clock time
         # Called as on_evict(leaf, n) before `evict` frees the last n pages of leaf (while leaf
-        # still holds them); the KV store's write-back hooks in here (cluster/kv_offload.py).
+        # still holds them); the KV store's write-back hooks in here (cluster/engine/kv_offload.py).
         self.on_evict: Callable[[TreeNode, int], None] | None = None
         self.reset_tree()
 

@@ -23,7 +23,7 @@ import json
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from cluster.server import APIError
+from cluster.api.errors import APIError
 
 DEFAULT_DRAIN_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 600.0

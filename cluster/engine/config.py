@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ATTENTION_BACKENDS = ("flash", "reference", "mla")  # mla: the dedicated MLA backend (MLA models only)
-KV_WRITE_POLICIES = ("write_back_selective", "write_back", "write_through_selective", "write_through")  # cluster/kv_offload.py
+KV_WRITE_POLICIES = ("write_back_selective", "write_back", "write_through_selective", "write_through")  # cluster/engine/kv_offload.py
 KV_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
@@ -46,14 +46,14 @@ class EngineConfig:
     # Waiting requests beyond this are refused (overload); 0: unbounded.
     max_waiting: int = 0
     disable_cuda_graph: bool = False
-    # Plan step k+1 while step k runs (cluster/scheduler.py); on where the workers allow it.
+    # Plan step k+1 while step k runs (cluster/engine/scheduler.py); on where the workers allow it.
     disable_overlap_schedule: bool = False
     seed: int = 0
     # Speculative decoding: a draft model (same tokenizer) proposes this many tokens per round;
-    # the target verifies them in one forward (cluster/spec_scheduler.py, workers/spec_runner.py).
+    # the target verifies them in one forward (cluster/engine/spec_scheduler.py, workers/spec_runner.py).
     speculative_draft_model: str | None = None
     speculative_num_tokens: int = 4
-    # The shared KV store (cluster/kv_offload.py): its directory (None: off; `manta serve`
+    # The shared KV store (cluster/engine/kv_offload.py): its directory (None: off; `manta serve`
     # defaults to <cache dir>/kvstore), its host-RAM and disk caps, each rank's host tier, when
     # device pages are saved, and when a prefetch stops (timeout: base + per page).
     kv_store: str | None = None

@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 document of the HTTP API, built from the request and response models.
 
-The routes of `cluster.server` read their JSON bodies themselves (so that a bad body is an
+The routes of `cluster.api.server` read their JSON bodies themselves (so that a bad body is an
 OpenAI error, not FastAPI's 422), which leaves FastAPI's generated schema without request bodies.
 This module states the API instead: each POST route's body is the pydantic model that parses it,
 each answer the model that builds it, and every 4xx/5xx the OpenAI error body. The server serves
@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from cluster import protocol as P
-from cluster.embeddings_api import EmbeddingRequest, EmbeddingResponse
+from cluster.api import protocol as P
+from cluster.api.embeddings import EmbeddingRequest, EmbeddingResponse
 
 _REF = "#/components/schemas/{model}"
 

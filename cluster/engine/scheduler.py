@@ -34,11 +34,11 @@ import collections
 import time
 from dataclasses import dataclass
 
-from cluster import encoder_decoder as encdec
-from cluster.kv_allocator import PageAllocator, RequestKV, slots_for
-from cluster.kv_offload import Verdict
-from cluster.radix_cache import RadixCache
-from cluster.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
+from cluster.engine import encoder_decoder as encdec
+from cluster.engine.kv_allocator import PageAllocator, RequestKV, slots_for
+from cluster.engine.kv_offload import Verdict
+from cluster.engine.radix_cache import RadixCache
+from cluster.engine.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from workers.forward_batch import ForwardMode
 from workers.messages import NewRequest, ScheduledReq, StepPlan, StepResult, TokenLogprobs
 from workers.sampling_params import SamplingParamsError
@@ -80,7 +80,7 @@ class SchedulerStats:
     prefix_query_tokens: int = 0
     preemptions: int = 0
     fair_preemptions: int = 0  # of those, to give a waiting group its fair share of running slots
-    # Speculative decoding (cluster/spec_scheduler.py): drafts proposed, drafts accepted, and
+    # Speculative decoding (cluster/engine/spec_scheduler.py): drafts proposed, drafts accepted, and
     # request-rounds verified (mean acceptance length = (accepted + rounds) / rounds).
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -119,7 +119,7 @@ class Scheduler:
         self._finished_silently: list[Request] = []
         self._step_id = 0
         self.stats = SchedulerStats()
-        self.kv_offload = None  # cluster.kv_offload.SchedulerKVOffload when a KV store is on
+        self.kv_offload = None  # cluster.engine.kv_offload.SchedulerKVOffload when a KV store is on
         self.overlap = False  # plans may run ahead of results (see the module docstring)
 
     # ---------------- requests in ----------------
@@ -314,7 +314,7 @@ class Scheduler:
         if enc_len and enc_len >= budget:
             return None  # its encoder runs whole in the admitting step: wait for room
         # Leave at least one token to compute: its logits sample the next token. An
-        # encoder-decoder request matches nothing (cluster/encoder_decoder.py says why).
+        # encoder-decoder request matches nothing (cluster/engine/encoder_decoder.py says why).
         match = self.radix.match_prefix(tokens[: len(tokens) - 1] if not enc_len else [])
         kv = RequestKV()
         kv.pages = list(match.pages)

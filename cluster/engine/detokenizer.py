@@ -5,7 +5,7 @@ U+FFFD) are held back, and so is any tail that could still grow into a stop stri
 stop string appears the text is cut right before it, and nothing after it is ever emitted.
 
 Two ways to turn tokens into text, the same text either way: where the tokenizer decodes by
-concatenating per-token bytes (`cluster/token_bytes.py` proves it at start-up), each token is
+concatenating per-token bytes (`cluster/engine/token_bytes.py` proves it at start-up), each token is
 a table lookup fed to an incremental UTF-8 decoder (~1 µs); otherwise the new tokens are
 decoded with a few tokens of context by the tokenizer itself, twice per call (~20-40 µs). The
 engine detokenizes on its own thread at every step, so this is on the serving path's budget.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.token_bytes import TextDecoder, TokenBytes, token_bytes
+from cluster.engine.token_bytes import TextDecoder, TokenBytes, token_bytes
 
 # How many already-decoded tokens to re-decode with the new ones, so that tokenizers which
 # merge spaces or bytes across tokens decode each new piece in context.

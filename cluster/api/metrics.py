@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cluster.kvstore_metrics import KVStoreCollector
-from cluster.spec_metrics import SpecCollector
+from cluster.api.kvstore_metrics import KVStoreCollector
+from cluster.api.spec_metrics import SpecCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -183,9 +183,9 @@ class ServerMetrics:
         r.register(self._prefix)
         self._messages = _PolledCounters(_MESSAGE_FAMILIES)
         r.register(self._messages)
-        self._kvstore = KVStoreCollector()  # manta:kvstore_* (cluster/kvstore_metrics.py)
+        self._kvstore = KVStoreCollector()  # manta:kvstore_* (cluster/api/kvstore_metrics.py)
         r.register(self._kvstore)
-        self._spec = SpecCollector()  # manta:spec_* (cluster/spec_metrics.py)
+        self._spec = SpecCollector()  # manta:spec_* (cluster/api/spec_metrics.py)
         r.register(self._spec)
         for code in ERROR_CODES:
             self.request_errors.labels(code)

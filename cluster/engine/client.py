@@ -26,12 +26,17 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from cluster.request import RequestOutput
+from cluster.engine.request import RequestOutput
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from cluster.engine import Engine
-    from cluster.metrics import ServerMetrics
+    from cluster.engine.loop import Engine
+
+
+class ReplicaStatsSink(Protocol):
+    """Where a client reports its replica's state (the server's `ServerMetrics`)."""
+
+    def update_replica_stats(self, replica: str, stats: dict) -> None: ...
 
 
 class NoReplicaAvailable(RuntimeError):
@@ -88,7 +93,7 @@ class LocalEngineClient:
         *,
         model_name: str | None = None,
         replica: str = "local",
-        metrics: ServerMetrics | None = None,
+        metrics: ReplicaStatsSink | None = None,
     ):
         self.engine = engine
         self.model_name = model_name or engine.config.model_name

@@ -1,7 +1,7 @@
 """Scheduling with speculative decoding: prefill steps as usual, decodes as speculative rounds.
 
 The model of a step: while any request still has prompt to compute (or a waiting request can
-be admitted), a step is the base scheduler's (`cluster.scheduler.Scheduler.schedule`): prefill
+be admitted), a step is the base scheduler's (`cluster.engine.scheduler.Scheduler.schedule`): prefill
 chunks and one-token decodes in one batch, which the draft model computes too, into its own
 pool at the same slots. Otherwise the step is one speculative round (a `SpecStepPlan`, mode
 TARGET_VERIFY) over every decoding request: each reserves the K + 1 positions L .. L + K (its
@@ -29,10 +29,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from cluster.config import EngineConfig
-from cluster.kv_allocator import slots_for
-from cluster.request import Request
-from cluster.scheduler import Scheduler, TokenEvent
+from cluster.engine.config import EngineConfig
+from cluster.engine.kv_allocator import slots_for
+from cluster.engine.request import Request
+from cluster.engine.scheduler import Scheduler, TokenEvent
 from workers.forward_batch import ForwardMode
 from workers.messages import ScheduledReq, StepPlan, StepResult
 from workers.spec_messages import SpecStepPlan, SpecStepResult

@@ -21,12 +21,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from cluster.config import EngineConfig
-from cluster.detokenizer import Detokenizer, DetokState
-from cluster.kv_store_setup import attach_kv_offload, close_kv_offload, kv_offload_options
-from cluster.request import FinishReason, Request, RequestOutput
-from cluster.scheduler import RequestRejected, TokenEvent
-from cluster.spec_scheduler import scheduler_class
+from cluster.engine.config import EngineConfig
+from cluster.engine.detokenizer import Detokenizer, DetokState
+from cluster.engine.kv_store_link import attach_kv_offload, kv_offload_options
+from cluster.engine.request import FinishReason, Request, RequestOutput
+from cluster.engine.scheduler import RequestRejected, TokenEvent
+from cluster.engine.spec_scheduler import scheduler_class
 from workers.encoder_decoder import GenerationRules
 from workers.forward_batch import ForwardMode
 from workers.group import InProcessWorkerGroup, WorkerGroup
@@ -161,7 +161,7 @@ class Engine:
         self._ids = itertools.count()
         self.step_listeners: list[Callable[[Engine, float], None]] = []
         # Benchmarks: set to a list to record (step call start, completion time, mode, requests,
-        # new tokens) of every completed plan (cluster/bench_serve.py's step summary).
+        # new tokens) of every completed plan (cluster/bench/serve.py's step summary).
         self.step_trace: list[tuple[float, float, str, int, int]] | None = None
 
     # ---------------- requests in ----------------
@@ -222,7 +222,7 @@ class Engine:
             "prefix_hit_tokens": sch.stats.prefix_hit_tokens,
             "prefix_query_tokens": sch.stats.prefix_query_tokens,
             "preemptions": sch.stats.preemptions,
-            # Speculative decoding (zero without a draft model): cluster/spec_metrics.py
+            # Speculative decoding (zero without a draft model): cluster/api/spec_metrics.py
             "spec_draft_tokens": sch.stats.spec_draft_tokens,
             "spec_accepted_tokens": sch.stats.spec_accepted_tokens,
             "spec_verify_requests": sch.stats.spec_verify_requests,
@@ -429,7 +429,7 @@ class Engine:
                 self._drain_kv(self.config.kv_drain_timeout_s if drain_s is None else drain_s)
             except Exception:  # the workers may be the reason we stop
                 logger.exception("saving the cached KV pages at shutdown failed")
-            close_kv_offload(self)
+            self.kv_offload.close()
         self.workers.shutdown()
 
     def _drain_kv(self, budget_s: float) -> None:

@@ -5,7 +5,7 @@ slots the scheduler computed. Page 0 is reserved (CUDA-graph padding writes ther
 allocatable pages are 1..num_pages-1. The KV slot of offset `o` in page `p` is `p * page_size + o`.
 
 Ownership: a page is at any moment in exactly one of three places: free in the `PageAllocator`,
-held by the radix cache (`cluster.radix_cache`), or owned by one running request
+held by the radix cache (`cluster.engine.radix_cache`), or owned by one running request
 (`RequestKV.owned_pages`). `RadixCache.check_integrity` asserts that the three add up.
 """
 

@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from cluster.bench import bench_offline
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.bench.offline import bench_offline
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 
 
 def random_draft(target_dir: str, out_dir: Path) -> str:

@@ -23,9 +23,9 @@ budget (`max_num_batched_tokens`), and a request whose encoder input can never f
 
 from __future__ import annotations
 
-from cluster.kv_allocator import PageAllocator, slots_for
-from cluster.radix_cache import RadixCache
-from cluster.request import Request
+from cluster.engine.kv_allocator import PageAllocator, slots_for
+from cluster.engine.radix_cache import RadixCache
+from cluster.engine.request import Request
 
 
 def encoder_len(req: Request) -> int:

@@ -7,9 +7,9 @@
 - overhead: per-step cost of driving the TP group (in-process vs Ray actors), i.e. the
             driver's step time minus the worker's own compute time.
 - spec:     offline tokens/s without and with speculative decoding (a draft that agrees, one
-            that does not): cluster/bench_spec.py.
+            that does not): cluster/bench/spec.py.
 - kvstore:  the shared KV store's set/get bandwidth and the TTFT of a long prompt cold vs
-            loaded from the store (and from the host tier, the radix cache): cluster/bench_kvstore.py.
+            loaded from the store (and from the host tier, the radix cache): cluster/bench/kvstore.py.
 - embed:    embeddings/s of the engine beside sentence-transformers on the same texts, model
             and machine (when the checkpoint is a sentence-transformers one), with their
             agreement (min cosine).
@@ -26,16 +26,10 @@ import time
 from datetime import date
 from pathlib import Path
 
-from cluster.config import EngineConfig
-from cluster.engine import Engine
+from cluster.bench.offline import bench_offline, random_prompts
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from workers.sampling_params import SamplingParams
-
-
-def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(10, vocab - 1) for _ in range(length)] for _ in range(n)]
 
 
 def _print_table(title: str, rows: list[tuple[str, object]]) -> None:
@@ -56,27 +50,12 @@ def _write(path: str | None, payload: dict) -> None:
         print(f"\nwrote {path}")
 
 
-def bench_offline(engine: Engine, num_prompts: int, input_len: int, output_len: int, seed: int = 0) -> dict:
-    prompts = _random_prompts(num_prompts, input_len, engine.model_config.vocab_size, seed)
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-    t0 = time.perf_counter()
-    results = engine.generate(prompts, params)
-    dt = time.perf_counter() - t0
-    out_tokens = sum(len(r.token_ids) for r in results)
-    return {
-        "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-        "seconds": dt, "output_tokens_per_s": out_tokens / dt,
-        "total_tokens_per_s": (out_tokens + num_prompts * input_len) / dt,
-    }
-
-
 def _decode_step_times(engine: Engine, batch: int, input_len: int, steps: int) -> tuple[list[float], list[float]]:
     """Per pure-decode step at a fixed batch size: the wall time between the completions of
     consecutive steps (the engine's whole loop: planning, forward, sampling, detokenizing; with
     overlapped scheduling the steps overlap, so this is the rate they complete at) and the
     worker's own time for the step."""
-    prompts = _random_prompts(batch, input_len, engine.model_config.vocab_size, 1)
+    prompts = random_prompts(batch, input_len, engine.model_config.vocab_size, 1)
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     stamps: list[tuple[float, float]] = []
     original = engine.scheduler.process_result
@@ -98,7 +77,7 @@ def _decode_step_times(engine: Engine, batch: int, input_len: int, steps: int) -
 
 def bench_latency(engine: Engine, batches: list[int], input_len: int, steps: int) -> dict:
     """Decode step time per batch size, beside the roofline (in-process worker groups only)."""
-    from cluster.bench_roofline import decode_roofline_ms, measure_copy_bandwidth
+    from workers.roofline import decode_roofline_ms, measure_copy_bandwidth
 
     runner = getattr(engine.workers, "runner", None)
     bandwidth = measure_copy_bandwidth(runner.device) if runner is not None else None
@@ -123,7 +102,7 @@ def bench_overhead(config: EngineConfig, batch: int, input_len: int, steps: int,
     overlapped (step only: planning and the round trip hide behind the ranks' compute)."""
     import ray
 
-    from cluster.engine import runner_options
+    from cluster.engine.loop import runner_options
     from workers.ray_group import RayWorkerGroup
 
     serial = dataclasses.replace(config, disable_overlap_schedule=True)
@@ -209,7 +188,7 @@ def bench_embed(config: EngineConfig, num_prompts: int, words: int, st_batch_siz
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from cluster.cli import engine_config_from_args
+    from cluster.engine_args import engine_config_from_args
 
     config = engine_config_from_args(args)
     payload: dict = {"mode": args.mode, "model": config.model, "device": config.device, "tp": config.tp_size}
@@ -221,14 +200,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             import torch
 
-            from cluster.bench_serve import run_transformers_offline
+            from cluster.bench.serve import run_transformers_offline
 
             engine.shutdown()
             del engine
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            prompts = _random_prompts(args.num_prompts, args.input_len, 1000, 0)
+            prompts = random_prompts(args.num_prompts, args.input_len, 1000, 0)
             try:
                 res["transformers"] = run_transformers_offline(config.model, prompts, args.output_len,
                                                                config.device, config.dtype)
@@ -246,17 +225,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.mode == "serve":
         import asyncio
 
-        from cluster.bench_serve import run_http, run_in_process
+        from cluster.bench.serve import run_http, run_in_process
 
         if args.url:
             from transformers import AutoConfig
 
             vocab = AutoConfig.from_pretrained(config.model).vocab_size
-            prompts = _random_prompts(args.num_prompts, args.input_len, vocab, 0)
+            prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0)
             res = asyncio.run(run_http(args.url, config.model_name, prompts, args.output_len, args.request_rate))
         else:
             engine = Engine(config)
-            prompts = _random_prompts(args.num_prompts, args.input_len, engine.model_config.vocab_size, 0)
+            prompts = random_prompts(args.num_prompts, args.input_len, engine.model_config.vocab_size, 0)
             bench_offline(engine, 2, args.input_len, 4)  # warm-up
             res = asyncio.run(run_in_process(engine, prompts, args.output_len, args.request_rate))
             engine.shutdown()
@@ -287,7 +266,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _print_table(f"per-step overhead at batch {args.batch[-1]} (ms)",
                      [(f"{g} {k}", v) for g, row in res.items() for k, v in row.items()])
     elif args.mode == "spec":
-        from cluster.bench_spec import bench_spec
+        from cluster.bench.spec import bench_spec
 
         res = bench_spec(config, args.batch, args.input_len, args.output_len, args.identity_tail_layers,
                          identity_tail_only=args.identity_tail_only)
@@ -297,11 +276,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      [(f"{g} {b} {k}", v) for g, rows in res.items() if isinstance(rows, dict)
                       for b, row in rows.items() for k, v in row.items()])
     elif args.mode == "soak":
-        from cluster.soak import bench_soak
+        from cluster.bench.soak import bench_soak
 
         payload["result"] = bench_soak(args)
-    elif args.mode == "kvstore":  # store bandwidth + TTFT cold vs from the store: cluster/bench_kvstore.py
-        from cluster.bench_kvstore import bench_model_dir, run_bench_kvstore
+    elif args.mode == "kvstore":  # store bandwidth + TTFT cold vs from the store: cluster/bench/kvstore.py
+        from cluster.bench.kvstore import bench_model_dir, run_bench_kvstore
 
         if args.model is None:
             config = config.replace(model=bench_model_dir(), tokenizer=None)
@@ -317,7 +296,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub) -> None:
-    from cluster.cli import add_engine_args
+    from cluster.engine_args import add_engine_args
 
     p = sub.add_parser("bench", help="benchmarks: offline throughput, decode latency, Ray overhead")
     p.add_argument("mode", choices=["offline", "latency", "overhead", "serve", "embed", "spec", "soak", "kvstore"])
@@ -339,7 +318,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--identity-tail-only", action="store_true",
                    help="spec: run only the identity-tail pair (skip baseline, agree and disagree: on a GPU each "
                         "loads another copy of the model)")
-    from cluster.soak import add_soak_args
+    from cluster.bench.soak import add_soak_args
 
     add_soak_args(p)
     p.set_defaults(func=cmd_bench)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (FastAPI) in front of a `ServingClient`.
 
-One request's path: parse and validate the JSON body (`cluster.protocol`), tokenize (chat
+One request's path: parse and validate the JSON body (`cluster.api.protocol`), tokenize (chat
 template for chat), build one `SamplingParams` per choice (n > 1 fans out, seeded seed + i) and
 validate it, admit every choice (`_open`: all admission errors surface here, before any byte of
 the response is sent, so they become proper 4xx/5xx), then merge the choices' outputs into one
@@ -38,8 +38,13 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster import protocol as P
-from cluster.client_api import (
+from cluster.api import protocol as P
+from cluster.api.deadline import RequestTimedOut, stamp, stream_within, within
+from cluster.api.embeddings import EmbeddingRequest, check_dimensions, embedding_response
+from cluster.api.errors import APIError, as_api_error
+from cluster.api.metrics import CONTENT_TYPE, ServerMetrics
+from cluster.api.shutdown import ServerShuttingDown, ShutdownGate
+from cluster.engine.client import (
     ChoiceResult,
     EdgeTiming,
     FanOut,
@@ -47,12 +52,8 @@ from cluster.client_api import (
     NoReplicaAvailable,
     ServingClient,
 )
-from cluster.deadline import RequestTimedOut, stamp, stream_within, within
-from cluster.embeddings_api import EmbeddingRequest, check_dimensions, embedding_response
-from cluster.metrics import CONTENT_TYPE, ServerMetrics
-from cluster.request import RequestOutput
-from cluster.scheduler import QueueFull, RequestRejected
-from cluster.shutdown import ServerShuttingDown, ShutdownGate
+from cluster.engine.request import RequestOutput
+from cluster.engine.scheduler import QueueFull, RequestRejected
 from workers.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
@@ -60,52 +61,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                                 code=self.code)).model_dump()
-
-
 class _ClientGone(Exception):
     """The HTTP client disconnected before its non-streaming answer was ready."""
-
-
-def as_api_error(exc: BaseException) -> APIError:
-    """The HTTP error of an exception (unexpected ones become a 500 that leaks nothing)."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, SamplingParamsError | RequestRejected):
-        code = "context_length_exceeded" if "context" in str(exc) else None
-        return APIError(400, str(exc), param=exc.param, code=code)
-    if isinstance(exc, QueueFull):
-        return APIError(503, f"the server is overloaded: {exc}", "server_overloaded", code="queue_full",
-                        headers={"Retry-After": "1"})
-    if isinstance(exc, NoReplicaAvailable):
-        return APIError(503, f"no replica is available: {exc}", "service_unavailable", code="no_replica",
-                        headers={"Retry-After": "1"})
-    if isinstance(exc, RequestTimedOut):
-        return APIError(504, str(exc), "timeout_error", code="request_timeout")
-    if isinstance(exc, ServerShuttingDown):
-        return APIError(503, str(exc), "service_unavailable", code="server_shutting_down",
-                        headers={"Retry-After": "1"})
-    if isinstance(exc, GenerationFailed):
-        return APIError(500, f"generation failed: {exc}", "server_error")
-    if isinstance(exc, ValidationError):
-        # Of a union's failed branches, the deepest error is the most specific one.
-        err = max(exc.errors(), key=lambda e: len(e.get("loc") or ()))
-        loc = err.get("loc") or ()
-        param = str(loc[0]) if loc else None
-        if err["type"] == "extra_forbidden":
-            return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
-        where = ".".join(str(x) for x in loc)
-        return APIError(400, f"Invalid value for '{param}' (at {where}): {err['msg']}", param=param)
-    return APIError(500, "internal server error", "server_error")
 
 
 # Exceptions that are answers (4xx/5xx with a message), not bugs.
@@ -502,8 +459,8 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
               request_timeout_s: float | None = None, admin=None, gate: ShutdownGate | None = None) -> FastAPI:
     """The HTTP app. With `api_key`, every route but /health (and /metrics when `metrics_public`)
     needs `Authorization: Bearer <api_key>`. With `request_timeout_s`, a POST request (reading its
-    body included) that runs longer is aborted and answered 504 (`cluster.deadline`). With
-    `admin` (the `ServingCluster` behind `client`), the operator routes of `cluster.admin_api`.
+    body included) that runs longer is aborted and answered 504 (`cluster.api.deadline`). With
+    `admin` (the `ServingCluster` behind `client`), the operator routes of `cluster.api.admin`.
     The app does not close `client`: its owner does."""
     app = FastAPI(title="manta", docs_url=None, redoc_url=None, openapi_url=None)
     gate = gate if gate is not None else ShutdownGate()
@@ -557,7 +514,7 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
     guarded = APIRouter(dependencies=[Depends(require_key)])
     metrics_router = APIRouter() if metrics_public else guarded
     if admin is not None:
-        from cluster.admin_api import add_admin_routes
+        from cluster.api.admin import add_admin_routes
 
         add_admin_routes(guarded, admin)
 
@@ -579,7 +536,7 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
 
     @guarded.get("/openapi.json")
     async def openapi_document() -> Response:
-        from cluster.openapi_spec import openapi_schema
+        from cluster.api.openapi import openapi_schema
 
         return Response(json.dumps(openapi_schema()), media_type="application/json")
 

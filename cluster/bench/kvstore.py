@@ -19,8 +19,8 @@ import statistics
 import tempfile
 import time
 
-from cluster.config import EngineConfig, default_cache_dir
-from cluster.kv_offload import MIN_PAGE_TOKENS
+from cluster.engine.config import EngineConfig, default_cache_dir
+from cluster.engine.kv_offload import MIN_PAGE_TOKENS
 from workers.sampling_params import SamplingParams
 
 BENCH_MODEL = dict(layers=4, hidden=512, heads=8, kv_heads=4, intermediate=1408, vocab=2048, max_position=8192)
@@ -60,7 +60,7 @@ def bench_ttft(config: EngineConfig, input_len: int, num_prompts: int, seed: int
 
     import ray
 
-    from cluster.engine import Engine
+    from cluster.engine.loop import Engine
     from cluster.kv_store_setup import ensure_kv_store, kv_store_stats
 
     # Each prompt's pages must reach the store as soon as the warm engine computed them.
@@ -110,7 +110,7 @@ def run_bench_kvstore(config: EngineConfig, input_len: int, num_prompts: int, st
     """Both parts; `config` gets a page size of at least MIN_PAGE_TOKENS and a store directory."""
     import ray
 
-    from cluster.kv_store_setup import replica_identity
+    from cluster.engine.kv_store_link import replica_identity
     from kvstore.bench import bench_store
 
     changes: dict = {}

@@ -1,6 +1,6 @@
 """The scheduler's side of the hierarchical KV cache (device pool → rank host tier → shared store).
 
-The scheduler keeps its model (`cluster.scheduler`); this file adds the store through a few
+The scheduler keeps its model (`cluster.engine.scheduler`); this file adds the store through a few
 hooks and `StepPlan` orders (`workers.kv_messages`) that the ranks carry out
 (`workers.kv_offload`). Pages are named by chain keys (`kvstore.keys`): the key of page i names
 the whole prefix through page i, so a page found in the store is the KV of exactly those tokens
@@ -60,7 +60,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from cluster.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES
+from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES
 from workers.kv_messages import KVLoad, KVPrefetch, KVSave
 
 logger = logging.getLogger(__name__)
@@ -467,6 +467,11 @@ class SchedulerKVOffload:
             self.chains.pop(rid, None)
 
     # ---------------- metrics ----------------
+    def close(self) -> None:
+        """Stop the replica's stats poller, if it started one (the engine shuts down)."""
+        if self.poller is not None:
+            self.poller.stop()
+
     def counters(self) -> dict:
         """The scheduler side's counters (`kv_store_setup.kv_store_stats` adds the ranks' and
         the store's)."""

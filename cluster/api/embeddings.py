@@ -1,5 +1,5 @@
 """The OpenAI embeddings API (`POST /v1/embeddings`): request and response models, and how a
-pooled vector is returned. The route itself lives with the others in `cluster.server`.
+pooled vector is returned. The route itself lives with the others in `cluster.api.server`.
 
 - `input`: a string, a list of strings, a token-id list or a list of token-id lists (at most
   `MAX_EMBEDDING_INPUTS`); none may be empty.
@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from cluster.client_api import ChoiceResult, GenerationFailed
+from cluster.engine.client import ChoiceResult, GenerationFailed
 from workers.sampling_params import SamplingParamsError
 
 MAX_EMBEDDING_INPUTS = 2048  # as OpenAI

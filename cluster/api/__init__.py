@@ -1,0 +1,1 @@
+"""The HTTP API: OpenAI routes, protocol, metrics, deadlines, shutdown. No Ray."""

@@ -1,0 +1,58 @@
+"""The one form every error takes on its way to an HTTP client: `APIError`, with the OpenAI
+body `{"error": {message, type, param, code}}`; `as_api_error` maps the engine's, router's and
+server's own exceptions onto it (unexpected ones become a 500 that leaks nothing)."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from cluster.api import protocol as P
+from cluster.api.deadline import RequestTimedOut
+from cluster.api.shutdown import ServerShuttingDown
+from cluster.engine.client import GenerationFailed, NoReplicaAvailable
+from cluster.engine.scheduler import QueueFull, RequestRejected
+from workers.sampling_params import SamplingParamsError
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                                 code=self.code)).model_dump()
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """The HTTP error of an exception (unexpected ones become a 500 that leaks nothing)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, SamplingParamsError | RequestRejected):
+        code = "context_length_exceeded" if "context" in str(exc) else None
+        return APIError(400, str(exc), param=exc.param, code=code)
+    if isinstance(exc, QueueFull):
+        return APIError(503, f"the server is overloaded: {exc}", "server_overloaded", code="queue_full",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, NoReplicaAvailable):
+        return APIError(503, f"no replica is available: {exc}", "service_unavailable", code="no_replica",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, RequestTimedOut):
+        return APIError(504, str(exc), "timeout_error", code="request_timeout")
+    if isinstance(exc, ServerShuttingDown):
+        return APIError(503, str(exc), "service_unavailable", code="server_shutting_down",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, GenerationFailed):
+        return APIError(500, f"generation failed: {exc}", "server_error")
+    if isinstance(exc, ValidationError):
+        # Of a union's failed branches, the deepest error is the most specific one.
+        err = max(exc.errors(), key=lambda e: len(e.get("loc") or ()))
+        loc = err.get("loc") or ()
+        param = str(loc[0]) if loc else None
+        if err["type"] == "extra_forbidden":
+            return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+        where = ".".join(str(x) for x in loc)
+        return APIError(400, f"Invalid value for '{param}' (at {where}): {err['msg']}", param=param)
+    return APIError(500, "internal server error", "server_error")

@@ -1,0 +1,1 @@
+"""`manta bench` and the soak: benchmarks that print a table and write JSON."""
