@@ -136,5 +136,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         asyncio.run(main())
     finally:
-        cluster.api.shutdown()
+        cluster.shutdown()
     return 0

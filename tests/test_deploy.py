@@ -297,7 +297,7 @@ def live(tmp_path_factory):
         launch_logger.setLevel(old_level)
         if server is not None:
             server.stop()
-        cluster.api.shutdown()
+        cluster.shutdown()
         ray.shutdown()
 
 
@@ -358,7 +358,11 @@ def test_deploy_guide_commands_match_the_cli_and_files():
     serves = [c for c in _bash_commands(md) if "manta serve" in c and "..." not in c]
     assert len(serves) >= 3
     for cmd in serves:
-        argv = shlex.split(cmd.split("manta serve", 1)[1].split("#")[0])
+        before, rest = cmd.split("manta serve", 1)
+        if before.count("'") % 2:  # quoted for a remote shell (`ray exec FILE '...'`): its end ends it
+            rest = rest.split("'", 1)[0]
+        rest = re.split(r"\s[>&|#]", rest.split("#")[0], maxsplit=1)[0]  # then its redirections and `&`
+        argv = shlex.split(rest)
         args = parser.parse_args(["serve", *argv])
         assert args.address == "auto" or "--address" not in cmd
     for ref in set(re.findall(r"deploy/[\w./-]+\.(?:ya?ml|json|py)", md)):

@@ -413,5 +413,5 @@ def test_ray_router_tp2_minilm_end_to_end(st_model):
         finally:
             server.stop()
     finally:
-        cluster.api.shutdown()
+        cluster.shutdown()
         ray.shutdown()

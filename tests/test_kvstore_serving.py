@@ -465,7 +465,7 @@ def test_prefix_prefilled_on_one_replica_is_loaded_by_another(no_store_after, tm
         assert 'manta:kvstore_usage_bytes{tier="file"}' in text and "manta:kvstore_errors_total" in text
     finally:
         asyncio.run(router.aclose())
-        cluster.api.shutdown()
+        cluster.shutdown()
 
 
 @pytest.mark.slow
@@ -601,7 +601,7 @@ def test_killed_store_comes_back_and_serves_its_pages_from_disk(no_store_after, 
         assert any("KV store died" in e for e in stats.events)
     finally:
         asyncio.run(router.aclose())
-        cluster.api.shutdown()
+        cluster.shutdown()
 
 
 @pytest.mark.slow
@@ -701,7 +701,7 @@ def test_store_killed_with_sigkill_under_load_is_back_within_seconds(no_store_af
                  "the new store's usage in the metrics")
     finally:
         asyncio.run(router.aclose())
-        cluster.api.shutdown()
+        cluster.shutdown()
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ def two_nodes():
     ray.init(address=cluster.address, namespace="manta-multinode")
     yield cluster
     ray.shutdown()
-    cluster.api.shutdown()
+    cluster.shutdown()
 
 
 def test_replica_ranks_spread_over_two_nodes(two_nodes, tmp_path_factory):

@@ -100,7 +100,7 @@ def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
         assert stats["healthy"] and stats["restarts"] == 1
     finally:
         asyncio.run(router.aclose())
-        cluster.api.shutdown()
+        cluster.shutdown()
 
 
 def test_replicas_added_and_drained_while_serving(ray_local, tmp_path_factory):
@@ -153,4 +153,4 @@ def test_replicas_added_and_drained_while_serving(ray_local, tmp_path_factory):
     finally:
         server.stop()
         asyncio.run(router.aclose())
-        cluster.api.shutdown()
+        cluster.shutdown()

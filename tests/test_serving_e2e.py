@@ -44,7 +44,7 @@ def served(tmp_path_factory):
     server = BackgroundServer(build_app(router, metrics))
     yield d, server, cluster
     server.stop()
-    cluster.api.shutdown()
+    cluster.shutdown()
     ray.shutdown()
 
 

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.layers import fused, pdl
+from attention import pdl
+from workers.layers import fused
 
 
 # Each program loads one position and one slot: their alignment does not matter, and not
