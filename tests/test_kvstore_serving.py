@@ -722,7 +722,18 @@ def test_a_failing_disk_never_stops_serving(engines, tmp_path, llama_dir, small_
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref[2:]]
         from kvstore.store import lookup_store
 
-        wait_for(lambda: ray.get(lookup_store().stats.remote())["file"]["write_errors"] >= 1, 30, "a failed write")
+        # A page reaches the files only when the store writes its RAM pages out; keep new pages
+        # coming (each prompt's own, answered exactly as without a store) until one write fails.
+        more = iter(range(40, 100))
+
+        def failed_write() -> bool:
+            if ray.get(lookup_store().stats.remote())["file"]["write_errors"] >= 1:
+                return True
+            p = prompt_ids(161, seed=next(more))
+            assert eng.generate([p], greedy(2))[0].finish_reason == "length"
+            return False
+
+        wait_for(failed_write, 60, "a failed write")
         st = ray.get(lookup_store().stats.remote())
         assert st["counters"]["file_write_errors"] == st["file"]["write_errors"]
         wait_for(lambda: (kv_store_stats(eng)["store"] or {}).get("file_write_errors", 0) >= 1, 15,
