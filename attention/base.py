@@ -85,6 +85,11 @@ class AttentionBackend(ABC):
         if cuda_graph and not cls.supports_cuda_graph:
             raise ValueError(f"attention backend {cls.name!r} does not support CUDA graphs")
 
+    def describe(self) -> str:
+        """The backend and the kernels it chose at start-up, as `manta serve` logs them (not a
+        hook: backends with a kernel choice say which)."""
+        return self.name
+
     def kv_store_target(self, layer: AttentionLayer, forward_batch: ForwardBatch) -> KVStoreTarget | None:
         """Not a hook: where the caller may write this layer's new K/V itself, fused with their
         RoPE, and then call `forward` with save_kv_cache=False; None (the default): the backend

@@ -5,8 +5,9 @@ are torch SDPA; on GPU flash-attn, PyTorch's varlen FlashAttention and Triton pa
 It serves MHA/GQA layers over `MHATokenToKVPool` and, with `use_mla=True`, the MLA layers of a
 DeepSeek-style model over `MLATokenToKVPool`: `set_mla_kv_buffer` on the write side, the latent
 cache on the read side (decompressed prefix chunks in an extend, the absorbed Triton/torch
-kernel in a decode), by the same functions as `attention.mla.MLAAttentionBackend`. MLA never
-takes the skip-KV-cache fast path (contract 2): its decode always reads the latent cache.
+kernel in a decode), by the functions of `attention.mla`: the one backend of MLA layers
+(`--attention-backend mla` names it too, and insists on an MLA checkpoint). MLA never takes the
+skip-KV-cache fast path (contract 2): its decode always reads the latent cache.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class FlashAttentionBackend(PagedAttentionBackend):
         logger.info("FlashAttentionBackend kernels: %s%s", self.kernels.description,
                     f"; MLA layers over the latent cache, prefix chunks of {prefix_chunk_tokens} tokens"
                     if use_mla else "")
+
+    def describe(self) -> str:
+        return f"{self.name}{' (MLA)' if self.use_mla else ''}: {self.kernels.description}"
 
     # ---- metadata (MLA adds the prefix-chunk plan of an extend) ----
     def init_forward_metadata(self, forward_batch) -> None:

@@ -18,10 +18,7 @@ runs no copies.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import TYPE_CHECKING
-
-import torch
 
 from attention.metadata import AttentionMetadata, build_attention_metadata
 
@@ -46,68 +43,19 @@ class GraphMetadataBuffers:
         self._static: AttentionMetadata | None = None  # allocated at the first capture
 
     def _alloc_static(self, forward_batch: ForwardBatch) -> AttentionMetadata:
-        width = forward_batch.req_to_token_pool.max_context_len
-        dev, n = forward_batch.seq_lens.device, self._graph_max_bs
-        i32 = dict(dtype=torch.int32, device=dev)
-        pages = (width + self.page_size - 1) // self.page_size
-        enc: dict = {}
-        if forward_batch.encoder_lens is not None:  # encoder-decoder: per-request encoder fields
-            enc = dict(
-                encoder_lens_int32=torch.ones(n, **i32),
-                encoder_cu_seqlens_k=torch.arange(n + 1, **i32),
-                encoder_max_seqlen_k=width,
-                encoder_token_table=torch.zeros(n, width, **i32),
-                encoder_page_table=torch.zeros(n, pages, **i32),
-                encoder_lens_cpu=[width] * n,
-            )
-        return AttentionMetadata(
-            cache_seqlens_int32=torch.ones(n, **i32),
-            cu_seqlens_q=torch.arange(n + 1, **i32),
-            cu_seqlens_k=torch.zeros(n + 1, **i32),
-            max_seqlen_q=1,
-            max_seqlen_k=width,
-            token_table=None if self._in_graph else torch.zeros(n, width, **i32),
-            page_table=torch.zeros(n, pages, **i32),
-            extend_seq_lens_cpu=[1] * n,
-            cache_seqlens_cpu=[width] * n,
-            **enc,
-        )
+        return AttentionMetadata.static(self._graph_max_bs, forward_batch.req_to_token_pool.max_context_len,
+                                        self.page_size, forward_batch.seq_lens.device, token_table=not self._in_graph,
+                                        encoder=forward_batch.encoder_lens is not None)
 
     def _graph_view(self, bs: int) -> AttentionMetadata:
-        st = self._static
-        assert st is not None
-        enc: dict = {}
-        if st.encoder_lens_int32 is not None:
-            assert st.encoder_cu_seqlens_k is not None and st.encoder_token_table is not None
-            assert st.encoder_page_table is not None
-            enc = dict(
-                encoder_lens_int32=st.encoder_lens_int32[:bs],
-                encoder_cu_seqlens_k=st.encoder_cu_seqlens_k[: bs + 1],
-                encoder_max_seqlen_k=st.encoder_max_seqlen_k,  # static: masked by encoder_lens_int32
-                encoder_token_table=st.encoder_token_table[:bs],
-                encoder_page_table=st.encoder_page_table[:bs],
-                encoder_lens_cpu=[st.encoder_max_seqlen_k] * bs,
-            )
-        return AttentionMetadata(
-            cache_seqlens_int32=st.cache_seqlens_int32[:bs],
-            cu_seqlens_q=st.cu_seqlens_q[: bs + 1],
-            cu_seqlens_k=st.cu_seqlens_k[: bs + 1],
-            max_seqlen_q=1,
-            max_seqlen_k=st.max_seqlen_k,  # static: kernels mask by cache_seqlens_int32
-            token_table=None if st.token_table is None else st.token_table[:bs],
-            page_table=st.page_table[:bs],
-            extend_seq_lens_cpu=[1] * bs,
-            cache_seqlens_cpu=[st.max_seqlen_k] * bs,
-            **enc,
-        )
+        assert self._static is not None
+        return self._static.graph_view(bs)
 
     def _fill_static(self, bs: int, forward_batch: ForwardBatch) -> AttentionMetadata:
         """Build this step's metadata with the one builder, into the buffers the captured
         kernels read (a decode batch on CUDA: written in place; else copied)."""
         view = self._graph_view(bs)
-        in_place = os.environ.get("MANTA_DECODE_PREP") != "0"  # a benchmark knob: "0" copies
-        meta = build_attention_metadata(forward_batch, self.page_size, with_token_table=not self._in_graph,
-                                        into=view if in_place else None)
+        meta = build_attention_metadata(forward_batch, self.page_size, with_token_table=not self._in_graph, into=view)
         if meta.cache_seqlens_int32.data_ptr() == view.cache_seqlens_int32.data_ptr():
             return meta
         st = self._static

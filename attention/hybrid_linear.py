@@ -57,6 +57,9 @@ class HybridLinearAttnBackend(AttentionBackend):
         # model layer id -> (the model's descriptor, the mapped one, the owning backend)
         self._routes: dict[int, tuple[AttentionLayer, AttentionLayer, AttentionBackend]] = {}
 
+    def describe(self) -> str:
+        return f"{self.name}: {self.full_attn_backend.describe()} + {self.linear_attn_backend.describe()}"
+
     def check_capabilities(self, *, use_mla: bool, page_size: int, cuda_graph: bool) -> None:  # type: ignore[override]
         """Checked on the instance: what the wrapper supports is what both backends support."""
         self.full_attn_backend.check_capabilities(use_mla=use_mla, page_size=page_size, cuda_graph=cuda_graph)

@@ -1,4 +1,6 @@
-"""Per-step attention metadata, built by one function for the eager path and graph replay.
+"""Per-step attention metadata, built by one function for the eager path and graph replay, and
+every view of it (a CUDA graph's static buffers and their per-batch view, the decodes of a MIXED
+batch, the encoder view of cross-attention) by the methods of `AttentionMetadata`.
 
 Cache extents follow the forward mode: in DRAFT_EXTEND_V2 `seq_lens` is the prefix before
 this step's write, so the attention reads prefix + extend per request and
@@ -50,6 +52,72 @@ class AttentionMetadata:
     encoder_token_table: torch.Tensor | None = None
     encoder_page_table: torch.Tensor | None = None
     encoder_lens_cpu: list[int] | None = None
+
+    @classmethod
+    def static(cls, n: int, width: int, page_size: int, device, *, token_table: bool, encoder: bool) -> AttentionMetadata:
+        """Static buffers for up to `n` decode rows of `width` cached tokens (CUDA-graph replay:
+        `attention.graph_buffers`); `graph_view` gives a batch's view of them."""
+        i32 = dict(dtype=torch.int32, device=device)
+        pages = (width + page_size - 1) // page_size
+        enc: dict = {}
+        if encoder:  # encoder-decoder: per-request encoder fields
+            enc = dict(encoder_lens_int32=torch.ones(n, **i32), encoder_cu_seqlens_k=torch.arange(n + 1, **i32),
+                       encoder_max_seqlen_k=width, encoder_token_table=torch.zeros(n, width, **i32),
+                       encoder_page_table=torch.zeros(n, pages, **i32), encoder_lens_cpu=[width] * n)
+        return cls(cache_seqlens_int32=torch.ones(n, **i32), cu_seqlens_q=torch.arange(n + 1, **i32),
+                   cu_seqlens_k=torch.zeros(n + 1, **i32), max_seqlen_q=1, max_seqlen_k=width,
+                   token_table=torch.zeros(n, width, **i32) if token_table else None,
+                   page_table=torch.zeros(n, pages, **i32), extend_seq_lens_cpu=[1] * n, cache_seqlens_cpu=[width] * n,
+                   **enc)
+
+    def graph_view(self, bs: int, max_seqlen_k: int | None = None, cache_seqlens_cpu: list[int] | None = None,
+                   pages: int | None = None) -> AttentionMetadata:
+        """The first `bs` decode rows of static buffers (`static`). Their host-side lengths are
+        the buffers' whole width unless given (kernels mask by `cache_seqlens_int32`)."""
+        enc: dict = {}
+        if self.encoder_lens_int32 is not None:
+            assert self.encoder_cu_seqlens_k is not None and self.encoder_token_table is not None
+            assert self.encoder_page_table is not None
+            enc = dict(encoder_lens_int32=self.encoder_lens_int32[:bs],
+                       encoder_cu_seqlens_k=self.encoder_cu_seqlens_k[: bs + 1],
+                       encoder_max_seqlen_k=self.encoder_max_seqlen_k,  # static: masked by encoder_lens_int32
+                       encoder_token_table=self.encoder_token_table[:bs],
+                       encoder_page_table=self.encoder_page_table[:bs],
+                       encoder_lens_cpu=[self.encoder_max_seqlen_k] * bs)
+        return AttentionMetadata(
+            cache_seqlens_int32=self.cache_seqlens_int32[:bs], cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
+            cu_seqlens_k=self.cu_seqlens_k[: bs + 1], max_seqlen_q=1 if bs else 0,
+            max_seqlen_k=self.max_seqlen_k if max_seqlen_k is None else max_seqlen_k,
+            token_table=None if self.token_table is None else self.token_table[:bs],
+            page_table=self.page_table[:bs] if pages is None else self.page_table[:bs, :pages],
+            extend_seq_lens_cpu=[1] * bs,
+            cache_seqlens_cpu=[self.max_seqlen_k] * bs if cache_seqlens_cpu is None else cache_seqlens_cpu, **enc)
+
+    def decode_rows(self, rows: list[int]) -> AttentionMetadata:
+        """Requests `rows` (one new token each: the decodes of a MIXED batch) as a batch of
+        their own."""
+        dev = self.cache_seqlens_int32.device
+        idx = torch.tensor(rows, device=dev)
+        lens = self.cache_seqlens_int32[idx]
+        return AttentionMetadata(
+            cache_seqlens_int32=lens, cu_seqlens_q=torch.arange(len(rows) + 1, device=dev, dtype=torch.int32),
+            cu_seqlens_k=_pad_cumsum(lens), max_seqlen_q=1,
+            max_seqlen_k=max(self.cache_seqlens_cpu[i] for i in rows),
+            token_table=None if self.token_table is None else self.token_table[idx], page_table=self.page_table[idx],
+            extend_seq_lens_cpu=[1] * len(rows), cache_seqlens_cpu=[self.cache_seqlens_cpu[i] for i in rows])
+
+    def encoder_view(self) -> AttentionMetadata:
+        """The step's metadata as cross-attention reads it: each request's encoder K/V (its own
+        encoder_lens[i] keys at the start of its row) in place of its self-attention cache."""
+        assert self.encoder_lens_int32 is not None and self.encoder_token_table is not None
+        assert self.encoder_page_table is not None and self.encoder_cu_seqlens_k is not None
+        assert self.encoder_lens_cpu is not None
+        return AttentionMetadata(
+            cache_seqlens_int32=self.encoder_lens_int32, cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_k=self.encoder_cu_seqlens_k, max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.encoder_max_seqlen_k, token_table=self.encoder_token_table,
+            page_table=self.encoder_page_table, extend_seq_lens_cpu=self.extend_seq_lens_cpu,
+            cache_seqlens_cpu=self.encoder_lens_cpu)
 
 
 def _pad_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -153,17 +221,7 @@ def _decode_in_place(fb: ForwardBatch, page_size: int, into: AttentionMetadata) 
     cache_cpu = fb.seq_lens_cpu.tolist()
     max_k = max(cache_cpu) if cache_cpu else 0
     pages = (max(max_k, 1) + page_size - 1) // page_size
-    meta = AttentionMetadata(
-        cache_seqlens_int32=into.cache_seqlens_int32[:bs],
-        cu_seqlens_q=into.cu_seqlens_q[: bs + 1],
-        cu_seqlens_k=into.cu_seqlens_k[: bs + 1],
-        max_seqlen_q=1 if bs else 0,
-        max_seqlen_k=max_k,
-        token_table=None,
-        page_table=into.page_table[:bs, :pages],
-        extend_seq_lens_cpu=[1] * bs,
-        cache_seqlens_cpu=cache_cpu,
-    )
+    meta = into.graph_view(bs, max_seqlen_k=max_k, cache_seqlens_cpu=cache_cpu, pages=pages)
     fill_decode_metadata(fb.seq_lens, fb.req_pool_indices, fb.req_to_token_pool.req_to_token, page_size, pages,
                          meta.cache_seqlens_int32, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.page_table)
     return meta

@@ -40,9 +40,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attention.base import AttentionBackend, AttentionLayer
-from attention.graph_buffers import GraphMetadataBuffers
-from attention.metadata import AttentionMetadata, build_attention_metadata
+from attention.base import AttentionLayer
+from attention.metadata import AttentionMetadata
 from attention.mla_ops import merge_attn_states, ragged_attention_lse
 
 if TYPE_CHECKING:
@@ -100,68 +99,9 @@ def plan_prefix_chunks(meta: AttentionMetadata, chunk_tokens: int) -> MHAChunkPl
     return MHAChunkPlan(chunk_tokens, prefix, chunks)
 
 
-class MLAAttentionBackend(GraphMetadataBuffers, AttentionBackend):
-    """MLA over the latent cache. Decode uses the absorbed kernel chosen once at start-up by
-    `attention.kernels.select_kernels` (Triton on CUDA, torch on CPU) and logged; prefill uses
-    the torch ops of `attention.mla_ops`. Decode is CUDA-graph safe: the kernel reads only the
-    page table and lengths, which replay keeps in the static buffers of `GraphMetadataBuffers`."""
-
-    name = "mla"
-    supports_mla = True
-    supports_mha = False
-    supports_cuda_graph = True
-    supports_encoder_decoder = False
-    supported_page_sizes = None
-
-    def __init__(
-        self, page_size: int, device: str = "cpu", prefix_chunk_tokens: int = DEFAULT_PREFIX_CHUNK_TOKENS
-    ):
-        if prefix_chunk_tokens < 1:
-            raise ValueError(f"prefix_chunk_tokens must be >= 1, not {prefix_chunk_tokens}")
-        self.page_size = page_size
-        self.device = device
-        self.prefix_chunk_tokens = prefix_chunk_tokens
-        from attention.kernels import select_kernels
-
-        self.kernels = select_kernels(device, page_size)
-        self.kernel = self.kernels.description
-        self.metadata: AttentionMetadata | None = None
-        # Set by init_mha_chunk_metadata for extend batches; None for decode.
-        self.chunk_plan: MHAChunkPlan | None = None
-        self._graph_max_bs = 0
-        self._static: AttentionMetadata | None = None
-        logger.info(
-            "MLA attention on %s: %s kernels, prefix chunks of %d tokens",
-            device,
-            self.kernel,
-            prefix_chunk_tokens,
-        )
-
-    # ---- metadata ----
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        self.metadata = build_attention_metadata(forward_batch, self.page_size)
-        self.chunk_plan = None
-        if not forward_batch.forward_mode.is_decode():
-            self.init_mha_chunk_metadata(forward_batch)
-
-    def init_mha_chunk_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Plan the prefix chunks of this extend (after `init_forward_metadata` built the
-        metadata of the same batch; that hook calls this one for every extend)."""
-        if self.metadata is None:
-            self.metadata = build_attention_metadata(forward_batch, self.page_size)
-        self.chunk_plan = plan_prefix_chunks(self.metadata, self.prefix_chunk_tokens)
-
-    # ---- forward ----
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        return mla_extend(self.metadata, self.chunk_plan, q, k, layer, forward_batch, save_kv_cache)
-
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        return mla_decode(self.metadata, self.kernels, self.page_size, q, k, layer, forward_batch, save_kv_cache)
-
-
-# The MLA attention math over the latent cache, shared by this backend and the FA backend's MLA
-# mode (`attention.flash.FlashAttentionBackend(use_mla=True)`): one implementation of the write
-# and of every read.
+# The MLA attention math over the latent cache, which the FA backend's MLA mode
+# (`attention.flash.FlashAttentionBackend(use_mla=True)`, the one backend serving MLA layers)
+# runs: one implementation of the write and of every read.
 
 
 def _pool(forward_batch: ForwardBatch) -> MLATokenToKVPool:

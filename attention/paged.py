@@ -96,7 +96,7 @@ class PagedAttentionBackend(GraphMetadataBuffers, AttentionBackend):
         if forward_batch.forward_mode.is_decode():
             # One query per request over its own encoder_lens[i] keys: the decode kernel, which
             # reads only the page table and lengths (static buffers under graph replay).
-            return self._decode_kernel(q, k_cache, v_cache, encoder_view(meta), layer)
+            return self._decode_kernel(q, k_cache, v_cache, meta.encoder_view(), layer)
         q_lens = meta.extend_seq_lens_cpu
         return self._extend_kernel(
             q, k_cache, v_cache, meta.encoder_token_table, q_lens, meta.encoder_lens_cpu, layer, False
@@ -184,47 +184,15 @@ class MixedSplit:
         for n in q_lens:
             starts.append(starts[-1] + n)
         dev = meta.token_table.device
-        dec_rows = torch.tensor(dec, device=dev)
         ext_rows = torch.tensor(ext, device=dev)
-        dec_lens = meta.cache_seqlens_int32[dec_rows]
-        decode_meta = AttentionMetadata(
-            cache_seqlens_int32=dec_lens,
-            cu_seqlens_q=torch.arange(len(dec) + 1, device=dev, dtype=torch.int32),
-            cu_seqlens_k=torch.nn.functional.pad(torch.cumsum(dec_lens, 0, dtype=torch.int32), (1, 0)),
-            max_seqlen_q=1,
-            max_seqlen_k=max(kv_lens[i] for i in dec),
-            token_table=meta.token_table[dec_rows],
-            page_table=meta.page_table[dec_rows],
-            extend_seq_lens_cpu=[1] * len(dec),
-            cache_seqlens_cpu=[kv_lens[i] for i in dec],
-        )
         return cls(
             decode_tokens=torch.tensor([starts[i] for i in dec], device=dev),
-            decode_meta=decode_meta,
+            decode_meta=meta.decode_rows(dec),
             extend_tokens=torch.tensor([t for i in ext for t in range(starts[i], starts[i + 1])], device=dev),
             extend_token_table=meta.token_table[ext_rows],
             extend_q_lens=[q_lens[i] for i in ext],
             extend_kv_lens=[kv_lens[i] for i in ext],
         )
-
-
-def encoder_view(meta: AttentionMetadata) -> AttentionMetadata:
-    """The step's metadata as cross-attention reads it: each request's encoder K/V (its own
-    encoder_lens[i] keys at the start of its row) in place of its self-attention cache."""
-    assert meta.encoder_lens_int32 is not None and meta.encoder_token_table is not None
-    assert meta.encoder_page_table is not None and meta.encoder_cu_seqlens_k is not None
-    assert meta.encoder_lens_cpu is not None
-    return AttentionMetadata(
-        cache_seqlens_int32=meta.encoder_lens_int32,
-        cu_seqlens_q=meta.cu_seqlens_q,
-        cu_seqlens_k=meta.encoder_cu_seqlens_k,
-        max_seqlen_q=meta.max_seqlen_q,
-        max_seqlen_k=meta.encoder_max_seqlen_k,
-        token_table=meta.encoder_token_table,
-        page_table=meta.encoder_page_table,
-        extend_seq_lens_cpu=meta.extend_seq_lens_cpu,
-        cache_seqlens_cpu=meta.encoder_lens_cpu,
-    )
 
 
 def _ragged_table(meta: AttentionMetadata) -> torch.Tensor:

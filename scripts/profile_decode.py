@@ -94,10 +94,10 @@ def main() -> None:
     for name, s, e in iv:
         by_name[name][0] += 1
         by_name[name][1] += e - s
-    gr = runner.graph_runner
+    gr = runner.pipeline.graphs
     graph_ms = None
     if gr is not None and gr.use_graphs:
-        g = gr.graphs[gr.padded_size(a.batch)]
+        g = gr.graphs[gr.inputs.padded_size(a.batch)]
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()

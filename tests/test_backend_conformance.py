@@ -62,7 +62,7 @@ def test_interface_declares_the_hooks_the_design_names():
 
 def test_there_are_backends_to_check():
     names = {c.__name__ for c in all_backend_classes()}
-    assert {"TorchReferenceBackend", "FlashAttentionBackend", "MLAAttentionBackend",
+    assert {"TorchReferenceBackend", "FlashAttentionBackend",
             "HybridLinearAttnBackend", "LinearAttentionBackend"} <= names
 
 

@@ -18,7 +18,6 @@ import torch
 from attention.base import AttentionLayer
 from attention.flash import FlashAttentionBackend
 from attention.metadata import build_attention_metadata, round_up
-from attention.paged import encoder_view
 from attention.torch_ops import paged_attention_ref
 from cluster.engine.request import Request
 from cluster.engine.scheduler import RequestRejected, Scheduler
@@ -101,7 +100,7 @@ def check_attention(backend, b: Batch, bs: int, seed: int) -> None:
     v = torch.randn(b.num_slots, 2, 8, generator=g)
     q = torch.randn(bs, 4, 8, generator=g)
     meta = backend.metadata
-    for view, slots in ((encoder_view(meta), b.enc_slots), (meta, b.dec_slots)):
+    for view, slots in ((meta.encoder_view(), b.enc_slots), (meta, b.dec_slots)):
         got = backend._decode_kernel(q, k, v, view, LAYER)
         table = torch.zeros(bs, max(len(x) for x in slots), dtype=torch.long)
         for i, x in enumerate(slots):

@@ -1,8 +1,8 @@
 """The decode graph's two preparation kernels against the torch ops they replace:
 `attention.decode_metadata_kernel` (lengths, offsets and page table of a decode batch, what
 `build_attention_metadata(..., with_token_table=False)` computes) and
-`workers.decode_inputs_kernel` (the new tokens' slots into the request table, overlapped
-scheduling's placeholder ids resolved from the last sampled tokens). Random request tables over
+`workers.place_tokens_kernel` (the new tokens' slots into the request table, overlapped
+scheduling's placeholder ids resolved from the last sampled tokens; decode rows and ragged rows). Random request tables over
 scattered pages, rows in any order, page sizes 1/4/16, batch sizes 1 to 70; the buffers'
 columns past the batch's pages are left as they were.
 
@@ -26,9 +26,9 @@ pytest.importorskip("triton")
 from attention.decode_metadata_kernel import fill_decode_metadata  # noqa: E402
 from attention.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
 from tests.triton_interpreter import install_interpreter_shims  # noqa: E402
-from workers.decode_inputs_kernel import prepare_decode_inputs  # noqa: E402
 from workers.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from workers.memory_pool import ReqToTokenPool  # noqa: E402
+from workers.place_tokens_kernel import place_tokens  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 if INTERPRET:
@@ -92,23 +92,31 @@ def test_builder_writes_decode_metadata_in_place():
     assert (got.max_seqlen_k, got.cache_seqlens_cpu) == (want.max_seqlen_k, want.cache_seqlens_cpu)
 
 
-@pytest.mark.parametrize("with_last", [True, False])
-@pytest.mark.parametrize("batch", [1, 9, 300])
-def test_decode_inputs_kernel_matches_torch(batch, with_last):
-    gen = torch.Generator().manual_seed(batch)
+@pytest.mark.parametrize("ids_mode", ["last", "no_last", "no_ids"])
+@pytest.mark.parametrize("batch,per_row", [(1, 1), (9, 1), (300, 1), (7, 5), (3, 33)])
+def test_place_tokens_kernel_matches_torch(batch, per_row, ids_mode):
+    """Decode rows (one token per row) and ragged rows (several consecutive columns per row, as
+    an eager batch writes them), with and without placeholders to resolve or ids at all."""
+    gen = torch.Generator().manual_seed(batch * 100 + per_row)
     rows, width = 320, 64
     table = torch.randint(0, 10_000, (rows, width), generator=gen, dtype=torch.int32)
-    row_idx = torch.randperm(rows, generator=gen)[:batch]
-    positions = torch.randint(0, width, (batch,), generator=gen)
-    slots = torch.randint(0, 1 << 20, (batch,), generator=gen)
-    ids = torch.randint(0, 1000, (batch,), generator=gen)
-    ids[torch.rand(batch, generator=gen) < 0.5] = -1
+    row_idx = torch.randperm(rows, generator=gen)[:batch].repeat_interleave(per_row)
+    start = torch.randint(0, width - per_row + 1, (batch,), generator=gen).repeat_interleave(per_row)
+    cols = start + torch.arange(per_row).repeat(batch)
+    n = batch * per_row
+    slots = torch.randint(0, 1 << 20, (n,), generator=gen)
+    ids = torch.randint(0, 1000, (n,), generator=gen)
+    ids[torch.rand(n, generator=gen) < 0.5] = -1
     last = torch.randint(0, 1000, (rows,), generator=gen)
     want_table = table.clone()
-    want_table[row_idx, positions] = slots.to(torch.int32)
-    want_ids = torch.where(ids < 0, last[row_idx], ids) if with_last else ids
+    want_table[row_idx, cols] = slots.to(torch.int32)
+    want_ids = torch.where(ids < 0, last[row_idx], ids) if ids_mode == "last" else ids
     got_table = table.to(DEVICE)
-    got_ids = prepare_decode_inputs(ids.to(DEVICE), positions.to(DEVICE), row_idx.to(DEVICE), slots.to(DEVICE),
-                                    got_table, last.to(DEVICE) if with_last else None)
-    assert torch.equal(got_ids.cpu(), want_ids)
+    got_ids = place_tokens(row_idx.to(DEVICE), cols.to(DEVICE), slots.to(DEVICE), got_table,
+                           None if ids_mode == "no_ids" else ids.to(DEVICE),
+                           last.to(DEVICE) if ids_mode == "last" else None)
+    if ids_mode == "no_ids":
+        assert got_ids is None
+    else:
+        assert torch.equal(got_ids.cpu(), want_ids)
     assert torch.equal(got_table.cpu(), want_table)

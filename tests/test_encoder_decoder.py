@@ -18,7 +18,6 @@ import torch
 from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine, GenerationResult
 from tests.fixtures import tiny_model_dir
-from workers.cuda_graph import CudaGraphRunner
 from workers.sampling_params import SamplingParams
 
 MAX_NEW = 6
@@ -113,11 +112,11 @@ def test_cuda_graph_replay_path_equals_transformers(bart):
     for page_size in (1, 16):
         engine = Engine(EngineConfig(model=str(bart), page_size=page_size, max_running_requests=128))
         runner = engine.workers.runner
-        runner.graph_runner = CudaGraphRunner(runner, batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128),
-                                              pad_row=runner.pad_row, use_graphs=False)
+        gr = runner.pipeline.use_graphs(128, runner.pad_row, batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128),
+                                        capture=False)
         replayed: list[int] = []
-        original = runner.graph_runner.replay
-        runner.graph_runner.replay = lambda fb, o=original, r=replayed: r.append(fb.batch_size) or o(fb)
+        original = gr.replay
+        gr.replay = lambda fb, o=original, r=replayed: r.append(fb.batch_size) or o(fb)
         for batch, stagger in ((128, 0), (37, 5), (3, 1)):
             replayed.clear()
             assert_equal_to_hf(bart, PROMPTS[:batch], run(engine, PROMPTS[:batch], greedy(), stagger))

@@ -27,11 +27,11 @@ def test_gpu_cuda_graphs_equal_transformers(bart, page_size):
     engine = Engine(EngineConfig(model=str(bart), device="cuda", dtype="float32", page_size=page_size,
                                  max_running_requests=128))
     runner = engine.workers.runner
-    assert runner.graph_runner is not None, "CUDA graphs must be on"
-    assert runner.graph_runner.encoder_lens is not None
+    assert runner.pipeline.graphs is not None, "CUDA graphs must be on"
+    assert runner.pipeline.graphs.encoder_lens is not None
     replays: list[int] = []
-    original = runner.graph_runner.replay
-    runner.graph_runner.replay = lambda fb, o=original, r=replays: r.append(fb.batch_size) or o(fb)
+    original = runner.pipeline.graphs.replay
+    runner.pipeline.graphs.replay = lambda fb, o=original, r=replays: r.append(fb.batch_size) or o(fb)
     for batch in (1, 8, 32, 128):
         for stagger in (0, 3):
             replays.clear()

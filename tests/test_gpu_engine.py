@@ -36,11 +36,11 @@ def test_gpu_greedy_equals_cpu(dirs, arch, page_size, graphs):
     engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="float32", page_size=page_size,
                                  disable_cuda_graph=not graphs, max_running_requests=32))
     runner = engine.workers.runner
-    assert (runner.graph_runner is not None) == graphs
+    assert (runner.pipeline.graphs is not None) == graphs
     replays = []
     if graphs:
-        original = runner.graph_runner.replay
-        runner.graph_runner.replay = lambda fb, o=original, r=replays: r.append(fb.batch_size) or o(fb)
+        original = runner.pipeline.graphs.replay
+        runner.pipeline.graphs.replay = lambda fb, o=original, r=replays: r.append(fb.batch_size) or o(fb)
     got = [r.token_ids for r in run_staggered(engine, PROMPTS, greedy())]
     assert got == want
     assert not graphs or replays, "decode steps must replay CUDA graphs"
@@ -51,7 +51,7 @@ def test_gpu_mla_greedy_equals_cpu(dirs, arch):
     d = dirs[arch]
     want = cpu_tokens(d, page_size=4)
     engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="float32", page_size=4))
-    assert engine.workers.runner.graph_runner is not None  # MLA decode (and the fused MoE) in graphs
+    assert engine.workers.runner.pipeline.graphs is not None  # MLA decode (and the fused MoE) in graphs
     assert [r.token_ids for r in run_staggered(engine, PROMPTS, greedy())] == want
 
 

@@ -34,9 +34,9 @@ def test_spec_greedy_equals_plain_with_cuda_graphs(dirs, draft):
     want = [r.token_ids for r in run_staggered(Engine(_config(dirs)), PROMPTS, greedy())]
     engine = Engine(_config(dirs, speculative_draft_model=str(dirs[draft]), speculative_num_tokens=3))
     runner = engine.workers.runner
-    assert runner.graph_runner is not None and runner.drafter.graph_runner is not None
+    assert runner.pipeline.graphs is not None and runner.drafter.pipeline.graphs is not None
     replays = {"target": 0, "draft": 0}
-    for name, gr in (("target", runner.graph_runner), ("draft", runner.drafter.graph_runner)):
+    for name, gr in (("target", runner.pipeline.graphs), ("draft", runner.drafter.pipeline.graphs)):
         original = gr.replay
 
         def spy(fb, original=original, name=name):

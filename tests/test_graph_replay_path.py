@@ -11,7 +11,6 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import PROMPTS, greedy, run_staggered
-from workers.cuda_graph import CudaGraphRunner
 from workers.forward_batch import ForwardBatch, ForwardMode
 from workers.memory_pool import ReqToTokenPool
 
@@ -29,11 +28,11 @@ def test_static_buffer_replay_equals_eager(tmp_path_factory, arch, overlap):
         eager = run_staggered(Engine(cfg), PROMPTS, greedy())
         engine = Engine(cfg)
         runner = engine.workers.runner
-        gr = CudaGraphRunner(runner, batch_sizes=(1, 2, 4, 8), pad_row=runner.pad_row, use_graphs=False)
+        gr = runner.pipeline.use_graphs(16, runner.pad_row, batch_sizes=(1, 2, 4, 8), capture=False)
         assert gr.metadata_in_graph
-        runner.graph_runner = gr
+        inputs = runner.pipeline.inputs
         replayed, staged = [], []
-        original_replay, original_stage = gr.replay, gr.stage_decode
+        original_replay, original_stage = gr.replay, inputs.stage_decode
 
         def replay_spy(fb, original=original_replay, replayed=replayed):
             replayed.append(fb.batch_size)
@@ -43,7 +42,7 @@ def test_static_buffer_replay_equals_eager(tmp_path_factory, arch, overlap):
             staged.append(len(plan.reqs))
             return original(plan)
 
-        gr.replay, gr.stage_decode = replay_spy, stage_spy
+        gr.replay, inputs.stage_decode = replay_spy, stage_spy
         via_graph_path = run_staggered(engine, PROMPTS, greedy())
         assert [r.token_ids for r in via_graph_path] == [r.token_ids for r in eager], page_size
         assert staged and staged == replayed  # every decode step went through the staged inputs

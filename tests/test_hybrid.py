@@ -178,8 +178,9 @@ def test_engine_greedy_equals_transformers(model_dir, variant, options):
     runner = engine.workers.runner
     assert runner.kv_pool.num_layers == 2  # KV for the full-attention layers only
     assert runner.state_pool is not None and runner.state_pool.num_layers == 2
-    modes, build = [], runner.build_forward_batch  # called by every step, overlapped or not
-    runner.build_forward_batch = lambda plan: (modes.append(plan.mode), build(plan))[1]
+    inputs = runner.pipeline.inputs
+    modes, build = [], inputs.from_plan  # called by every step, overlapped or not
+    inputs.from_plan = lambda plan, **kw: (modes.append(plan.mode), build(plan, **kw))[1]
     check_against_hf(engine, path)
     assert {ForwardMode.EXTEND, ForwardMode.DECODE} <= set(modes)
     if "chunked_prefill_size" in options:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from attention.flash import FlashAttentionBackend
-from attention.mla import MLAAttentionBackend, MLAAttentionLayer
+from attention.mla import MLAAttentionLayer
 from attention.torch_ops import paged_attention_ref
 from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
@@ -93,7 +93,7 @@ class Cache:
             torch.float32,
             "cpu",
         )
-        self.backend = MLAAttentionBackend(page_size, prefix_chunk_tokens=chunk)
+        self.backend = FlashAttentionBackend(page_size, use_mla=True, prefix_chunk_tokens=chunk)
 
     def step(self, new_tokens: list[torch.Tensor]) -> ForwardBatch:
         """Append new_tokens[i] to request i (an EXTEND, or a DECODE if all have one token)."""
@@ -171,13 +171,10 @@ def test_prefill_and_decode_logits_match_transformers(model_dir, variant):
 
 
 def _engine(path: str, **kw) -> Engine:
-    """The default (FA backend in MLA mode) or, with attention_backend="mla", the MLA backend."""
+    """The FA backend in MLA mode (the default, and what attention_backend="mla" names)."""
     engine = Engine(EngineConfig(model=path, **kw))
     backend = engine.workers.runner.attn_backend
-    if kw.get("attention_backend") == "mla":
-        assert isinstance(backend, MLAAttentionBackend)
-    else:
-        assert isinstance(backend, FlashAttentionBackend) and backend.use_mla
+    assert isinstance(backend, FlashAttentionBackend) and backend.use_mla
     backend.prefix_chunk_tokens = CHUNK  # read cached prefixes in several chunks
     return engine
 
@@ -189,7 +186,7 @@ def _engine(path: str, **kw) -> Engine:
         ("v2_qlora_grouped", dict(page_size=4, chunked_prefill_size=3, max_num_batched_tokens=7)),
         ("v3_moe", dict(page_size=1, chunked_prefill_size=5, max_num_batched_tokens=9)),
         ("v3_dense", dict(page_size=4)),
-        # The dedicated MLA backend: the same shared MLA functions behind another class.
+        # attention_backend="mla": the same backend, checked to serve an MLA model.
         ("v2_qlora_grouped", dict(page_size=4, chunked_prefill_size=3, max_num_batched_tokens=7,
                                   attention_backend="mla")),
     ],
@@ -274,7 +271,7 @@ def test_absorbed_decode_equals_non_absorbed():
         backend.init_forward_metadata(fb)
         return fb
 
-    backend = MLAAttentionBackend(ps, prefix_chunk_tokens=4)
+    backend = FlashAttentionBackend(ps, use_mla=True, prefix_chunk_tokens=4)
     fb = batch(ForwardMode.DECODE)
     q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
     lat_out = backend.forward_decode(torch.cat((q_lat, q_pe), -1), new_entries, None, layer, fb)

@@ -28,7 +28,6 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import PROMPTS, greedy, run_staggered
-from workers.cuda_graph import CudaGraphRunner
 from workers.forward_batch import ForwardBatch, ForwardMode
 from workers.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from workers.rejection_sampler import greedy_verify, processed_probs, rejection_sample, row_generators
@@ -302,10 +301,10 @@ def test_static_buffer_graph_path_equals_eager(dirs, base_tokens):
     runner = engine.workers.runner
     drafter = runner.drafter
     sizes = (1, 2, 4, 8, 16)
-    runner.graph_runner = CudaGraphRunner(runner, batch_sizes=sizes, pad_row=runner.pad_row, use_graphs=False)
-    drafter.graph_runner = CudaGraphRunner(drafter, batch_sizes=sizes, pad_row=runner.pad_row, use_graphs=False)
+    runner.pipeline.use_graphs(runner.opts.most_rows, runner.pad_row, batch_sizes=sizes, capture=False)
+    drafter.pipeline.use_graphs(runner.opts.most_rows, runner.pad_row, batch_sizes=sizes, capture=False)
     seen: dict[str, list[int]] = {"target": [], "draft": []}
-    for name, gr in (("target", runner.graph_runner), ("draft", drafter.graph_runner)):
+    for name, gr in (("target", runner.pipeline.graphs), ("draft", drafter.pipeline.graphs)):
         original = gr.replay
 
         def spy(fb, original=original, log=seen[name]):
@@ -325,10 +324,12 @@ def test_graphs_cover_a_rounds_rows(dirs):
     of an 8B target ran at 0.6x the plain decode until graphs covered it)."""
     engine = spec_engine(dirs, "other", k=3, page_size=4, max_running_requests=4)
     runner = engine.workers.runner
-    gr = CudaGraphRunner(runner, batch_sizes=(1, 2, 4, 8, 16, 32), pad_row=runner.pad_row, use_graphs=False)
+    gr = runner.pipeline.use_graphs(runner.opts.most_rows, runner.pad_row, batch_sizes=(1, 2, 4, 8, 16, 32),
+                                    capture=False)
     assert gr.max_bs == 16
     plain = Engine(EngineConfig(model=str(dirs["target"]), page_size=4, max_running_requests=4)).workers.runner
-    assert CudaGraphRunner(plain, batch_sizes=(1, 2, 4, 8, 16, 32), use_graphs=False).max_bs == 4
+    assert plain.pipeline.use_graphs(plain.opts.most_rows, plain.pad_row, batch_sizes=(1, 2, 4, 8, 16, 32),
+                                     capture=False).max_bs == 4
 
 
 def test_mla_target_and_draft(tmp_path_factory):

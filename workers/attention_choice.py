@@ -36,13 +36,10 @@ def make_attention_backend(
         logger.info("embedding fast path (no KV-cache write or read): %s", skip)
     if opts.attention_backend == "mla" and not use_mla:
         raise ValueError("attention backend 'mla' serves MLA models only; this checkpoint has none")
-    if use_mla and opts.attention_backend == "mla":
-        from attention.mla import MLAAttentionBackend
-
-        backend: AttentionBackend = MLAAttentionBackend(opts.page_size, device=device.type)
-    elif opts.attention_backend == "reference":
+    backend: AttentionBackend
+    if opts.attention_backend == "reference":
         backend = TorchReferenceBackend(opts.page_size, skip_kv_cache=skip)
-    else:  # "flash": MHA/GQA layers, and MLA layers (use_mla) over the latent cache
+    else:  # "flash" (or "mla"): MHA/GQA layers, and MLA layers (use_mla) over the latent cache
         backend = FlashAttentionBackend(opts.page_size, skip_kv_cache=skip, device=device.type, use_mla=use_mla)
     backend.check_capabilities(use_mla=use_mla, page_size=opts.page_size, cuda_graph=False)
     return backend

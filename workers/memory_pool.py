@@ -9,8 +9,12 @@ scheduler's decisions (`ReqToTokenPool.write`). Page 0 is reserved: padded entri
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from workers.model_config import ModelConfig
 
 
 class ReqToTokenPool:
@@ -132,3 +136,23 @@ class MLATokenToKVPool(KVPool):
         buf[loc, 0, : self.kv_lora_rank] = kv_latent.to(self.dtype)
         buf[loc, 0, self.kv_lora_rank :] = k_rope.to(self.dtype)
         self.write_count += 1
+
+
+def kv_bytes_per_token(mc: ModelConfig, tp_size: int) -> int:
+    """Bytes of K/V one token takes in this rank's pool of model `mc` (its full-attention layers:
+    a hybrid model's linear layers keep no KV)."""
+    layers, item = len(mc.full_attn_layers), mc.dtype.itemsize
+    if mc.use_mla:
+        return (mc.hf_config.kv_lora_rank + mc.hf_config.qk_rope_head_dim) * item * layers
+    return mc.per_rank_kv_heads(tp_size) * 2 * mc.head_dim * item * layers
+
+
+def make_kv_pool(mc: ModelConfig, tp_size: int, num_pages: int, page_size: int, device) -> KVPool:
+    """This rank's KV pool of model `mc`: `num_pages` pages (page 0 reserved) of its
+    full-attention layers, in the model's dtype."""
+    layers = len(mc.full_attn_layers)
+    if mc.use_mla:
+        return MLATokenToKVPool(num_pages, page_size, layers, mc.hf_config.kv_lora_rank,
+                                mc.hf_config.qk_rope_head_dim, mc.dtype, device)
+    return MHATokenToKVPool(num_pages, page_size, layers, mc.per_rank_kv_heads(tp_size), mc.head_dim, mc.dtype,
+                            device)

@@ -34,18 +34,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import fields, replace
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from workers.cuda_graph import CudaGraphRunner
-from workers.forward_batch import ForwardBatch, ForwardMode
 from workers.loader import load_model
-from workers.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
+from workers.memory_pool import make_kv_pool
 from workers.messages import StepResult, TokenLogprobs
 from workers.model_config import ModelConfig
+from workers.pipeline import ModelPipeline
 from workers.rejection_sampler import (
     DRAFT_SALT,
     VERIFY_SALT,
@@ -56,85 +55,24 @@ from workers.rejection_sampler import (
     row_generators,
 )
 from workers.sampler import LOGPROB_FLOOR, RequestSamplingState
+from workers.spec_inputs import SpecRound
 from workers.spec_messages import SpecStepPlan, SpecStepResult
 
 if TYPE_CHECKING:
+    from workers.forward_batch import ForwardBatch
     from workers.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(mc: ModelConfig, tp_size: int) -> int:
-    """Bytes of K/V one token takes in this rank's pool of model `mc`."""
-    item = mc.dtype.itemsize
-    if mc.use_mla:
-        return (mc.hf_config.kv_lora_rank + mc.hf_config.qk_rope_head_dim) * item * mc.num_layers
-    return mc.per_rank_kv_heads(tp_size) * 2 * mc.head_dim * item * mc.num_layers
-
-
-def make_kv_pool(mc: ModelConfig, tp_size: int, num_pages: int, page_size: int, device) -> KVPool:
-    if mc.use_mla:
-        return MLATokenToKVPool(num_pages, page_size, mc.num_layers, mc.hf_config.kv_lora_rank,
-                                mc.hf_config.qk_rope_head_dim, mc.dtype, device)
-    return MHATokenToKVPool(num_pages, page_size, mc.num_layers, mc.per_rank_kv_heads(tp_size), mc.head_dim,
-                            mc.dtype, device)
-
-
-def as_decode_rows(fb: ForwardBatch, positions_cpu: list[int]) -> ForwardBatch:
-    """A ragged batch (TARGET_VERIFY, DRAFT_EXTEND_V2) as one DECODE row per new token, for the
-    decode CUDA graphs. The token at position p reads keys 0..p of its request: p + 1 keys, i.e.
-    row j of request i reads prefix_i + j + 1 (the prefix and the rows before it, which the same
-    forward writes first). Over a request's rows that ends at prefix_i + extend_i, the extent
-    `fb.cache_lens_cpu()` gives in every mode."""
-    assert fb.extend_seq_lens is not None
-    T = fb.num_tokens
-    return ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
-        batch_size=T,
-        input_ids=fb.input_ids,
-        positions=fb.positions,
-        req_pool_indices=fb.req_pool_indices.repeat_interleave(fb.extend_seq_lens.long(), output_size=T),
-        seq_lens=(fb.positions + 1).to(torch.int32),
-        seq_lens_cpu=torch.tensor(positions_cpu, dtype=torch.int32) + 1,
-        out_cache_loc=fb.out_cache_loc,
-        req_to_token_pool=fb.req_to_token_pool,
-        kv_pool=fb.kv_pool,
-        attn_backend=fb.attn_backend,
-    )
-
-
-def ragged_logits(runner, fb: ForwardBatch, positions_cpu: list[int],
-                  select: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits of a ragged batch run on `runner` (the target's ModelRunner or a DraftRunner):
-    every token's ([T, V']), or those of the tokens `select` indexes. Every rank must call it."""
-    gr = runner.graph_runner
-    if gr is not None and fb.num_tokens <= gr.max_bs:
-        _, logits = gr.replay(as_decode_rows(fb, positions_cpu))
-        return logits if select is None else logits[select]
-    runner.attn_backend.init_forward_metadata(fb)
-    hidden = runner.model(fb.input_ids, fb.positions, fb)
-    return runner.model.compute_logits(hidden if select is None else hidden[select])
-
-
-def decode_logits(runner, fb: ForwardBatch) -> torch.Tensor:
-    """Logits [B, V'] of a decode batch on `runner` (graph replay when one fits)."""
-    gr = runner.graph_runner
-    if gr is not None and gr.can_run(fb):
-        return gr.replay(fb)[1]
-    runner.attn_backend.init_forward_metadata(fb)
-    return runner.model.compute_logits(runner.model(fb.input_ids, fb.positions, fb))
-
-
 class DraftRunner:
-    """The draft model on one rank. Attribute names follow `ModelRunner` (`model`, `kv_pool`,
-    `attn_backend`, `req_to_token_pool`, `graph_runner`, `opts`, `device`) so that a
-    `CudaGraphRunner` captures it as it captures the target."""
+    """The draft model on one rank: a second `ModelPipeline` beside the target's, over the same
+    request table, and the speculative round that runs both."""
 
     def __init__(self, target: ModelRunner):
         opts = target.opts
         assert opts.speculative_draft_model is not None
         self.target = target
-        self.opts = opts
         self.device = target.device
         self.tp = target.tp
         self.num_tokens = opts.speculative_num_tokens
@@ -160,12 +98,7 @@ class DraftRunner:
                                  "linear-attention layers")
         self.model_config = mc
         self.model = load_model(mc, self.tp, self.device, mc.dtype)
-        self.kv_bytes_per_token = kv_bytes_per_token(mc, self.tp.size)
-        # Set by attach(), once the target's pools exist.
-        self.kv_pool: KVPool | None = None
-        self.attn_backend = None
-        self.req_to_token_pool = None
-        self.graph_runner: CudaGraphRunner | None = None
+        self.pipeline: ModelPipeline | None = None  # attach(), once the target's pools exist
         logger.info("draft model %s (%d layers), %d draft tokens per round",
                     opts.speculative_draft_model, mc.num_layers, self.num_tokens)
 
@@ -175,100 +108,38 @@ class DraftRunner:
 
         t = self.target
         mc = self.model_config
-        self.req_to_token_pool = t.req_to_token_pool
-        self.kv_pool = make_kv_pool(mc, self.tp.size, t.kv_pool.num_pages, t.opts.page_size, self.device)
-        self.attn_backend = make_attention_backend(t.opts, mc.use_mla, self.device, t.serving)
-        if t.graph_runner is not None and self.attn_backend.supports_cuda_graph:
-            self.graph_runner = CudaGraphRunner(self, pad_row=t.pad_row)
-            self.graph_runner.capture()
+        kv_pool = make_kv_pool(mc, self.tp.size, t.kv_pool.num_pages, t.opts.page_size, self.device)
+        backend = make_attention_backend(t.opts, mc.use_mla, self.device, t.serving)
+        self.pipeline = ModelPipeline(self.model, kv_pool=kv_pool, attn_backend=backend,
+                                      req_to_token_pool=t.req_to_token_pool, device=self.device,
+                                      page_size=t.opts.page_size)
+        if t.pipeline.graphs is not None and backend.supports_cuda_graph:
+            self.pipeline.use_graphs(t.opts.most_rows, t.pad_row)
 
     # ---------------- prefill: the draft follows the target ----------------
     def follow(self, fb: ForwardBatch) -> None:
         """Run the draft over the batch the target just ran, writing its K/V at the same slots
         (the request table was written by the target's batch)."""
-        dfb = replace(fb, kv_pool=self.kv_pool, attn_backend=self.attn_backend, extras={})
-        if self.graph_runner is not None and self.graph_runner.can_run(dfb):
-            self.graph_runner.replay(dfb)
-            return
-        self.attn_backend.init_forward_metadata(dfb)
-        self.model(dfb.input_ids, dfb.positions, dfb)
+        assert self.pipeline is not None
+        self.pipeline.forward(self.pipeline.inputs.rebind(fb))
 
     # ---------------- one speculative round ----------------
     def verify(self, plan: SpecStepPlan, t_start: float, base: StepResult) -> SpecStepResult:
         """One round; `base` is the step's result so far (whatever ran before the forward)."""
-        t = self.target
-        dev = self.device
-        reqs = plan.reqs
-        B, K = len(reqs), plan.num_draft_tokens
-        catch = [len(r.input_ids) for r in reqs]  # tokens the draft writes now (>= 1)
-        dprefix = [r.prefix_len for r in reqs]  # the draft's cached length before them
-        prefix = [d + c - 1 for d, c in zip(dprefix, catch)]  # the target's (t0's position)
-        c_pos_cpu = [d + j for d, c in zip(dprefix, catch) for j in range(c)]
-        v_pos_cpu = [p + j for p in prefix for j in range(K + 1)]
-        Tc, Tv = len(c_pos_cpu), len(v_pos_cpu)
-        for r, c in zip(reqs, catch):
-            assert len(r.out_cache_loc) == c + K, (r.rid, len(r.out_cache_loc), c, K)
-        # One host buffer, one host-to-device copy; the fields are views of it.
-        host = torch.tensor(
-            [tok for r in reqs for tok in r.input_ids] + c_pos_cpu
-            + [s for r, c in zip(reqs, catch) for s in r.out_cache_loc[:c]]
-            + v_pos_cpu + [s for r, c in zip(reqs, catch) for s in r.out_cache_loc[c - 1:]]
-            + [r.req_pool_idx for r in reqs] + dprefix + catch + prefix,
-            dtype=torch.long,
-        )
-        packed = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
-        c_ids, c_pos, c_slots, v_pos, v_slots, rows, dprefix_t, catch_t, prefix_t = packed.split(
-            [Tc, Tc, Tc, Tv, Tv, B, B, B, B])
-        # Slots of every position of the round, before any attention reads the table.
-        r2t = t.req_to_token_pool.req_to_token
-        r2t[rows.repeat_interleave(catch_t, output_size=Tc), c_pos] = c_slots.to(torch.int32)
-        r2t[rows.repeat_interleave(K + 1, output_size=Tv), v_pos] = v_slots.to(torch.int32)
-
-        states = [t.states[r.rid] for r in reqs]
+        t, draft = self.target, self.pipeline
+        assert draft is not None
+        rnd = SpecRound.pack(plan, t.pipeline.inputs)
+        states = [t.states[r.rid] for r in plan.reqs]
         sampled = [i for i, s in enumerate(states) if not s.params.greedy]
         q_rows: list[torch.Tensor] = []  # rank 0: per draft step, [len(sampled), V]
-
-        # 1. DRAFT_EXTEND_V2: seq_lens is the prefix *before* the write; reads prefix + extend.
-        catch_i32 = catch_t.to(torch.int32)
-        start = torch.nn.functional.pad(torch.cumsum(catch_i32, 0, dtype=torch.int32), (1, 0))
-        last = start[1:].long() - 1
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.DRAFT_EXTEND_V2, batch_size=B, input_ids=c_ids, positions=c_pos,
-            req_pool_indices=rows, seq_lens=dprefix_t.to(torch.int32),
-            seq_lens_cpu=torch.tensor(dprefix, dtype=torch.int32), out_cache_loc=c_slots,
-            extend_seq_lens=catch_i32, extend_seq_lens_cpu=catch, extend_prefix_lens=dprefix_t.to(torch.int32),
-            extend_prefix_lens_cpu=dprefix, extend_start_loc=start, logits_indices=last,
-            req_to_token_pool=t.req_to_token_pool, kv_pool=self.kv_pool, attn_backend=self.attn_backend,
-        )
-        drafts = [self._propose(ragged_logits(self, fb, c_pos_cpu, last), states, sampled, 0, q_rows)]
-
-        # 2. K - 1 draft decode steps: draft j at position L + j.
-        v_slots_2d = v_slots.view(B, K + 1)
-        prefix_i32 = prefix_t.to(torch.int32)
-        for j in range(1, K):
-            fb = ForwardBatch(
-                forward_mode=ForwardMode.DECODE, batch_size=B, input_ids=drafts[-1], positions=prefix_t + j,
-                req_pool_indices=rows, seq_lens=prefix_i32 + (j + 1),
-                seq_lens_cpu=torch.tensor([p + j + 1 for p in prefix], dtype=torch.int32),
-                out_cache_loc=v_slots_2d[:, j], req_to_token_pool=t.req_to_token_pool,
-                kv_pool=self.kv_pool, attn_backend=self.attn_backend,
-            )
-            drafts.append(self._propose(decode_logits(self, fb), states, sampled, j, q_rows))
+        # 1. DRAFT_EXTEND_V2 gives draft 1; 2. K - 1 draft decode steps give drafts 2..K.
+        drafts = [self._propose(draft.run(rnd.draft_extend(draft.inputs)), states, sampled, 0, q_rows)]
+        for j in range(1, rnd.K):
+            fb = rnd.draft_decode(draft.inputs, j, drafts[-1])
+            drafts.append(self._propose(draft.run(fb), states, sampled, j, q_rows))
         draft_ids = torch.stack(drafts, dim=1)  # [B, K]
-
-        # 3. TARGET_VERIFY: t0 and the K drafts at positions L .. L + K; logits of every one.
-        v_ids = torch.cat([c_ids[last].unsqueeze(1), draft_ids], dim=1).reshape(-1)
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=B, input_ids=v_ids, positions=v_pos,
-            req_pool_indices=rows, seq_lens=prefix_i32 + (K + 1),
-            seq_lens_cpu=torch.tensor([p + K + 1 for p in prefix], dtype=torch.int32), out_cache_loc=v_slots,
-            extend_seq_lens=torch.full((B,), K + 1, dtype=torch.int32, device=dev), extend_seq_lens_cpu=[K + 1] * B,
-            extend_prefix_lens=prefix_i32, extend_prefix_lens_cpu=prefix,
-            extend_start_loc=torch.arange(B + 1, dtype=torch.int32, device=dev) * (K + 1), logits_indices=None,
-            req_to_token_pool=t.req_to_token_pool, kv_pool=t.kv_pool, attn_backend=t.attn_backend,
-        )
-        logits = ragged_logits(t, fb, v_pos_cpu)
-
+        # 3. TARGET_VERIFY: the target scores t0 and the K drafts.
+        logits = t.pipeline.run(rnd.verify(t.pipeline.inputs, draft_ids))
         result = SpecStepResult(**{f.name: getattr(base, f.name) for f in fields(base)})
         if t.sampler is not None:  # 4. rank 0 decides
             self._accept(plan, states, sampled, logits, draft_ids, q_rows, result)

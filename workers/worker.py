@@ -29,23 +29,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def attention_description(backend) -> str:
-    """The attention backend and the kernels it chose at start-up, as `manta serve` logs them."""
-    from attention.flash import FlashAttentionBackend
-    from attention.mla import MLAAttentionBackend
-
-    if isinstance(backend, MLAAttentionBackend):
-        return f"{backend.name}: {backend.kernel}"
-    if isinstance(backend, FlashAttentionBackend):
-        return f"{backend.name}{' (MLA)' if backend.use_mla else ''}: {backend.kernels.description}"
-    from attention.hybrid_linear import HybridLinearAttnBackend
-
-    if isinstance(backend, HybridLinearAttnBackend):
-        full, linear = backend.full_attn_backend, backend.linear_attn_backend
-        return f"{backend.name}: {attention_description(full)} + {attention_description(linear)}"
-    return backend.name  # the torch reference backend has no kernel choice
-
-
 class RankWorker:
     """Plain class; `workers.ray_group` wraps it with `ray.remote`. Also usable in-process."""
 
@@ -89,7 +72,7 @@ class RankWorker:
             tp = TPGroup(self.rank, self.world_size)
         self.runner = ModelRunner(self.opts, tp)
         return {"num_pages": self.runner.num_pages, "model_config": self.runner.model_config,
-                "attention": attention_description(self.runner.attn_backend)}
+                "attention": self.runner.attn_backend.describe()}
 
     def execute(self, msg: StepPlan | OverlapCall) -> StepResult | None:
         assert self.runner is not None, "init() first"

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-ATTENTION_BACKENDS = ("flash", "reference", "mla")  # mla: the dedicated MLA backend (MLA models only)
+ATTENTION_BACKENDS = ("flash", "reference", "mla")  # mla: flash, checked to be an MLA model
 KV_WRITE_POLICIES = ("write_back_selective", "write_back", "write_through_selective", "write_through")  # cluster/engine/kv_offload.py
 KV_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
