@@ -8,9 +8,9 @@ matrix product issues its first weight loads), and calls `wait` before it touche
 any earlier kernel writes or reads; `wait` returns once the predecessor has finished and its
 writes are visible, so the stream's order is kept for everything after it.
 
-`enabled(device)` is the switch (compute capability 9+, not under Triton's interpreter, and
-`MANTA_PDL` not "0" — a benchmark knob); kernels take it as a constexpr and pass it as their
-launch's `launch_pdl`.
+`enabled(device)` is the switch (compute capability 9+, not under Triton's interpreter, and the
+kernel options' `pdl`, which `MANTA_PDL=0` turns off for per-kernel profiles); kernels take it
+as a constexpr and pass it as their launch's `launch_pdl`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from attention import kernel_options
+
 
 @functools.lru_cache(maxsize=8)
 def _capable(index: int) -> bool:
@@ -30,7 +32,7 @@ def _capable(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("MANTA_PDL") == "0":
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not kernel_options.current().pdl:
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

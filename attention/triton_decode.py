@@ -18,8 +18,8 @@ At one row (batch 1), under programmatic dependent launch, a program loads the l
 page-table entries and first block of keys and values before waiting for its predecessor: only
 the newest token's K/V row (written in this forward by the qkv product or the RoPE kernel) and q
 are read after the wait, so the cache reads overlap the end of the qkv product
-(`MANTA_DECODE_EARLY=0` waits first). Only at one row: speculative verification replays the
-decode graphs with one row per new token (`workers.spec_runner.as_decode_rows`), where a row
+(measured: BENCHMARKS.md). Only at one row: speculative verification replays the decode
+graphs with one row per new token (`workers.input_batch.InputBatch.decode_rows`), where a row
 reads tokens that other rows write in the same forward; one row reads only its own newest.
 
 The log-sum-exps are kept in base 2 (scores are pre-multiplied by log2(e)) and never leave
@@ -29,7 +29,6 @@ this module.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -102,8 +101,7 @@ def split_bounds(seq_len, split_id, num_splits, BLOCK_N: tl.constexpr):
 # Arguments that vary from step to step outside CUDA graphs (the split count and the eager page
 # table's width): not specialised on (Triton compiles a variant per value that is 1 or a multiple
 # of 16), so an eager step meets the variants the graphs compiled, not a ~1.3 s compile.
-# (`MANTA_DECODE_SPECIALIZE=1`, a benchmark knob, specialises on them again.)
-VARYING = [] if os.environ.get("MANTA_DECODE_SPECIALIZE") == "1" else ["num_splits", "stride_pb", "stride_lb", "stride_lh"]
+VARYING = ["num_splits", "stride_pb", "stride_lb", "stride_lh"]
 
 
 @triton.jit(do_not_specialize=VARYING)
@@ -382,7 +380,7 @@ def paged_decode(
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
         DOT_PREC=dot_precision(k_cache.dtype), PDL=use_pdl, MERGE=merge,
         BLOCK_S=block_s, BLOCK_G=block_g, CHUNK_S=min(block_s, max(1, 8192 // (block_g * block_dv))),
-        EARLY=use_pdl and batch == 1 and os.environ.get("MANTA_DECODE_EARLY") != "0",
+        EARLY=use_pdl and batch == 1,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
     if not merge:

@@ -4,8 +4,10 @@ and the `EngineConfig` they make (with the embedded default model when none is g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
+from attention.kernel_options import KernelOptions
 from cluster.engine.config import EngineConfig, default_cache_dir
 from cluster.kv_store_setup import add_kv_store_args, kv_store_config_from_args
 
@@ -42,11 +44,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--attention-backend", default="flash", choices=["flash", "reference", "mla"],
                    help="flash: MHA/GQA and MLA models (kernels chosen at start-up); reference: the torch "
-                        "reference (MHA/GQA); mla: the dedicated MLA backend (MLA models)")
+                        "reference (MHA/GQA); mla: flash, insisting on an MLA model")
     p.add_argument("--is-embedding", action="store_true")
     p.add_argument("--max-context-len", type=int, default=None)
     p.add_argument("--max-waiting", type=int, default=0)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch the decode kernels without programmatic dependent launch (per-kernel profiles; "
+                        "also MANTA_PDL=0)")
+    p.add_argument("--no-one-row-gemv", action="store_true",
+                   help="batch-1 products on the unfused torch ops, not the fused Triton GEMV (a baseline; "
+                        "also MANTA_GEMV=0)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="plan each step after the previous one's tokens are known")
     p.add_argument("--speculative-draft-model", default=None,
@@ -65,5 +73,8 @@ ENGINE_ARG_NAMES = (
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     model = args.model or str(default_model_dir())
+    env = KernelOptions.from_env()
+    kernels = dataclasses.replace(env, pdl=env.pdl and not args.no_pdl,
+                                  one_row_gemv=env.one_row_gemv and not args.no_one_row_gemv)
     return EngineConfig(model=model, **{k: getattr(args, k) for k in ENGINE_ARG_NAMES},
-                        **kv_store_config_from_args(args))
+                        **kv_store_config_from_args(args), kernels=kernels)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attention import kernel_options
+from attention.kernel_options import KernelOptions
 from workers import encoder_decoder
 from workers.attention_choice import make_attention_backend
 from workers.forward_batch import ForwardBatch, ForwardMode
@@ -71,6 +73,7 @@ class RunnerOptions:
     speculative_draft_model: str | None = None
     speculative_num_tokens: int = 4
     kv_offload: KVOffloadOptions | None = None  # the shared KV store; None: off
+    kernels: KernelOptions = field(default_factory=KernelOptions)  # installed on the rank at start
 
     @property
     def can_overlap(self) -> bool:
@@ -93,6 +96,7 @@ class ModelRunner:
 
     def __init__(self, opts: RunnerOptions, tp: TPGroup | None = None):
         self.opts = opts
+        kernel_options.install(opts.kernels)  # before any kernel is chosen or compiled
         self.tp = tp or TPGroup()
         self.device = torch.device(opts.device if opts.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         default_dtype = "float32" if self.device.type == "cpu" else None

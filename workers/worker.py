@@ -72,7 +72,7 @@ class RankWorker:
             tp = TPGroup(self.rank, self.world_size)
         self.runner = ModelRunner(self.opts, tp)
         return {"num_pages": self.runner.num_pages, "model_config": self.runner.model_config,
-                "attention": self.runner.attn_backend.describe()}
+                "attention": f"{self.runner.attn_backend.describe()} ({self.opts.kernels.describe()})"}
 
     def execute(self, msg: StepPlan | OverlapCall) -> StepResult | None:
         assert self.runner is not None, "init() first"

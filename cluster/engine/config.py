@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from attention.kernel_options import KernelOptions
+
 ATTENTION_BACKENDS = ("flash", "reference", "mla")  # mla: flash, checked to be an MLA model
 KV_WRITE_POLICIES = ("write_back_selective", "write_back", "write_through_selective", "write_through")  # cluster/engine/kv_offload.py
 KV_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -66,6 +68,9 @@ class EngineConfig:
     kv_prefetch_timeout_per_page_s: float = 0.002
     # write_back policies: seconds spent at shutdown saving the pages still cached.
     kv_drain_timeout_s: float = 3.0
+    # The kernels' options (attention/kernel_options.py): read from this process's environment
+    # once, when the config is made, and installed on every rank.
+    kernels: KernelOptions = dataclasses.field(default_factory=KernelOptions.from_env)
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:

@@ -97,6 +97,7 @@ def runner_options(config: EngineConfig) -> RunnerOptions:
         speculative_draft_model=config.speculative_draft_model,
         speculative_num_tokens=config.speculative_num_tokens,
         kv_offload=kv_offload_options(config),
+        kernels=config.kernels,
     )
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -47,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention import pdl
+from attention import kernel_options, pdl
 from attention.arrival import arrival_counters
 
 if TYPE_CHECKING:
@@ -217,7 +216,7 @@ def _gemv_kernel(
     ROPE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-    PDL: tl.constexpr, AHEAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -266,13 +265,9 @@ def _gemv_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + offs_k
         w_next = _load_tile(w_rows, cols + BLOCK_K, k0 + BLOCK_K < k_hi, k_hi, rmask, EVEN_N and EVEN_K)
-        if AHEAD:
-            n0, n1, n2 = _prologue_load(X, R, NW, cols + BLOCK_K, cols + BLOCK_K < k_hi, K, MODE, HAS_R)
-        else:  # MANTA_GEMV_AHEAD=0 (a benchmark knob): requested where used
-            p0, p1, p2 = _prologue_load(X, R, NW, cols, cols < k_hi, K, MODE, HAS_R)
+        n0, n1, n2 = _prologue_load(X, R, NW, cols + BLOCK_K, cols + BLOCK_K < k_hi, K, MODE, HAS_R)
         xv, sq_k = _prologue(p0, p1, p2, MODE, HAS_R)
-        if AHEAD:
-            p0, p1, p2 = n0, n1, n2
+        p0, p1, p2 = n0, n1, n2
         sq += sq_k
         if USE_DOT:
             xt = tl.where(pad_rows[:, None] == 0, xv[None, :], 0.0).to(w.dtype)
@@ -476,22 +471,21 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
         ADD_RES=add_to is not None, SQ_BLOCK=triton.next_power_of_2(n_sq), **rope_consts,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
-        PDL=use_pdl, AHEAD=os.environ.get("MANTA_GEMV_AHEAD") != "0",
+        PDL=use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
     )
     return (y, sq_out) if add_to is not None else (y, s)
 
 
 def _override(n: int, k: int) -> GemvConfig | None:
-    """`MANTA_GEMV_CONFIGS="NxK:block_n,block_k,split_k,num_warps;..."`: launches to try in a
-    whole model step (a benchmark knob; `bench_gemv` times one product alone, where a launch
-    that loads its whole slice of the weight before the PDL wait gains nothing)."""
-    for item in filter(None, os.environ.get("MANTA_GEMV_CONFIGS", "").split(";")):
-        shape, _, launch = item.partition(":")
-        if shape == f"{n}x{k}":
-            bn, bk, split, warps = (int(v) for v in launch.split(","))
-            return GemvConfig(bn, bk, split, warps, 3)
-    return None
+    """The kernel options' launch for this shape (`MANTA_GEMV_CONFIGS`): launches to try in a
+    whole model step (a tuning knob; `bench_gemv` times one product alone, where a launch that
+    loads its whole slice of the weight before the PDL wait gains nothing)."""
+    launch = kernel_options.current().gemv_launch(n, k)
+    if launch is None:
+        return None
+    bn, bk, split, warps = launch
+    return GemvConfig(bn, bk, split, warps, 3)
 
 
 @functools.lru_cache(maxsize=256)

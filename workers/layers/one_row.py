@@ -1,41 +1,32 @@
 """Entry points for a model's linear layers that fuse the op before them at batch 1 on CUDA.
 
 Each takes the unfused path's arguments and runs one `workers.layers.gemv` kernel when
-`applies` (one row, CUDA, bf16/fp16; `MANTA_GEMV=0` turns it off for comparisons), else the
+`applies` (one row, CUDA, bf16/fp16; the kernel options' `one_row_gemv`, which `MANTA_GEMV=0`
+turns off for comparisons), else the
 torch ops the CPU path and larger batches use. This module imports no Triton: the kernel module
 is imported on the first CUDA call.
 
 Without tensor parallelism down_proj also adds its output to the residual stream and sums its
 squares (`linear_add` -> `Summed`), and the next layer's qkv product normalises with those sums
-(`norm_linear`) instead of reading the whole row in every program (`MANTA_GEMV_ADD=0` turns this
-off for comparisons; o_proj's add stays in the norm kernel before gate/up, measured faster).
+(`norm_linear`) instead of reading the whole row in every program (o_proj's add stays in the
+norm kernel before gate/up, measured faster).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from attention import kernel_options
 from workers.layers import fused
 
 
 def enabled() -> bool:
-    """`MANTA_GEMV=0` keeps every one-row product on the unfused torch ops (a benchmark knob)."""
-    return os.environ.get("MANTA_GEMV") != "0"
-
-
-def adds_residual() -> bool:
-    """`MANTA_GEMV_ADD=0` keeps the residual add and the norm statistic out of the products."""
-    return os.environ.get("MANTA_GEMV_ADD") != "0"
-
-
-def fuses_rope() -> bool:
-    """`MANTA_GEMV_ROPE=0` keeps RoPE and the K/V write in their own kernel after the qkv product."""
-    return os.environ.get("MANTA_GEMV_ROPE") != "0"
+    """Off (`KernelOptions.one_row_gemv`): every one-row product on the unfused torch ops."""
+    return kernel_options.current().one_row_gemv
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -197,7 +197,7 @@ class LlamaDecoderLayer(nn.Module):
         row = x.row if isinstance(x, one_row.Summed) else x
         if one_row.applies(row, attn.qkv_proj.weight):  # batch 1 on CUDA: each norm and the SiLU in a product
             norm = self.input_layernorm
-            rope = attn.rope_kv_target(positions, fb, rotary, row.dtype) if one_row.fuses_rope() else None
+            rope = attn.rope_kv_target(positions, fb, rotary, row.dtype)
             if isinstance(x, one_row.Summed):
                 qkv, residual = one_row.norm_linear(x, norm.weight, norm.eps, *_wb(attn.qkv_proj), rope), x.row
             else:
@@ -224,7 +224,7 @@ class LlamaDecoderLayer(nn.Module):
         """down_proj adds to the residual stream in its kernel and sums its squares for the next
         layer's qkv product (one-row path): only without TP, where a rank's product is the
         whole output."""
-        return self.mlp.down_proj.tp.size == 1 and one_row.adds_residual()
+        return self.mlp.down_proj.tp.size == 1
 
 
 def _wb(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

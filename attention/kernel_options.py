@@ -1,0 +1,79 @@
+"""The kernel options of a rank: one frozen object, built once, logged at start-up.
+
+The engine builds it with its config (`KernelOptions.from_env`, overridden by `manta serve`'s
+`--no-pdl` / `--no-one-row-gemv`), passes it to every rank in `RunnerOptions.kernels`, and each
+rank installs it (`install`) before it loads its model; the kernels read `current()`. So the
+options of a replica are those of the process that started it, the same on every node, and no
+kernel reads the environment at a time of its own choosing.
+
+What is left to choose is what a user or a benchmark needs:
+- `one_row_gemv` (`MANTA_GEMV=0` turns it off): batch-1 products through the Triton GEMV with
+  its fused prologues and epilogues (`workers.layers.gemv`); off, the unfused torch ops (the
+  baseline a benchmark compares against).
+- `pdl` (`MANTA_PDL=0`): programmatic dependent launch of the decode kernels
+  (`attention.pdl`); off for per-kernel times in a profile.
+- `gemv_configs` (`MANTA_GEMV_CONFIGS="NxK:block_n,block_k,split_k,num_warps;..."`): launches to
+  try for given product shapes (tuning).
+Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
+GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+GemvLaunch = tuple[int, int, int, int]  # block_n, block_k, split_k, num_warps
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    one_row_gemv: bool = True
+    pdl: bool = True
+    gemv_configs: tuple[tuple[str, GemvLaunch], ...] = ()  # ("NxK", launch)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:
+        return cls(one_row_gemv=environ.get("MANTA_GEMV") != "0", pdl=environ.get("MANTA_PDL") != "0",
+                   gemv_configs=parse_gemv_configs(environ.get("MANTA_GEMV_CONFIGS", "")))
+
+    def gemv_launch(self, n: int, k: int) -> GemvLaunch | None:
+        shape = f"{n}x{k}"
+        return next((launch for s, launch in self.gemv_configs if s == shape), None)
+
+    def describe(self) -> str:
+        parts = [f"one-row GEMV {'on' if self.one_row_gemv else 'off'}", f"PDL {'on' if self.pdl else 'off'}"]
+        if self.gemv_configs:
+            parts.append("GEMV launches " + "; ".join(f"{s}:{','.join(map(str, c))}" for s, c in self.gemv_configs))
+        return ", ".join(parts)
+
+
+def parse_gemv_configs(text: str) -> tuple[tuple[str, GemvLaunch], ...]:
+    out = []
+    for item in filter(None, text.split(";")):
+        shape, _, launch = item.partition(":")
+        values = launch.split(",")
+        n, x, k = shape.partition("x")
+        if not (x and n.isdigit() and k.isdigit()) or len(values) != 4 or not all(v.isdigit() for v in values):
+            raise ValueError(f"MANTA_GEMV_CONFIGS item {item!r}: want NxK:block_n,block_k,split_k,num_warps")
+        out.append((shape, tuple(int(v) for v in values)))
+    return tuple(out)
+
+
+_current = KernelOptions()
+
+
+def install(options: KernelOptions) -> None:
+    """This process's kernels use `options` from now on (a rank, before it loads its model)."""
+    global _current
+    if options != _current:
+        logger.info("kernel options: %s", options.describe())
+    _current = options
+
+
+def current() -> KernelOptions:
+    return _current

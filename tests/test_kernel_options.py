@@ -1,0 +1,61 @@
+"""The kernel options: one frozen object, read from the environment (or `manta serve`'s flags)
+once, when the engine config is made, and installed on the rank that loads the model."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from attention import kernel_options
+from attention.kernel_options import KernelOptions
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
+from cluster.engine_args import add_engine_args, engine_config_from_args
+from tests.fixtures import tiny_model_dir
+from workers.layers import one_row
+
+
+def test_environment_is_read_once_into_a_frozen_object(monkeypatch):
+    env = {"MANTA_GEMV": "0", "MANTA_PDL": "0", "MANTA_GEMV_CONFIGS": "4096x4096:64,128,2,4;14336x4096:32,256,1,8"}
+    opts = KernelOptions.from_env(env)
+    assert (opts.one_row_gemv, opts.pdl) == (False, False)
+    assert opts.gemv_launch(4096, 4096) == (64, 128, 2, 4) and opts.gemv_launch(14336, 4096) == (32, 256, 1, 8)
+    assert opts.gemv_launch(4096, 14336) is None
+    assert "PDL off" in opts.describe() and "14336x4096:32,256,1,8" in opts.describe()
+    with pytest.raises(AttributeError):
+        opts.pdl = True  # type: ignore[misc]
+    assert KernelOptions.from_env({}) == KernelOptions()
+    # The config reads the environment when it is made, not when a kernel runs.
+    monkeypatch.setenv("MANTA_PDL", "0")
+    config = EngineConfig(model="m")
+    monkeypatch.setenv("MANTA_PDL", "1")
+    assert config.kernels.pdl is False
+
+
+@pytest.mark.parametrize("bad", ["4096x4096:64,128,2", "4096:64,128,2,4", "axb:1,2,3,4", "4096x4096:64,x,2,4"])
+def test_a_bad_launch_list_names_the_item(bad):
+    with pytest.raises(ValueError, match="MANTA_GEMV_CONFIGS item"):
+        KernelOptions.from_env({"MANTA_GEMV_CONFIGS": bad})
+
+
+def test_serve_flags_turn_options_off_over_the_environment(monkeypatch):
+    monkeypatch.delenv("MANTA_PDL", raising=False)
+    monkeypatch.delenv("MANTA_GEMV", raising=False)
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args([])).kernels == KernelOptions()
+    cfg = engine_config_from_args(p.parse_args(["--no-pdl", "--no-one-row-gemv"]))
+    assert (cfg.kernels.pdl, cfg.kernels.one_row_gemv) == (False, False)
+
+
+def test_the_rank_installs_the_engines_options(tmp_path_factory):
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    try:
+        Engine(EngineConfig(model=str(d), kernels=KernelOptions(one_row_gemv=False)))
+        assert kernel_options.current() == KernelOptions(one_row_gemv=False)
+        assert not one_row.enabled()
+        Engine(EngineConfig(model=str(d), kernels=KernelOptions()))
+        assert one_row.enabled()
+    finally:
+        kernel_options.install(KernelOptions())
