@@ -1,0 +1,318 @@
+"""The OpenAI-compatible endpoints' work, behind the HTTP app (`cluster.api.server`): per request,
+parse and check the body (`cluster.api.protocol`), tokenize once (the chat template for chat),
+build and validate one `SamplingParams` per choice, admit every choice (`Endpoints.open`: every
+admission error surfaces there, before a byte of the answer is sent), then merge the choices'
+outputs into one JSON body or one SSE stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from cluster.api import protocol as P
+from cluster.api.deadline import RequestTimedOut, stream_within, within
+from cluster.api.embeddings import EmbeddingRequest, check_dimensions, embedding_response
+from cluster.api.errors import APIError, as_api_error
+from cluster.api.metrics import ServerMetrics
+from cluster.api.shutdown import ShutdownGate
+from cluster.api.sse import SSE_DONE, ClientGone, SSEResponse, sse, until_disconnect
+from cluster.engine.client import ChoiceResult, EdgeTiming, FanOut, ServingClient
+from cluster.engine.request import RequestOutput
+from workers.sampling_params import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+
+def usage_of(choices: list[ChoiceResult], n: int) -> P.Usage:
+    """Prompt tokens count once per prompt (choices [k*n, (k+1)*n) share prompt k)."""
+    firsts = choices[::n]
+    return P.Usage.of(sum(c.prompt_tokens for c in firsts), sum(c.completion_tokens for c in choices),
+                      sum(c.cached_tokens for c in firsts))
+
+
+class Endpoints:
+    def __init__(self, client: ServingClient, metrics: ServerMetrics, gate: ShutdownGate):
+        self.client, self.metrics, self.gate = client, metrics, gate
+        self.created = int(time.time())
+        self.decode = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
+
+    def _decode_one(self, tok: int) -> str:
+        return self.client.tokenizer.decode([tok], skip_special_tokens=False)
+
+    # ---------------- request preparation ----------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.client.model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                           f"'{self.client.model_name}'", param="model", code="model_not_found")
+
+    def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.client.tokenizer(prompt).input_ids)
+        vocab = self.client.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", param=param)
+        return list(prompt)
+
+    @property
+    def _encoder_decoder(self) -> bool:
+        return bool(getattr(self.client, "is_encoder_decoder", False))
+
+    def default_max_tokens(self, n_prompt: int) -> int:
+        """What a request may generate when it names no limit."""
+        if self._encoder_decoder:  # the decoder starts from one token, whatever the prompt's length
+            return self.client.max_context_len - 1
+        return self.client.max_context_len - n_prompt
+
+    def check_context(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens",
+                      prompt_param: str = "prompt") -> None:
+        limit = self.client.max_context_len
+        if self._encoder_decoder:
+            # The prompt is the encoder's input; the decoder has positions of its own.
+            if n_prompt > limit:
+                raise APIError(400, f"This model's encoder takes at most {limit} tokens, but the prompt has "
+                               f"{n_prompt} tokens", param=prompt_param, code="context_length_exceeded")
+            if max_tokens is not None and 1 + max_tokens > limit:
+                raise APIError(400, f"This model's decoder context is {limit} tokens; you requested "
+                               f"{max_tokens} tokens to generate after its start token", param=param,
+                               code="context_length_exceeded")
+            return
+        if n_prompt >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
+                           f"has {n_prompt} tokens (at least one token must be generated)",
+                           param=prompt_param, code="context_length_exceeded")
+        if max_tokens is not None and n_prompt + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; you requested "
+                           f"{n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} to generate)",
+                           param=param, code="context_length_exceeded")
+
+    async def open(self, request: Request, jobs: list[tuple[list[int], SamplingParams]], rid: str,
+                   is_embedding: bool = False) -> FanOut:
+        def finished(out: RequestOutput, edge: EdgeTiming) -> None:
+            self.metrics.observe_finished(out.replica, out, edge)
+
+        def first_token(out: RequestOutput, ttft_s: float) -> None:
+            self.metrics.observe_first_token(out.replica, ttft_s)
+
+        try:
+            fan = await until_disconnect(request, within(request.state, FanOut.open(
+                self.client, list(jobs), rid, finished, is_embedding, arrival=request.state.arrival,
+                on_first_token=first_token)), self.gate)
+            self.gate.enter()  # left in close(): the shutdown waits for it, up to its deadline
+            return fan
+        except (ClientGone, RequestTimedOut) as exc:  # FanOut.open aborted what it had admitted
+            self.metrics.record_aborts("client_gone" if isinstance(exc, ClientGone) else "timeout", len(jobs))
+            raise
+
+    async def close(self, request: Request, fan: FanOut, client_gone: bool = False) -> None:
+        """Close `fan`, aborting its unfinished requests (their KV pages are freed at once), and
+        count them in `manta:request_aborts_total` by why they were cut short."""
+        if fan.closed:
+            return
+        unfinished = sum(1 for c in fan.choices if c.finish_reason is None)
+        if unfinished:
+            reason = ("timeout" if getattr(request.state, "timed_out", False)
+                      else "client_gone" if client_gone else "shutdown" if self.gate.stopped.is_set() else "error")
+            self.metrics.record_aborts(reason, unfinished)
+        await fan.aclose()
+        self.gate.leave()
+
+    async def collect(self, request: Request, fan: FanOut) -> list[ChoiceResult]:
+        """Every choice of `fan`, within the deadline and while the client waits; closes `fan`."""
+        gone = False
+        try:
+            return await until_disconnect(request, within(request.state, fan.collect()), self.gate)
+        except ClientGone:
+            gone = True
+            raise
+        finally:
+            await self.close(request, fan, gone)
+
+    async def answer(self, request: Request, fan: FanOut, stream: bool,
+                     events: Callable[[FanOut], AsyncIterator[str]],
+                     build: Callable[[list[ChoiceResult]], BaseModel | dict]) -> Response:
+        """Stream `events(fan)` as SSE, or collect the choices and return `build(choices)`."""
+        if stream:
+            return SSEResponse(self._guarded(stream_within(request.state, events(fan))),
+                                functools.partial(self.close, request, fan), self.gate)
+        body = build(await self.collect(request, fan))
+        return Response(body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body),
+                        media_type="application/json")
+
+    async def _guarded(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """An error after the stream started is one error event, then [DONE]."""
+        try:
+            async with contextlib.aclosing(events) as evs:  # type: ignore[type-var]
+                async for ev in evs:
+                    yield ev
+        except Exception as exc:
+            err = as_api_error(exc)
+            if err.status >= 500 and not isinstance(exc, APIError):
+                logger.exception("stream failed")
+            self.metrics.record_error(err.status)
+            yield sse(err.body())
+        yield SSE_DONE
+
+    # ---------------- /v1/completions ----------------
+    async def completions(self, request: Request, body: Any) -> Response:
+        req = parse_body(P.CompletionRequest, body)
+        req.check_supported()
+        self.check_model(req.model)
+        jobs = []
+        for ids in map(self.prompt_ids, req.prompts()):
+            for j in range(req.n):
+                params = req.sampling_params(seed_offset=j).validate(self.client.vocab_size)
+                self.check_context(len(ids), params.max_tokens)
+                jobs.append((ids, params))
+        cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.client.model_name
+        want_lp = req.logprobs is not None
+        fan = await self.open(request, jobs, cid)
+
+        async def events(fan: FanOut) -> AsyncIterator[str]:
+            offsets = [0] * len(jobs)
+            async for i, out in fan.outputs_ending_in_error():
+                if not (out.delta_text or out.delta_token_ids or out.finished):
+                    continue
+                lp = None
+                if want_lp:
+                    lp, offsets[i] = P.completion_logprobs(out.delta_token_ids, out.delta_logprobs,
+                                                           self.decode, offsets[i])
+                choice = P.CompletionChoice(index=i, text=out.delta_text, logprobs=lp,
+                                            finish_reason=out.finish_reason if out.finished else None)
+                usage = usage_of(fan.choices, req.n) if req.continuous_usage else None
+                yield sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[choice], usage=usage))
+            if req.include_usage:
+                yield sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[],
+                                             usage=usage_of(fan.choices, req.n)))
+
+        def build(choices: list[ChoiceResult]) -> P.CompletionResponse:
+            out = []
+            for i, c in enumerate(choices):
+                lp = P.completion_logprobs(c.token_ids, c.logprobs, self.decode, 0)[0] if want_lp else None
+                out.append(P.CompletionChoice(index=i, text=c.text, logprobs=lp, finish_reason=c.finish_reason))
+            return P.CompletionResponse(id=cid, created=created, model=model, choices=out,
+                                        usage=usage_of(choices, req.n))
+
+        return await self.answer(request, fan, req.stream, events, build)
+
+    # ---------------- /v1/chat/completions ----------------
+    async def chat(self, request: Request, body: Any) -> Response:
+        req = parse_body(P.ChatCompletionRequest, body)
+        req.check_supported()
+        self.check_model(req.model)
+        ids = P.render_chat(self.client.tokenizer, req.chat_dicts())
+        requested = req.requested_max_tokens()
+        self.check_context(len(ids), None, prompt_param="messages")
+        max_tokens = requested if requested is not None else self.default_max_tokens(len(ids))
+        jobs = []
+        for j in range(req.n):
+            try:
+                params = req.sampling_params(max_tokens, seed_offset=j).validate(self.client.vocab_size)
+            except SamplingParamsError as exc:
+                renamed = {"max_tokens": req.max_tokens_param, "logprobs": "top_logprobs"}.get(exc.param)
+                if renamed is None:
+                    raise
+                raise SamplingParamsError(renamed, str(exc).split(": ", 1)[-1]) from None
+            jobs.append((ids, params))
+        self.check_context(len(ids), max_tokens, req.max_tokens_param, "messages")
+        cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.client.model_name
+        fan = await self.open(request, jobs, cid)
+
+        def chunk(choices: list[P.ChatChunkChoice], usage: P.Usage | None = None) -> str:
+            return sse(P.ChatCompletionChunk(id=cid, created=created, model=model, choices=choices, usage=usage))
+
+        async def events(fan: FanOut) -> AsyncIterator[str]:
+            for i in range(len(jobs)):
+                yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))])
+            async for i, out in fan.outputs_ending_in_error():
+                if not (out.delta_text or out.delta_token_ids or out.finished):
+                    continue
+                lp = P.chat_logprobs(out.delta_token_ids, out.delta_logprobs, self.decode) if req.logprobs else None
+                yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(content=out.delta_text), logprobs=lp,
+                                               finish_reason=out.finish_reason if out.finished else None)],
+                            usage_of(fan.choices, req.n) if req.continuous_usage else None)
+            if req.include_usage:
+                yield chunk([], usage_of(fan.choices, req.n))
+
+        def build(choices: list[ChoiceResult]) -> P.ChatCompletionResponse:
+            out = [P.ChatChoice(index=i, message=P.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                                logprobs=P.chat_logprobs(c.token_ids, c.logprobs, self.decode) if req.logprobs else None)
+                   for i, c in enumerate(choices)]
+            return P.ChatCompletionResponse(id=cid, created=created, model=model, choices=out,
+                                            usage=usage_of(choices, req.n))
+
+        return await self.answer(request, fan, req.stream, events, build)
+
+    # ---------------- /v1/embeddings ----------------
+    async def embeddings(self, request: Request, body: Any) -> Response:
+        """One embedding request per input (prefill only, pooled on the ranks)."""
+        req = parse_body(EmbeddingRequest, body)
+        self.check_model(req.model)
+        limit, jobs = self.client.max_context_len, []
+        matryoshka = getattr(self.client, "matryoshka_dimensions", None)
+        size = getattr(self.client, "embedding_size", None)
+        if req.dimensions is not None and size is not None:  # refused before anything is computed
+            check_dimensions(req.dimensions, size, matryoshka)
+        params = SamplingParams(max_tokens=1).validate(self.client.vocab_size)
+        for i, ids in enumerate(self.prompt_ids(x, param="input") for x in req.inputs()):
+            if len(ids) > limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens, but input {i} "
+                               f"has {len(ids)} tokens", param="input", code="context_length_exceeded")
+            jobs.append((ids, params))
+        fan = await self.open(request, jobs, f"embd-{uuid.uuid4().hex}", is_embedding=True)
+        choices = await self.collect(request, fan)
+        out = embedding_response(req, choices, self.client.model_name, matryoshka)
+        return Response(out.model_dump_json(), media_type="application/json")
+
+    # ---------------- /generate (native) ----------------
+    async def generate(self, request: Request, body: Any) -> Response:
+        req = parse_body(P.GenerateRequest, body)
+        try:
+            params = req.params().validate(self.client.vocab_size)
+        except SamplingParamsError as exc:
+            if exc.param.startswith("sampling_params."):
+                raise
+            raise SamplingParamsError(f"sampling_params.{exc.param}", str(exc).split(": ", 1)[-1]) from None
+        except TypeError as exc:  # a sampling_params value of a type SamplingParams cannot take
+            raise APIError(400, f"invalid sampling_params: {exc}", param="sampling_params") from None
+        ids = self.prompt_ids(req.prompt())
+        self.check_context(len(ids), params.max_tokens, "sampling_params.max_tokens")
+        rid = req.rid or f"gen-{uuid.uuid4().hex}"
+        fan = await self.open(request, [(ids, params)], rid)
+
+        def meta(c: ChoiceResult, finish_reason: str | None) -> dict:
+            m = {"id": rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+                 "cached_tokens": c.cached_tokens, "finish_reason": finish_reason}
+            if params.logprobs is not None:
+                m["output_token_logprobs"] = [[lp.token_logprob if lp else None, t]
+                                              for t, lp in zip(c.token_ids, c.logprobs)]
+            return m
+
+        async def events(fan: FanOut) -> AsyncIterator[str]:
+            async for _, out in fan.outputs_ending_in_error():
+                if out.delta_text or out.delta_token_ids or out.finished:
+                    yield sse({"text": out.delta_text, "output_ids": out.delta_token_ids,
+                                "meta_info": meta(fan.choices[0], out.finish_reason if out.finished else None)})
+
+        def build(choices: list[ChoiceResult]) -> dict:
+            c = choices[0]
+            return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta(c, c.finish_reason)}
+
+        return await self.answer(request, fan, req.stream, events, build)
+
+
+def parse_body(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return model.model_validate(body)  # ValidationError -> 400 naming the field (as_api_error)
