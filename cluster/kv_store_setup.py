@@ -25,7 +25,7 @@ def ensure_kv_store(config: EngineConfig, timeout_s: float = 120.0):
     Call before replicas start, in the namespace the workers will run in."""
     import ray
 
-    from kvstore.store import get_or_create_store, lookup_store
+    from kvstore.actor import get_or_create_store, lookup_store
 
     if config.kv_store is None:
         return None, False

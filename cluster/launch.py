@@ -51,6 +51,7 @@ class ServingCluster:
         self._started_ray = False
         self._next = 0
         self.kv_store = None  # the store actor, when this cluster started it (stopped at shutdown)
+        self.infos: dict[str, dict] = {}  # replica name -> its info (start(), start_replica(), rebuild_router())
 
     def start(self) -> Router:
         opts = self.options
@@ -129,7 +130,7 @@ class ServingCluster:
         find it by name and register anew. True when it was started again."""
         if self.kv_store is None:
             return False
-        from kvstore.store import lookup_store
+        from kvstore.actor import lookup_store
 
         # Asked by name first: a store killed for good has lost its name, and is never called
         # (a call to a killed restartable actor asks the GCS to restart it for lineage
@@ -218,7 +219,6 @@ class ServingCluster:
                 logger.warning("rebuild_router: %s does not answer (%s)", actor_name, type(exc).__name__)
         if not found:
             raise RuntimeError("no live replica actor to build a router over")
-        self.infos = dict(getattr(self, "infos", {}))  # a ServingCluster that never ran start()
         opts = self.options
         first = next(iter(found.values()))[1]
         tokenizer = AutoTokenizer.from_pretrained(opts.engine.tokenizer or opts.engine.model)
@@ -287,7 +287,7 @@ def _log_replica(name: str, info: dict, strategy: str, nic: str | None) -> None:
 def _describe_kv_store() -> str:
     """Where the cluster's shared KV store keeps its pages, or why there is none."""
     try:
-        from kvstore.store import lookup_store
+        from kvstore.actor import lookup_store
     except ImportError as exc:
         return f"off (kvstore unavailable: {exc})"
     store = lookup_store()

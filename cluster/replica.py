@@ -29,20 +29,17 @@ from dataclasses import dataclass
 from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine, runner_options
 from cluster.engine.request import RequestOutput
-from cluster.engine.scheduler import QueueFull, RequestRejected
 from cluster.kv_store_setup import kv_store_stats
-from workers.sampling_params import SamplingParams, SamplingParamsError
+from workers.request_errors import RequestError
+from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 def admission_error(rid: str | None, exc: Exception) -> RequestOutput:
-    if isinstance(exc, (SamplingParamsError, RequestRejected)):
-        etype, param = "invalid_request", exc.param
-    elif isinstance(exc, QueueFull):
-        etype, param = "queue_full", None
-    else:
-        etype, param = "internal", None
+    """A refused admission as the router reads it: the `RequestError`'s kind, message and param
+    (anything else is "internal")."""
+    etype, param = (exc.kind, exc.param) if isinstance(exc, RequestError) else ("internal", None)
     return RequestOutput(rid or "", finished=True, finish_reason="error", error=str(exc),
                          error_type=etype, error_param=param)
 
@@ -152,7 +149,7 @@ class Replica:
             try:
                 engine.add_request(adm.prompt_ids, adm.params, None, rid=adm.rid, is_embedding=adm.is_embedding,
                                    group=adm.group)
-            except (SamplingParamsError, RequestRejected, QueueFull, ValueError) as exc:
+            except (RequestError, ValueError) as exc:
                 with self._cv:
                     self._owner.pop(adm.rid, None)
                 replies.append(admission_error(adm.rid, exc))

@@ -30,9 +30,9 @@ import ray
 
 from cluster.engine.client import HealthStatus, NoReplicaAvailable
 from cluster.engine.request import RequestOutput
-from cluster.engine.scheduler import QueueFull, RequestRejected
 from cluster.prefix_tree import PrefixTree
 from cluster.replica_client import ReplicaClient, ReplicaGone
+from workers.request_errors import QueueFull, RequestError
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -202,8 +202,8 @@ class Router:
 
     def _admission_failed(self, handle: ReplicaHandle, out: RequestOutput) -> str:
         """Raise for errors of the request itself; otherwise return why to retry elsewhere."""
-        if out.error_type == "invalid_request":
-            raise RequestRejected(out.error_param or "request", out.error or "invalid request")
+        if out.error_type == "invalid_request":  # the request's own fault: the same error, raised here
+            raise RequestError.of(out.error_type, out.error or "invalid request", out.error_param or "request")
         if out.error_type == "unavailable":
             self._mark_unhealthy(handle, out.error or "unavailable")
         elif out.error_type != "queue_full":

@@ -93,7 +93,7 @@ class ReplicaSupervisor:
                 self.stats.log(f"replica {name} died ({handle.reason}); starting a replacement")
         if self.stats.missing and (self._starting is None or self._starting.done()):
             self._starting = asyncio.create_task(self._replace())
-        if getattr(self.cluster, "kv_store", None) is not None and (
+        if self.cluster.kv_store is not None and (
                 self._store_check is None or self._store_check.done()):
             self._store_check = asyncio.create_task(self._restore_store())
 

@@ -18,9 +18,9 @@ import time
 
 import torch
 
+from kvstore.actor import get_or_create_store
 from kvstore.client import KVStoreClient
 from kvstore.keys import chain_keys, model_fingerprint
-from kvstore.store import get_or_create_store
 
 
 def _rate(nbytes: int, seconds: float) -> float:

@@ -37,12 +37,11 @@ from kvstore.keys import (
     chain_keys,
     check_layout,
     keys_per_page,
-    keys_per_replica_page,
     leading_pages,
-    replica_keys,
     store_keys,
     validate_keys,
 )
+from kvstore.messages import STORE_NAME, LocateReply, ReserveReply
 from kvstore.pages import (
     gather_pages,
     pool_device,
@@ -51,12 +50,10 @@ from kvstore.pages import (
     pool_page_bytes,
     scatter_pages,
 )
-from kvstore.store import STORE_NAME, LocateReply, ReserveReply
+from kvstore.store_link import FAILED, ClientCounters, StoreLink
 
 logger = logging.getLogger(__name__)
 
-_FAILED = object()  # a control call that failed (already counted as an error)
-WARN_EVERY_S = 10.0  # a failing store is logged once per burst, then this often
 
 
 def _serialized(method):
@@ -102,97 +99,6 @@ def agree_on_pages(tp_group, found: int) -> int:
     rank holds, so all ranks call this with their `batch_get`/`load_pages` count and use the
     result; pages past it are ignored (their slots are overwritten by the prefill)."""
     return tp_group.all_min_int(found)
-
-
-@dataclass
-class ClientCounters:
-    pages_written: int = 0  # pages this client wrote into the store
-    pages_present: int = 0  # pages batch_set found already stored (not sent again)
-    pages_backup_skipped: int = 0  # MLA pages a rank != 0 did not write
-    pages_read: int = 0  # pages loaded by batch_get / load_pages
-    hit_pages: int = 0  # == pages_read; hit_pages / query_pages is the store hit rate
-    query_pages: int = 0  # pages asked for by batch_get / load_pages
-    bytes_written: int = 0  # client -> store
-    bytes_read: int = 0  # store -> client
-    errors: int = 0  # failed calls, timeouts, failed transfers, bad checksums
-    corrupt: int = 0  # pages whose checksum failed after a read
-    write_errors: int = 0  # of `errors`, those of writes (batch_set, save_pages)
-    read_errors: int = 0  # of `errors`, those of reads (batch_get, load_pages)
-
-
-class StoreLink:
-    """A store actor handle with timeouts, error counting and re-lookup by name."""
-
-    def __init__(self, store, counters: ClientCounters, timeout_s: float, store_name: str,
-                 namespace: str | None, retry_interval_s: float):
-        self.store = store
-        self.counters = counters
-        self.timeout_s = timeout_s
-        self.store_name = store_name
-        self.namespace = namespace
-        self.retry_interval_s = retry_interval_s
-        self.generation = 0  # bumped whenever the handle changes (the client re-registers)
-        self._last_lookup = 0.0
-        self._failing = 0  # failed calls since the last success
-        self._warned_at = 0.0
-
-    def _lookup(self) -> bool:
-        now = time.monotonic()
-        if now - self._last_lookup < self.retry_interval_s:
-            return False
-        self._last_lookup = now
-        import ray
-
-        try:
-            handle = ray.get_actor(self.store_name, namespace=self.namespace)
-        except Exception:
-            return False
-        if self.store is not None and handle._actor_id == self.store._actor_id:
-            return False  # the same dead actor
-        self.store, self.generation = handle, self.generation + 1
-        return True
-
-    def call(self, method: str, *args):
-        """ray.get(store.method(*args)) within timeout_s, or _FAILED (counted)."""
-        import ray
-
-        for attempt in range(2):
-            if self.store is None and not self._lookup():
-                break
-            try:
-                reply = ray.get(getattr(self.store, method).remote(*args), timeout=self.timeout_s)
-                self._failing = 0
-                return reply
-            except ray.exceptions.GetTimeoutError:
-                self._warn(f"{method} timed out after {self.timeout_s:.1f}s")
-                break
-            except ray.exceptions.RayActorError:
-                if attempt == 0 and self._lookup():
-                    continue  # a new store answers under the name: try it once
-                self._warn(f"{method}: the store actor is unavailable")
-                break
-            except Exception as exc:  # the store refused (bad key) or failed
-                self._warn(f"{method} failed: {exc}")
-                break
-        self.counters.errors += 1
-        return _FAILED
-
-    def _warn(self, msg: str) -> None:
-        """Log the first failure of a burst, then one line every WARN_EVERY_S with the count."""
-        self._failing += 1
-        now = time.monotonic()
-        if self._failing == 1 or now - self._warned_at >= WARN_EVERY_S:
-            more = f" ({self._failing} failures in a row)" if self._failing > 1 else ""
-            logger.warning("kv store: %s%s", msg, more)
-            self._warned_at = now
-
-    def send(self, method: str, *args) -> None:
-        """Fire and forget (releases): never waits on the store."""
-        try:
-            if self.store is not None:
-                getattr(self.store, method).remote(*args)
-        except Exception:
-            pass
 
 
 class KVStoreClient:
@@ -261,7 +167,7 @@ class KVStoreClient:
         if not chain or not self._valid(chain):
             return 0
         flags = self.link.call("exists", store_keys(chain, self.layout, self.tp_rank))
-        return 0 if flags is _FAILED else leading_pages(flags, self.kpp)
+        return 0 if flags is FAILED else leading_pages(flags, self.kpp)
 
     # ---------------- raw page buffers ----------------
     @_serialized
@@ -401,7 +307,7 @@ class KVStoreClient:
         if self._registered_gen == self.link.generation and self._store_agent is not None:
             return True  # another thread did it while this one waited
         reply = self.link.call("register_client", self.name, self.agent.get_agent_metadata())
-        if reply is _FAILED:
+        if reply is FAILED:
             return False
         store_agent, metadata = reply
         if self._store_agent is not None:
@@ -419,13 +325,13 @@ class KVStoreClient:
         """A reserve/locate call; re-registers once when the store does not know us."""
         for _ in range(2):
             if not self._connect():
-                return _FAILED
+                return FAILED
             reply = self.link.call(method, self.name, *args)
             if reply is not None:
                 return reply
             self._registered_gen = -1  # a restarted store: register again
         self.counters.errors += 1
-        return _FAILED
+        return FAILED
 
     def _xfer(self, op: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]]) -> bool:
         """One NIXL transfer staging <-> store DRAM; False (counted) on error or deadline."""
@@ -464,7 +370,7 @@ class KVStoreClient:
         offsets = [i * self.page_bytes + sum(s[:j]) for i, s in enumerate(sizes) for j in range(len(s))]
         flat = [n for s in sizes for n in s]
         reply = self._data_call("reserve", keys, flat)
-        if reply is _FAILED:
+        if reply is FAILED:
             return False
         assert isinstance(reply, ReserveReply)
         local, remote, sent, crcs = [], [], [], []
@@ -484,8 +390,8 @@ class KVStoreClient:
             return False
         else:
             committed = self.link.call("commit", self.name, reply.lease, sent, crcs)
-            if committed is _FAILED or committed != len(sent):
-                if committed is not _FAILED:
+            if committed is FAILED or committed != len(sent):
+                if committed is not FAILED:
                     self.counters.errors += 1
                 return False
         self.counters.bytes_written += sum(n for _, n, _ in local)
@@ -503,7 +409,7 @@ class KVStoreClient:
         the expected key sizes (`sizes[i]` per page)."""
         keys = store_keys(chain, self.layout, self.tp_rank)
         reply = self._data_call("locate", keys)
-        if reply is _FAILED:
+        if reply is FAILED:
             return 0
         assert isinstance(reply, LocateReply)
         n = len(reply.locs) // self.kpp
@@ -551,88 +457,3 @@ class KVStoreClient:
             except Exception:
                 pass
             self.agent = None
-
-
-class PendingProbe:
-    """A store lookup in flight (`StoreProbe.start`): `done()` never waits; `pages()` once done."""
-
-    def __init__(self, probe: StoreProbe, future, per_page: int, started: float):
-        self.probe, self.future, self.per_page, self.started = probe, future, per_page, started
-
-    def done(self) -> bool:
-        return self.future is None or self.future.done()
-
-    def pages(self) -> int:
-        """Leading pages every rank can load (0 when the lookup failed: counted as an error)."""
-        if self.future is None:
-            return 0
-        try:
-            n = self.future.result(timeout=0)
-        except Exception as exc:
-            self.probe.failed(exc)
-            return 0
-        pages = n // self.per_page
-        self.probe.counters.hit_pages += pages
-        return pages
-
-    def abandon(self) -> None:
-        """Give up waiting (too slow): counted as an error, read as a miss."""
-        if self.future is not None and not self.future.done():
-            self.probe.failed(TimeoutError("store lookup"))
-            self.future.cancel()
-
-
-class StoreProbe:
-    """The scheduler's control-only view (no NIXL, no staging): how many leading pages of a
-    prefix every rank of a replica can load. Per page it needs all ranks' keys: MHA 2 * tp,
-    MLA 1 (`keys.keys_per_replica_page`). `count` waits for the answer; `start` does not (the
-    scheduler asks when a request arrives and reads the answer when it admits it)."""
-
-    def __init__(self, store, layout: str, tp_size: int, *, timeout_s: float = 2.0,
-                 store_name: str = STORE_NAME, namespace: str | None = None, retry_interval_s: float = 1.0):
-        self.layout = check_layout(layout)
-        self.tp_size = tp_size
-        self.counters = ClientCounters()
-        self.link = StoreLink(store, self.counters, timeout_s, store_name, namespace, retry_interval_s)
-
-    def count(self, chain: Sequence[str]) -> int:
-        try:
-            validate_keys(chain)
-        except ValueError:
-            self.counters.errors += 1
-            return 0
-        if not chain:
-            return 0
-        self.counters.query_pages += len(chain)
-        keys = replica_keys(chain, self.layout, self.tp_size)
-        n = self.link.call("batch_exists_prefix", keys)
-        pages = 0 if n is _FAILED else n // keys_per_replica_page(self.layout, self.tp_size)
-        self.counters.hit_pages += pages
-        return pages
-
-    def start(self, chain: Sequence[str]) -> PendingProbe:
-        """Send the lookup of `chain` now, answer later (never waits, never raises)."""
-        per_page = keys_per_replica_page(self.layout, self.tp_size)
-        now = time.monotonic()
-        try:
-            validate_keys(chain)
-        except ValueError:
-            self.counters.errors += 1
-            return PendingProbe(self, None, per_page, now)
-        self.counters.query_pages += len(chain)
-        if not chain or (self.link.store is None and not self.link._lookup()):
-            return PendingProbe(self, None, per_page, now)
-        try:
-            ref = self.link.store.batch_exists_prefix.remote(replica_keys(chain, self.layout, self.tp_size))
-            return PendingProbe(self, ref.future(), per_page, now)
-        except Exception as exc:
-            self.failed(exc)
-            return PendingProbe(self, None, per_page, now)
-
-    def failed(self, exc: BaseException) -> None:
-        """A lookup failed: count it; a dead store is looked up again by name next time."""
-        import ray
-
-        self.counters.errors += 1
-        if isinstance(exc, ray.exceptions.RayActorError):
-            self.link.store = None

@@ -31,61 +31,18 @@ import os
 import threading
 import time
 import uuid
-import zlib
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.file_tier import HEADER_BYTES, SUFFIX, FileTier, file_bytes
+from kvstore.file_tier import FileTier
 from kvstore.keys import validate_key, validate_keys
+from kvstore.messages import STORE_NAME, LocateReply, PageLoc, ReserveReply, page_checksum
 from kvstore.ram_tier import RamTier
+from kvstore.store_files import Entry, StoreFiles
 
 logger = logging.getLogger(__name__)
 
-STORE_NAME = "manta-kvstore"
-__all__ = ["KVStore", "PageLoc", "ReserveReply", "LocateReply", "get_or_create_store", "lookup_store",
-           "page_checksum", "STORE_NAME", "HEADER_BYTES", "SUFFIX"]
-
-
-def page_checksum(*buffers) -> int:
-    """crc32 of the concatenated buffers (a page may span several slots)."""
-    crc = 0
-    for b in buffers:
-        crc = zlib.crc32(b, crc)
-    return crc
-
-
-@dataclass(frozen=True)
-class PageLoc:
-    key: str
-    size: int
-    checksum: int  # crc32 of the page; 0 in a reservation (the writer computes it)
-    regions: tuple[tuple[int, int], ...]  # (address, bytes) in the store's DRAM, in page order
-
-
-@dataclass(frozen=True)
-class ReserveReply:
-    agent: str  # the store's NIXL agent name (the regions are its memory)
-    lease: int  # pass to commit()
-    present: list[bool]  # key already stored or being written by another client: skip it
-    locs: list[PageLoc | None]  # where to write key i; None when present or refused (full)
-
-
-@dataclass(frozen=True)
-class LocateReply:
-    agent: str
-    lease: int  # release() it after the reads (it also expires after lease_s)
-    locs: list[PageLoc]  # the leading requested keys that are present, in order
-
-
-@dataclass(eq=False)
-class _Entry:
-    size: int
-    checksum: int
-    writer: str  # client name ("" when rebuilt from disk)
-    slots: list[int] | None = None  # RAM copy (sorted slot ids), None when only on file
-    on_file: bool = False
-    pins: int = 0  # read leases holding the RAM copy
 
 
 @dataclass
@@ -95,11 +52,11 @@ class _Lease:
     client: str
     deadline: float
     keys: list[str] = field(default_factory=list)
-    entries: list[_Entry] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
 
 
-class KVStore:
-    """Plain class; `get_or_create_store` wraps it into the named Ray actor.
+class KVStore(StoreFiles):
+    """Plain class; `kvstore.actor.get_or_create_store` wraps it into the named Ray actor.
 
     root: directory of the file tier (pages there survive a restart). ram_bytes / file_bytes:
     tier capacities. slot_bytes: RAM allocation unit (a page takes ceil(size / slot_bytes)
@@ -138,7 +95,7 @@ class KVStore:
         self.agent = nixl_agent(self.agent_name, config)
         # Registered with every backend that takes DRAM: UCX (clients) and POSIX (file tier).
         self.agent.register_memory([(self.ram.base, self.ram.capacity, 0, "")], "DRAM")
-        self.index: dict[str, _Entry] = {}
+        self.index: dict[str, Entry] = {}
         self.pending: dict[str, tuple[int, list[int], int]] = {}  # key -> (lease, slots, size)
         self.ram_lru: OrderedDict[str, None] = OrderedDict()
         self.files = FileTier(self.root, file_bytes, self.agent, self.agent_name, fsync)
@@ -273,7 +230,7 @@ class KVStore:
                     self.counters["corrupt"] += 1
                     self.ram.give(slots)
                     continue
-                self.index[key] = _Entry(size, int(crc), client, slots=slots)
+                self.index[key] = Entry(size, int(crc), client, slots=slots)
                 self.ram_lru[key] = None
                 self.dirty[key] = None
                 self.counters["pages_written"] += 1
@@ -296,7 +253,7 @@ class KVStore:
             for view in self.ram.views(slots, len(data)):
                 view[:] = memoryview(data)[off : off + len(view)]
                 off += len(view)
-            self.index[key] = _Entry(len(data), page_checksum(data), "put", slots=slots)
+            self.index[key] = Entry(len(data), page_checksum(data), "put", slots=slots)
             self.ram_lru[key] = None
             self.dirty[key] = None
             self.counters["pages_written"] += 1
@@ -315,8 +272,8 @@ class KVStore:
                 return None
             self._expire()
             lease = self._new_lease("read", client)
-            found: list[tuple[str, _Entry]] = []
-            loading: list[tuple[str, _Entry]] = []  # given RAM slots here, to be read from their files
+            found: list[tuple[str, Entry]] = []
+            loading: list[tuple[str, Entry]] = []  # given RAM slots here, to be read from their files
             for key in keys:
                 entry = self.index.get(key)
                 if entry is None:
@@ -452,7 +409,7 @@ class KVStore:
         if not entry.on_file:
             del self.index[key]
 
-    def _in_ram(self, key: str) -> _Entry | None:
+    def _in_ram(self, key: str) -> Entry | None:
         """The entry with a RAM copy (read from its file if needed), or None (missing, no room,
         or its file failed its checks and was deleted)."""
         entry = self.index.get(key)
@@ -497,68 +454,6 @@ class KVStore:
         self.counters["errors"] += 1
         self._delete(key)
 
-    # ---------------- file tier ----------------
-    def _write_file(self, key: str, entry: _Entry) -> bool:
-        """Copy a RAM page to its file, deleting least recently used files to make room (within
-        what the disk allows); False without writing while file writes back off."""
-        assert entry.slots is not None
-        if not self.files.writable():
-            return False
-        victims = self.files.victims(file_bytes(entry.size), keep=key)
-        if victims is None:
-            return False
-        for victim in victims:
-            dropped = self.index[victim]
-            dropped.on_file = False
-            self.files.remove(victim)
-            self.counters["file_evictions"] += 1
-            if dropped.slots is None:
-                del self.index[victim]
-        if not self.files.write(key, self.ram.regions(entry.slots, entry.size), entry.size, entry.checksum):
-            self.counters["errors"] += 1
-            self.counters["file_write_errors"] += 1
-            return False
-        entry.on_file = True
-        self.counters["files_written"] += 1
-        return True
-
-    def _read_file(self, key: str, entry: _Entry, slots: list[int]) -> bool:
-        if not self.files.read(key, self.ram.regions(slots, entry.size), entry.size, entry.checksum):
-            return False
-        if page_checksum(*self.ram.views(slots, entry.size)) != entry.checksum:
-            return False
-        self.counters["files_read"] += 1
-        return True
-
-    def _rebuild(self) -> None:
-        """Index the page files under root (a restart on the same directory)."""
-        found, broken = self.files.scan()
-        self.counters["corrupt"] += broken
-        for key, size, crc in found:
-            self.index[key] = _Entry(size, crc, "", on_file=True)
-        self.files.fit_to_disk(warn=True)  # never past the filesystem's reserve
-        if self.files.used > self.files.capacity:  # started with a smaller capacity, or a fuller disk
-            for victim in self.files.victims(0, keep="") or []:
-                self.files.remove(victim)
-                del self.index[victim]
-        if found:
-            logger.info("kv store: %d pages (%.1f MiB) found under %s", len(self.index),
-                        self.files.used / 2**20, self.root)
-
-    def _flush_some(self, limit: int) -> int:
-        """Write up to `limit` dirty pages to files; stops at the first that cannot be written
-        (the disk is full or failing: it and the rest stay dirty, for a later round). Returns
-        how many pages left the dirty list."""
-        done = 0
-        for key in list(self.dirty)[:limit]:
-            entry = self.index.get(key)
-            if entry is not None and entry.slots is not None and not entry.on_file:
-                if not self._write_file(key, entry):
-                    break
-            self.dirty.pop(key, None)
-            done += 1
-        return done
-
     def _progress(self) -> None:
         """Progress the UCX worker: the target side of a client's transfer (connection set-up,
         and every transfer over a transport that is not one-sided) needs it. ~10 kHz while a
@@ -573,58 +468,6 @@ class KVStore:
     def _recent_register(self) -> bool:
         return time.monotonic() - self._registered_at < 2.0
 
-    def _flusher(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            try:
-                while self.dirty and not self._stop.is_set():
-                    with self._lock:
-                        moved = self._flush_some(16)  # small batches: serving calls wait on the lock
-                    if not moved:
-                        break  # the disk refuses: try again next round
-            except Exception:
-                logger.exception("kv store flusher")
-
-
-# A resource Ray gives the head node alone.
-HEAD_NODE_RESOURCE = "node:__internal_head__"
-
-
-def get_or_create_store(root: str, *, name: str = STORE_NAME, namespace: str | None = None,
-                        detached: bool = False, **kwargs):
-    """The cluster's store actor, created with `kwargs` (KVStore's) if it does not exist yet.
-
-    An existing actor of that name is returned as is (its root and sizes win). Ray restarts it
-    whenever its process dies. The actor takes
-    no CPU from the scheduler's view (num_cpus=0): it mostly waits on memory copies. It runs on
-    the head node (Ray's `node:__internal_head__` resource): losing a worker node, which the
-    autoscaler does routinely, then never takes the store and its file tier with it; the head's
-    loss ends the cluster anyway."""
-    import ray
-
-    cls = ray.remote(KVStore)
-    # max_restarts: a store whose process dies (killed, OOM) is started again by Ray under the
-    # same name and handle; __init__ rebuilds the index from its files, and each client
-    # registers its NIXL agent with the new instance at its next call.
-    return cls.options(name=name, namespace=namespace, get_if_exists=True, num_cpus=0, max_restarts=-1,
-                       resources={HEAD_NODE_RESOURCE: 0.001},
-                       lifetime="detached" if detached else None).remote(root, **kwargs)
-
-
-def in_ray_cluster() -> bool:
-    """Whether this process is part of a Ray cluster (and so can reach a store actor)."""
-    import ray
-
-    return ray.is_initialized()
-
-
-def lookup_store(name: str = STORE_NAME, namespace: str | None = None):
-    """The named store actor's handle, or None when there is none."""
-    import ray
-
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return None
 
 
 def _node_id() -> str | None:

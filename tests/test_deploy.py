@@ -264,7 +264,7 @@ def live(tmp_path_factory):
     old_level = launch_logger.level
     launch_logger.setLevel(logging.INFO)
     # A KV store actor of the cluster, so that the start-up log has a location to report.
-    from kvstore.store import get_or_create_store
+    from kvstore.actor import get_or_create_store
 
     kv_root = tmp_path_factory.mktemp("kvstore")
     store = get_or_create_store(str(kv_root), ram_bytes=8 << 20, file_bytes=64 << 20)

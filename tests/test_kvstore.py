@@ -17,11 +17,13 @@ import ray
 import torch
 
 from kvstore import keys as K
+from kvstore.actor import get_or_create_store
 from kvstore.bench import bench_store
-from kvstore.client import KVStoreClient, StoreProbe, agree_on_pages
+from kvstore.client import KVStoreClient, agree_on_pages
+from kvstore.file_tier import HEADER_BYTES, SUFFIX
 from kvstore.file_tier import file_bytes as page_file_bytes
 from kvstore.pages import pool_page_bytes
-from kvstore.store import HEADER_BYTES, SUFFIX, get_or_create_store
+from kvstore.probe import StoreProbe
 from workers.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from workers.parallel import TPGroup
 

@@ -17,8 +17,8 @@ from cluster.engine.kv_offload import SchedulerKVOffload
 from cluster.engine.request import Request
 from cluster.engine.scheduler import Scheduler
 from cluster.kv_store_setup import kv_store_stats
-from kvstore.client import ClientCounters
 from kvstore.keys import chain_keys, rank_keys
+from kvstore.store_link import ClientCounters
 from workers.forward_batch import ForwardMode
 from workers.messages import StepResult
 from workers.sampling_params import SamplingParams
@@ -343,7 +343,8 @@ _held: list = []
 
 
 def start_store(root, **kw):
-    from kvstore.store import STORE_NAME, get_or_create_store
+    from kvstore.actor import get_or_create_store
+    from kvstore.messages import STORE_NAME
 
     kw = {"ram_bytes": 8 << 20, "file_bytes": 64 << 20, "slot_bytes": 4096, "flush_interval_s": None, **kw}
     deadline = time.monotonic() + 120
@@ -360,7 +361,8 @@ def start_store(root, **kw):
 
 
 def kill_store() -> None:
-    from kvstore.store import STORE_NAME, lookup_store
+    from kvstore.actor import lookup_store
+    from kvstore.messages import STORE_NAME
     from tests.fixtures import kill_named_actor
 
     store = lookup_store()
@@ -402,13 +404,13 @@ def wait_for(cond, timeout=60.0, what="condition"):
 
 
 def store_keys() -> list[str]:
-    from kvstore.store import lookup_store
+    from kvstore.actor import lookup_store
 
     return ray.get(lookup_store().keys.remote())
 
 
 def page_file(root: Path, key: str) -> Path:
-    from kvstore.store import SUFFIX
+    from kvstore.file_tier import SUFFIX
 
     return Path(root) / key[:2] / (key + SUFFIX)
 
@@ -532,7 +534,8 @@ def test_restart_keeps_prefixes_and_a_damaged_page_misses(engines, tmp_path, lla
     ref = [eng.generate([p], greedy(4))[0] for p in (x, y, z)]
     wait_for(lambda: len(store_keys()) == 3 * 10 * 2, 60, "the pages in the store")
     chains = {id(p): chain_keys(p[:160], PAGE, eng.kv_offload.fingerprint, "mha") for p in (x, y, z)}
-    from kvstore.store import HEADER_BYTES, lookup_store
+    from kvstore.actor import lookup_store
+    from kvstore.file_tier import HEADER_BYTES
 
     assert ray.get(lookup_store().flush.remote()) == 60
     kill_store()
@@ -563,7 +566,7 @@ def test_killed_store_comes_back_and_serves_its_pages_from_disk(no_store_after, 
     from cluster.launch import ClusterOptions, ServingCluster
     from cluster.router import RouterOptions
     from cluster.supervisor import ReplicaSupervisor
-    from kvstore.store import lookup_store
+    from kvstore.actor import lookup_store
 
     cfg = engine_config(llama_dir, tmp_path / "kv")
     cluster = ServingCluster(ClusterOptions(engine=cfg, replicas=2, namespace=NS,
@@ -639,7 +642,7 @@ def test_store_killed_with_sigkill_under_load_is_back_within_seconds(no_store_af
     from cluster.launch import ClusterOptions, ServingCluster
     from cluster.router import RouterOptions
     from cluster.supervisor import ReplicaSupervisor
-    from kvstore.store import lookup_store
+    from kvstore.actor import lookup_store
 
     cfg = engine_config(llama_dir, tmp_path / "kv")
     metrics = ServerMetrics()
@@ -720,7 +723,7 @@ def test_a_failing_disk_never_stops_serving(engines, tmp_path, llama_dir, small_
     try:
         outs = eng.generate(prompts[2:], greedy(4))
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref[2:]]
-        from kvstore.store import lookup_store
+        from kvstore.actor import lookup_store
 
         # A page reaches the files only when the store writes its RAM pages out; keep new pages
         # coming (each prompt's own, answered exactly as without a store) until one write fails.
@@ -756,7 +759,7 @@ class HungStore:
 def test_dead_hung_or_full_store_never_stops_serving(engines, tmp_path, llama_dir):
     """A full store refuses writes, a dead one is gone, a hung one never answers: every request
     still answers exactly as without a store, in bounded time, and the errors are counted."""
-    from kvstore.store import STORE_NAME
+    from kvstore.messages import STORE_NAME
 
     prompts = [prompt_ids(161, seed=s) for s in (20, 21, 22, 23)]
     ref = engines(engine_config(llama_dir, None, kv_store=None)).generate(prompts, greedy(4))

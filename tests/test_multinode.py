@@ -64,7 +64,7 @@ def test_replica_ranks_spread_over_two_nodes(two_nodes, tmp_path_factory):
 def test_kv_store_runs_on_the_head_node(two_nodes, tmp_path):
     """The shared KV store is placed on the head node, whichever node asks for it: losing a
     worker node never takes the store (and its file tier) with it."""
-    from kvstore.store import get_or_create_store
+    from kvstore.actor import get_or_create_store
 
     head_id = two_nodes.head_node.node_id
 

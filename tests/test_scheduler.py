@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from cluster.engine.request import FinishReason, Request
-from cluster.engine.scheduler import QueueFull, RequestRejected, Scheduler
+from cluster.engine.scheduler import RequestRejected, Scheduler
 from workers.forward_batch import ForwardMode
 from workers.messages import StepResult
+from workers.request_errors import QueueFull
 from workers.sampling_params import SamplingParams, SamplingParamsError
 
 

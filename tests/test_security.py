@@ -35,6 +35,7 @@ class _NoClient:
     """A ServingClient that must never be reached by an unauthenticated request."""
 
     model_name, max_context_len, vocab_size, tokenizer = "m", 64, 100, None
+    is_encoder_decoder, matryoshka_dimensions, embedding_size = False, None, None
 
     def generate_stream(self, *a, **kw):
         raise AssertionError("an unauthenticated request reached the serving client")

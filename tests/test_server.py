@@ -23,8 +23,8 @@ from cluster.engine.client import HealthStatus, LocalEngineClient, NoReplicaAvai
 from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from cluster.engine.request import RequestOutput
-from cluster.engine.scheduler import QueueFull
 from tests.fixtures import tiny_model_dir
+from workers.request_errors import QueueFull
 from workers.sampling_params import SamplingParams
 
 MODEL = "tiny"

@@ -16,7 +16,8 @@ import json
 import pytest
 import ray
 
-from cluster.bench.soak import SoakOptions, run_soak, tree_memory
+from cluster.bench.proc_memory import tree_memory
+from cluster.bench.soak import SoakOptions, run_soak
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,7 @@ from workers.parallel import TPGroup
 from workers.pipeline import ModelPipeline
 from workers.pooling import PoolingState, default_pooling
 from workers.sampler import PendingSample, RequestSamplingState, Sampler
-from workers.spec_messages import SpecStepPlan
+from workers.spec_messages import SpecStepPlan, SpecStepResult
 from workers.spec_runner import DraftRunner
 from workers.state_pool import LinearStatePool
 
@@ -219,11 +219,13 @@ class ModelRunner:
     def _launch(self, plan: StepPlan, share_tokens: bool) -> None:
         t0 = time.perf_counter()
         self._prepare(plan)
-        result = StepResult(plan.step_id)
+        spec = plan.mode == ForwardMode.TARGET_VERIFY  # one speculative round (workers.spec_runner), waited for
+        result = SpecStepResult(plan.step_id) if spec else StepResult(plan.step_id)
         if self.kv_offload is not None:  # KV store saves/prefetches/loads, before the forward
             self.kv_offload.run(plan, result)
-        if plan.mode == ForwardMode.TARGET_VERIFY:  # one speculative round (workers.spec_runner), waited for
+        if spec:
             assert self.drafter is not None and isinstance(plan, SpecStepPlan), "TARGET_VERIFY needs a draft model"
+            assert isinstance(result, SpecStepResult)
             self._retire_inflight()
             self._ready.append(self.drafter.verify(plan, t0, result))
             return

@@ -49,6 +49,7 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
         self.pg: PlacementGroup | None = placement_group([dict(bundle) for _ in range(tp_size)],
                                                          strategy=placement_strategy, name=f"{name}-pg")
         ready, _ = ray.wait([self.pg.ready()], timeout=ready_timeout_s)
+        self.channel: StepChannel | None = None  # set once the ranks are up (shutdown may come first)
         if not ready:
             remove_placement_group(self.pg)
             raise RuntimeError(f"placement group for {tp_size} ranks ({bundle} each, {placement_strategy}) "
@@ -131,7 +132,7 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
                 "attention": self.attention, "ranks": self.placements}
 
     def shutdown(self) -> None:
-        if getattr(self, "channel", None) is not None:
+        if self.channel is not None:
             self.channel.close()  # each rank's step loop ends
         for w in self.workers:
             try:

@@ -1,16 +1,19 @@
 """Per-request sampling parameters, validated once at the boundary with errors that name the
-parameter (the HTTP layer turns `SamplingParamsError` into a 400 with `param` set)."""
+parameter (the HTTP layer turns `SamplingParamsError` into a 400 with `param` set). A validated
+object remembers it: the router and the engine, which check what callers that skip the HTTP
+edge send them, do not check it again."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+from workers.request_errors import InvalidRequest
 
-class SamplingParamsError(ValueError):
+
+class SamplingParamsError(InvalidRequest):
     def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
+        super().__init__(f"{param}: {message}", param)
 
 
 MAX_STOP_SEQUENCES = 16
@@ -46,6 +49,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    # The vocabulary sizes (None: none given) this object was validated against.
+    _validated: tuple = field(default=(), init=False, repr=False, compare=False, hash=False)
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +61,11 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Raise `SamplingParamsError` naming the first bad parameter; return self. A second call
+        (the same vocabulary, or none) costs nothing."""
+        if vocab_size in self._validated or (vocab_size is None and self._validated):
+            return self
+
         def bad(param: str, msg: str):
             raise SamplingParamsError(param, msg)
 
@@ -109,4 +119,5 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
         ):
             bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        object.__setattr__(self, "_validated", (*self._validated, vocab_size))
         return self

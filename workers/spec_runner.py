@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +41,7 @@ import torch.distributed as dist
 
 from workers.loader import load_model
 from workers.memory_pool import make_kv_pool
-from workers.messages import StepResult, TokenLogprobs
+from workers.messages import TokenLogprobs
 from workers.model_config import ModelConfig
 from workers.pipeline import ModelPipeline
 from workers.rejection_sampler import (
@@ -124,8 +123,8 @@ class DraftRunner:
         self.pipeline.forward(self.pipeline.inputs.rebind(fb))
 
     # ---------------- one speculative round ----------------
-    def verify(self, plan: SpecStepPlan, t_start: float, base: StepResult) -> SpecStepResult:
-        """One round; `base` is the step's result so far (whatever ran before the forward)."""
+    def verify(self, plan: SpecStepPlan, t_start: float, result: SpecStepResult) -> SpecStepResult:
+        """One round, into `result` (the step's result so far: whatever ran before the forward)."""
         t, draft = self.target, self.pipeline
         assert draft is not None
         rnd = SpecRound.pack(plan, t.pipeline.inputs)
@@ -140,7 +139,6 @@ class DraftRunner:
         draft_ids = torch.stack(drafts, dim=1)  # [B, K]
         # 3. TARGET_VERIFY: the target scores t0 and the K drafts.
         logits = t.pipeline.run(rnd.verify(t.pipeline.inputs, draft_ids))
-        result = SpecStepResult(**{f.name: getattr(base, f.name) for f in fields(base)})
         if t.sampler is not None:  # 4. rank 0 decides
             self._accept(plan, states, sampled, logits, draft_ids, q_rows, result)
         result.compute_s = time.perf_counter() - t_start

@@ -67,7 +67,7 @@ class Endpoints:
 
     @property
     def _encoder_decoder(self) -> bool:
-        return bool(getattr(self.client, "is_encoder_decoder", False))
+        return self.client.is_encoder_decoder
 
     def default_max_tokens(self, n_prompt: int) -> int:
         """What a request may generate when it names no limit."""
@@ -260,8 +260,7 @@ class Endpoints:
         req = parse_body(EmbeddingRequest, body)
         self.check_model(req.model)
         limit, jobs = self.client.max_context_len, []
-        matryoshka = getattr(self.client, "matryoshka_dimensions", None)
-        size = getattr(self.client, "embedding_size", None)
+        matryoshka, size = self.client.matryoshka_dimensions, self.client.embedding_size
         if req.dimensions is not None and size is not None:  # refused before anything is computed
             check_dimensions(req.dimensions, size, matryoshka)
         params = SamplingParams(max_tokens=1).validate(self.client.vocab_size)

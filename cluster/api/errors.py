@@ -1,6 +1,7 @@
 """The one form every error takes on its way to an HTTP client: `APIError`, with the OpenAI
-body `{"error": {message, type, param, code}}`; `as_api_error` maps the engine's, router's and
-server's own exceptions onto it (unexpected ones become a 500 that leaks nothing)."""
+body `{"error": {message, type, param, code}}`; `as_api_error` maps onto it the one form a
+refused request has below the server (`workers.request_errors.RequestError`, by its kind) and
+the server's own exceptions (unexpected ones become a 500 that leaks nothing)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ from pydantic import ValidationError
 from cluster.api import protocol as P
 from cluster.api.deadline import RequestTimedOut
 from cluster.api.shutdown import ServerShuttingDown
-from cluster.engine.client import GenerationFailed, NoReplicaAvailable
-from cluster.engine.scheduler import QueueFull, RequestRejected
-from workers.sampling_params import SamplingParamsError
+from cluster.engine.client import GenerationFailed
+from workers.request_errors import RequestError
 
 
 class APIError(Exception):
@@ -30,15 +30,15 @@ def as_api_error(exc: BaseException) -> APIError:
     """The HTTP error of an exception (unexpected ones become a 500 that leaks nothing)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, SamplingParamsError | RequestRejected):
+    if isinstance(exc, RequestError):
+        if exc.kind == "queue_full":
+            return APIError(503, f"the server is overloaded: {exc}", "server_overloaded", code="queue_full",
+                            headers={"Retry-After": "1"})
+        if exc.kind == "unavailable":
+            return APIError(503, f"no replica is available: {exc}", "service_unavailable", code="no_replica",
+                            headers={"Retry-After": "1"})
         code = "context_length_exceeded" if "context" in str(exc) else None
         return APIError(400, str(exc), param=exc.param, code=code)
-    if isinstance(exc, QueueFull):
-        return APIError(503, f"the server is overloaded: {exc}", "server_overloaded", code="queue_full",
-                        headers={"Retry-After": "1"})
-    if isinstance(exc, NoReplicaAvailable):
-        return APIError(503, f"no replica is available: {exc}", "service_unavailable", code="no_replica",
-                        headers={"Retry-After": "1"})
     if isinstance(exc, RequestTimedOut):
         return APIError(504, str(exc), "timeout_error", code="request_timeout")
     if isinstance(exc, ServerShuttingDown):

@@ -44,11 +44,9 @@ from cluster.api.shutdown import ServerShuttingDown, ShutdownGate
 from cluster.api.sse import ClientGone
 from cluster.engine.client import (
     GenerationFailed,
-    NoReplicaAvailable,
     ServingClient,
 )
-from cluster.engine.scheduler import QueueFull, RequestRejected
-from workers.sampling_params import SamplingParamsError
+from workers.request_errors import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +54,8 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 # Exceptions that are answers (4xx/5xx with a message), not bugs.
-_EXPECTED = (APIError, SamplingParamsError, RequestRejected, QueueFull, NoReplicaAvailable, ValidationError,
-             GenerationFailed, ClientGone, RequestTimedOut, ServerShuttingDown)
+_EXPECTED = (APIError, RequestError, ValidationError, GenerationFailed, ClientGone, RequestTimedOut,
+             ServerShuttingDown)
 
 
 async def _read_json(request: Request, max_bytes: int) -> Any:

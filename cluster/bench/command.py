@@ -77,9 +77,10 @@ def _decode_step_times(engine: Engine, batch: int, input_len: int, steps: int) -
 
 def bench_latency(engine: Engine, batches: list[int], input_len: int, steps: int) -> dict:
     """Decode step time per batch size, beside the roofline (in-process worker groups only)."""
+    from workers.group import InProcessWorkerGroup
     from workers.roofline import decode_roofline_ms, measure_copy_bandwidth
 
-    runner = getattr(engine.workers, "runner", None)
+    runner = engine.workers.runner if isinstance(engine.workers, InProcessWorkerGroup) else None
     bandwidth = measure_copy_bandwidth(runner.device) if runner is not None else None
     rows: dict = {"copy_bandwidth_GBps": bandwidth / 1e9 if bandwidth else None}
     for b in batches:

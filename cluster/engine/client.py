@@ -5,13 +5,14 @@ single-process mode it is `LocalEngineClient`, an adapter over one in-process `E
 
 Contract of `generate_stream` (the server relies on each point):
 - Admission errors are raised before the first output: on the call itself or on the first
-  `__anext__` (an async generator runs no code until then). They are `SamplingParamsError` and
-  `RequestRejected` (400, with `.param`), `QueueFull` (503 + Retry-After) and `NoReplicaAvailable`
-  (503). The server validates `SamplingParams` itself first, so these are rare.
+  `__anext__` (an async generator runs no code until then). They are `RequestError`s
+  (`workers.request_errors`: invalid_request → 400 with `.param`, queue_full → 503 +
+  Retry-After, unavailable → 503). The server validates `SamplingParams` itself first, so
+  invalid ones are rare.
 - Outputs are increments (`RequestOutput.delta_*`); the last one has `finished=True`. A request
   the replica failed finishes with `finish_reason="error"` and `error` set.
-- Each output may carry an attribute `replica` (str) naming the replica that served it; the
-  server labels latency metrics with it (`"local"` when absent).
+- Each output's `replica` names the replica that served it; the server labels latency metrics
+  with it (`"local"` in process).
 - Closing the iterator (`aclose()`, or cancelling the task iterating it) before the last output
   aborts the request on its replica and frees its KV cache. The server closes it when the HTTP
   client disconnects.
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from cluster.engine.request import RequestOutput
+from workers.request_errors import Unavailable
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,7 +41,7 @@ class ReplicaStatsSink(Protocol):
     def update_replica_stats(self, replica: str, stats: dict) -> None: ...
 
 
-class NoReplicaAvailable(RuntimeError):
+class NoReplicaAvailable(Unavailable):
     """No healthy replica can take the request now (the server answers 503)."""
 
 
@@ -64,6 +66,9 @@ class ServingClient(Protocol):
     tokenizer: Any  # a Hugging Face tokenizer: chat template, token counting
     max_context_len: int
     vocab_size: int
+    is_encoder_decoder: bool  # the prompt is the encoder's input
+    matryoshka_dimensions: tuple[int, ...] | None  # the `dimensions` an embedding model allows
+    embedding_size: int | None  # an embedding's length (the model's hidden size)
 
     def generate_stream(
         self,
@@ -134,7 +139,7 @@ class LocalEngineClient:
         stream = self.engine.generate_stream(prompt, params, rid=rid, is_embedding=is_embedding, group=group)
         try:
             async for out in stream:
-                out.replica = self.replica  # type: ignore[attr-defined]
+                out.replica = self.replica
                 yield out
         finally:
             # Closing the engine's generator before its last output aborts the request.

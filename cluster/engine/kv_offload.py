@@ -61,11 +61,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES
+from kvstore.messages import STORE_NAME
 from workers.kv_messages import KVLoad, KVPrefetch, KVSave
 
 logger = logging.getLogger(__name__)
 
-STORE_NAME = "manta-kvstore"  # kvstore.store.STORE_NAME (not imported: this module stays light)
 HIT_THRESHOLD = 2  # write_through_selective: matches before a page is saved
 MIN_LOAD_TOKENS = 16  # a store load costs two extra steps: skip shorter ones
 # Smaller pages cost more to move than to recompute (one store key, slot and file per page):
@@ -151,7 +151,7 @@ class SchedulerKVOffload:
                  prefetch_timeout_s: float = 0.5, prefetch_timeout_per_page_s: float = 0.002,
                  store_name: str = STORE_NAME, namespace: str | None = None, probe_timeout_s: float = 2.0,
                  min_pages: int | None = None, backoff_s: float = 2.0, probe=None):
-        from kvstore.client import StoreProbe
+        from kvstore.probe import StoreProbe
 
         if write_policy not in KV_WRITE_POLICIES or prefetch_policy not in KV_PREFETCH_POLICIES:
             raise ValueError(f"bad KV store policy {write_policy!r} / {prefetch_policy!r}")
@@ -174,7 +174,7 @@ class SchedulerKVOffload:
         self.loading: dict[str, _Loading] = {}
         self.held: dict[str, tuple[object, object]] = {}  # rid -> (req, locked node) until admitted
         self.probed: set[str] = set()  # requests whose store question is settled
-        self.probes: dict[str, object] = {}  # rid -> kvstore.client.PendingProbe
+        self.probes: dict[str, object] = {}  # rid -> kvstore.probe.PendingProbe
         self.prompt_pages: set[int] = set()  # tree pages that hold prompt tokens (drained first)
         self.chains: dict[str, list[str]] = {}
         self._prefetch: list[KVPrefetch] = []

@@ -10,8 +10,9 @@ import functools
 import logging
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.kv_offload import MIN_PAGE_TOKENS, STORE_NAME, SchedulerKVOffload
-from kvstore.store import in_ray_cluster
+from cluster.engine.kv_offload import MIN_PAGE_TOKENS, SchedulerKVOffload
+from kvstore.actor import in_ray_cluster
+from kvstore.messages import STORE_NAME
 from workers.kv_messages import KVOffloadOptions
 
 logger = logging.getLogger(__name__)

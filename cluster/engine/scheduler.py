@@ -41,6 +41,7 @@ from cluster.engine.radix_cache import RadixCache
 from cluster.engine.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from workers.forward_batch import ForwardMode
 from workers.messages import NewRequest, ScheduledReq, StepPlan, StepResult, TokenLogprobs
+from workers.request_errors import InvalidRequest, QueueFull
 from workers.sampling_params import SamplingParamsError
 
 # Requests preempted per step to give waiting groups their fair share of running slots.
@@ -51,17 +52,12 @@ def _group(req: Request) -> str:
     return req.group or req.rid
 
 
-class RequestRejected(ValueError):
+class RequestRejected(InvalidRequest):
     """A request that can never run (too long for the context or the KV cache). `param` names
     the offending field for the HTTP layer."""
 
     def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at `max_waiting`: the caller should answer 503/429."""
+        super().__init__(message, param)
 
 
 @dataclass
