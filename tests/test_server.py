@@ -172,7 +172,9 @@ def test_chat_logprobs_and_n(stack, oai):
         assert len(content) == 3
         for entry in content:
             assert entry.logprob <= 0.0 and len(entry.top_logprobs) == 2
-            assert entry.bytes == list(entry.token.encode())
+            raw = bytes(entry.bytes)  # the token's own bytes; a piece of a character in OpenAI's escaped form
+            assert entry.token == (raw.decode("utf-8") if raw.decode("utf-8", "ignore").encode() == raw
+                                   else "bytes:" + "".join(f"\\x{b:02x}" for b in raw))
     assert r.usage.completion_tokens == 6
 
 
@@ -378,6 +380,7 @@ def test_nonstreaming_disconnect_aborts(stack):
 class StubClient:
     model_name = MODEL
     max_context_len = 64
+    is_encoder_decoder, matryoshka_dimensions, embedding_size = False, None, None
 
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size

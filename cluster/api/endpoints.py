@@ -24,6 +24,7 @@ from cluster.api import protocol as P
 from cluster.api.deadline import RequestTimedOut, stream_within, within
 from cluster.api.embeddings import EmbeddingRequest, check_dimensions, embedding_response
 from cluster.api.errors import APIError, as_api_error
+from cluster.api.logprobs import CompletionOffsets, TokenPieces, chat_logprobs, completion_logprobs
 from cluster.api.metrics import ServerMetrics
 from cluster.api.shutdown import ShutdownGate
 from cluster.api.sse import SSE_DONE, ClientGone, SSEResponse, sse, until_disconnect
@@ -45,10 +46,7 @@ class Endpoints:
     def __init__(self, client: ServingClient, metrics: ServerMetrics, gate: ShutdownGate):
         self.client, self.metrics, self.gate = client, metrics, gate
         self.created = int(time.time())
-        self.decode = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
-
-    def _decode_one(self, tok: int) -> str:
-        return self.client.tokenizer.decode([tok], skip_special_tokens=False)
+        self.pieces = TokenPieces(client.tokenizer)  # each token's own text and bytes (logprobs)
 
     # ---------------- request preparation ----------------
     def check_model(self, name: str | None) -> None:
@@ -180,14 +178,13 @@ class Endpoints:
         fan = await self.open(request, jobs, cid)
 
         async def events(fan: FanOut) -> AsyncIterator[str]:
-            offsets = [0] * len(jobs)
+            offsets = [CompletionOffsets() for _ in jobs]
             async for i, out in fan.outputs_ending_in_error():
                 if not (out.delta_text or out.delta_token_ids or out.finished):
                     continue
                 lp = None
                 if want_lp:
-                    lp, offsets[i] = P.completion_logprobs(out.delta_token_ids, out.delta_logprobs,
-                                                           self.decode, offsets[i])
+                    lp = completion_logprobs(out.delta_token_ids, out.delta_logprobs, self.pieces, offsets[i])
                 choice = P.CompletionChoice(index=i, text=out.delta_text, logprobs=lp,
                                             finish_reason=out.finish_reason if out.finished else None)
                 usage = usage_of(fan.choices, req.n) if req.continuous_usage else None
@@ -199,7 +196,8 @@ class Endpoints:
         def build(choices: list[ChoiceResult]) -> P.CompletionResponse:
             out = []
             for i, c in enumerate(choices):
-                lp = P.completion_logprobs(c.token_ids, c.logprobs, self.decode, 0)[0] if want_lp else None
+                lp = (completion_logprobs(c.token_ids, c.logprobs, self.pieces, CompletionOffsets()) if want_lp
+                      else None)
                 out.append(P.CompletionChoice(index=i, text=c.text, logprobs=lp, finish_reason=c.finish_reason))
             return P.CompletionResponse(id=cid, created=created, model=model, choices=out,
                                         usage=usage_of(choices, req.n))
@@ -238,7 +236,7 @@ class Endpoints:
             async for i, out in fan.outputs_ending_in_error():
                 if not (out.delta_text or out.delta_token_ids or out.finished):
                     continue
-                lp = P.chat_logprobs(out.delta_token_ids, out.delta_logprobs, self.decode) if req.logprobs else None
+                lp = chat_logprobs(out.delta_token_ids, out.delta_logprobs, self.pieces) if req.logprobs else None
                 yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(content=out.delta_text), logprobs=lp,
                                                finish_reason=out.finish_reason if out.finished else None)],
                             usage_of(fan.choices, req.n) if req.continuous_usage else None)
@@ -247,7 +245,7 @@ class Endpoints:
 
         def build(choices: list[ChoiceResult]) -> P.ChatCompletionResponse:
             out = [P.ChatChoice(index=i, message=P.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                                logprobs=P.chat_logprobs(c.token_ids, c.logprobs, self.decode) if req.logprobs else None)
+                                logprobs=chat_logprobs(c.token_ids, c.logprobs, self.pieces) if req.logprobs else None)
                    for i, c in enumerate(choices)]
             return P.ChatCompletionResponse(id=cid, created=created, model=model, choices=out,
                                             usage=usage_of(choices, req.n))

@@ -10,12 +10,10 @@ names them (`check_supported`), never silently ignored.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workers.messages import TokenLogprobs
 from workers.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
 
 MAX_N = 128
@@ -394,44 +392,3 @@ class ErrorInfo(_Out):
 
 class ErrorResponse(_Out):
     error: ErrorInfo
-
-
-# ---------------------------------------------------------------------------------------------
-# Logprobs in the two OpenAI layouts
-# ---------------------------------------------------------------------------------------------
-
-Decode = Callable[[int], str]
-
-
-def completion_logprobs(
-    token_ids: list[int], logprobs: list[TokenLogprobs | None], decode: Decode, offset: int
-) -> tuple[CompletionLogprobs, int]:
-    """Completions layout for new tokens; `offset` is the text offset of the first one.
-    Returns the logprobs and the offset after the last token."""
-    out = CompletionLogprobs()
-    for tok, lp in zip(token_ids, logprobs):
-        s = decode(tok)
-        out.tokens.append(s)
-        out.text_offset.append(offset)
-        offset += len(s)
-        if lp is None:
-            out.token_logprobs.append(0.0)
-            out.top_logprobs.append({})
-            continue
-        out.token_logprobs.append(lp.token_logprob)
-        top = {decode(t): v for t, v in lp.top}
-        top.setdefault(s, lp.token_logprob)
-        out.top_logprobs.append(top)
-    return out, offset
-
-
-def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | None], decode: Decode) -> ChatLogprobs:
-    content = []
-    for tok, lp in zip(token_ids, logprobs):
-        s = decode(tok)
-        top = [] if lp is None else [
-            TopLogprob(token=decode(t), logprob=v, bytes=list(decode(t).encode())) for t, v in lp.top
-        ]
-        content.append(ChatTokenLogprob(token=s, logprob=0.0 if lp is None else lp.token_logprob,
-                                        bytes=list(s.encode()), top_logprobs=top))
-    return ChatLogprobs(content=content)

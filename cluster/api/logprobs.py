@@ -1,0 +1,90 @@
+"""Logprobs in the two OpenAI layouts, with each token's own text and bytes.
+
+A token's text is what it adds to the output on its own: for byte-level BPE and SentencePiece
+byte-fallback pieces, its bytes from the tokenizer's table (`cluster.engine.token_bytes`); a
+piece that is part of a multi-byte character (not valid UTF-8 alone) is written as OpenAI writes
+it, `bytes:\\xe2\\x80`, with its raw bytes in `bytes`. So the bytes of a choice's tokens, joined,
+are the bytes of its text. Without a table (a tokenizer whose decoding the table cannot mirror)
+the tokenizer decodes each token alone.
+
+Completions' `text_offset` is each token's offset in characters into the choice's text: the
+characters completed by the bytes before it (a piece inside a character starts where that
+character does); `CompletionOffsets` carries the count across a stream's chunks.
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+from typing import Any
+
+from cluster.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from cluster.engine.token_bytes import token_bytes
+from workers.messages import TokenLogprobs
+
+
+class TokenPieces:
+    """token id -> (its text, its bytes), cached."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.table = token_bytes(tokenizer)
+        self.of = functools.lru_cache(maxsize=1 << 16)(self._of)
+
+    def _of(self, tok: int) -> tuple[str, bytes]:
+        if self.table is None:
+            text = self.tokenizer.decode([tok], skip_special_tokens=False)
+            return text, text.encode()
+        raw = self.table.of(tok)
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+class CompletionOffsets:
+    """The text offset of a choice's next token (characters of the bytes before it)."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, raw: bytes) -> int:
+        """The offset of a token of bytes `raw`; moves past it."""
+        at = self.chars
+        pending = self._utf8.getstate()[0]  # an unfinished character's bytes so far
+        if pending and raw and not 0x80 <= raw[0] <= 0xBF:  # it never finishes: U+FFFD before this token
+            at += len(pending.decode("utf-8", errors="replace"))
+        self.chars += len(self._utf8.decode(raw))
+        return at
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | None], pieces: TokenPieces,
+                        offsets: CompletionOffsets) -> CompletionLogprobs:
+    """Completions layout for new tokens of one choice (`offsets` carries over chunks)."""
+    out = CompletionLogprobs()
+    for tok, lp in zip(token_ids, logprobs):
+        text, raw = pieces.of(tok)
+        out.tokens.append(text)
+        out.text_offset.append(offsets.advance(raw))
+        if lp is None:
+            out.token_logprobs.append(0.0)
+            out.top_logprobs.append({})
+            continue
+        out.token_logprobs.append(lp.token_logprob)
+        top = {pieces.of(t)[0]: v for t, v in lp.top}
+        top.setdefault(text, lp.token_logprob)
+        out.top_logprobs.append(top)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | None], pieces: TokenPieces) -> ChatLogprobs:
+    content = []
+    for tok, lp in zip(token_ids, logprobs):
+        text, raw = pieces.of(tok)
+        top = [] if lp is None else [
+            TopLogprob(token=pieces.of(t)[0], logprob=v, bytes=list(pieces.of(t)[1])) for t, v in lp.top
+        ]
+        content.append(ChatTokenLogprob(token=text, logprob=0.0 if lp is None else lp.token_logprob,
+                                        bytes=list(raw), top_logprobs=top))
+    return ChatLogprobs(content=content)
