@@ -249,7 +249,7 @@ def test_typed_errors_from_openai_client(stack, oai):
         (dict(stop=[f"s{i}" for i in range(17)]), "stop"),
         (dict(echo=True), "echo"),
         (dict(n=1, best_of=3), "best_of"),
-        (dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (dict(logit_bias={"5": 101}), "logit_bias"),  # out of [-100, 100]
         (dict(logprobs=21), "logprobs"),
         (dict(extra_body={"bogus_field": 1}), "bogus_field"),
     ]

@@ -215,10 +215,11 @@ class Sampler:
         # penalties and min_tokens mask in place: then a copy keeps the caller's tensor intact
         # (else nothing below writes to it, and a float32 row, as a decode graph's, is read as is).
         params = [s.params for s in states]
-        masks = any(p.needs_penalties or len(s.output_ids) < p.min_tokens for p, s in zip(params, states))
+        masks = any(p.needs_adjustment or len(s.output_ids) < p.min_tokens for p, s in zip(params, states))
         logits = logits[:, :V].to(torch.float32, copy=masks).contiguous()
 
         self._apply_penalties(logits, states)
+        self._apply_logit_bias(logits, states)
         self._apply_min_tokens(logits, states)
 
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -314,7 +315,19 @@ class Sampler:
                 0, out_flat, flat_logits.index_select(0, out_flat).add_(pres_d[out_owner])
             )
 
-    # -- 2. min_tokens ----------------------------------------------------------------------
+    # -- 2. logit bias ----------------------------------------------------------------------
+
+    def _apply_logit_bias(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> None:
+        """In place on logits [B, V]: each row's (token, bias) pairs added (OpenAI's logit_bias;
+        -100 all but bans a token, +100 all but forces it)."""
+        V = self.vocab_size
+        flat = [(i * V + t, b) for i, s in enumerate(states) for t, b in s.params.logit_bias if 0 <= t < V]
+        if flat:
+            idx, add = self._upload(torch.tensor([f for f, _ in flat], dtype=torch.long),
+                                    torch.tensor([b for _, b in flat], dtype=torch.float32))
+            logits.view(-1).index_add_(0, idx, add)
+
+    # -- 3. min_tokens ----------------------------------------------------------------------
 
     def _apply_min_tokens(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> None:
         """While len(output_ids) < min_tokens, the request's stop tokens get -inf: its

@@ -18,6 +18,7 @@ class SamplingParamsError(InvalidRequest):
 
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
 
 
 def _is_int(v: object) -> bool:
@@ -48,6 +49,9 @@ class SamplingParams:
     # None: no logprobs; k >= 0: logprob of the sampled token plus the top k alternatives.
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     # The vocabulary sizes (None: none given) this object was validated against.
     _validated: tuple = field(default=(), init=False, repr=False, compare=False, hash=False)
@@ -55,6 +59,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_adjustment(self) -> bool:
+        """Whether the sampler changes this request's logits before choosing (penalties or a
+        logit bias; min_tokens is asked per step)."""
+        return self.needs_penalties or bool(self.logit_bias)
 
     @property
     def needs_penalties(self) -> bool:
@@ -119,5 +129,15 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
         ):
             bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.logit_bias, tuple | list) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                bad("logit_bias", f"must map token ids to biases, got {pair!r}")
+            t, b = pair
+            if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad("logit_bias", f"token id {t!r} is out of range")
+            if not _is_real(b) or not -100.0 <= b <= 100.0:
+                bad("logit_bias", f"bias of token {t} must be a number in [-100, 100], got {b!r}")
         object.__setattr__(self, "_validated", (*self._validated, vocab_size))
         return self

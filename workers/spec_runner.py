@@ -181,7 +181,7 @@ class DraftRunner:
         # Penalties and min_tokens as the sampler applies them, per position: row i of a request
         # sees its output so far plus drafts[:i].
         adjust = [b for b, s in enumerate(states)
-                  if s.params.needs_penalties or len(s.output_ids) < s.params.min_tokens]
+                  if s.params.needs_adjustment or len(s.output_ids) < s.params.min_tokens]
         if adjust:
             virtual = []
             for b in adjust:
@@ -195,6 +195,7 @@ class DraftRunner:
             adj_t = torch.tensor(adjust, device=dev)
             sub = x.index_select(0, adj_t).reshape(-1, V)
             sampler._apply_penalties(sub, virtual)
+            sampler._apply_logit_bias(sub, virtual)
             sampler._apply_min_tokens(sub, virtual)
             x.index_copy_(0, adj_t, sub.view(len(adjust), K + 1, V))
 

@@ -168,7 +168,7 @@ class Endpoints:
         req.check_supported()
         self.check_model(req.model)
         jobs = []
-        for ids in map(self.prompt_ids, req.prompts()):
+        for ids in (req.truncate(self.prompt_ids(p)) for p in req.prompts()):
             for j in range(req.n):
                 params = req.sampling_params(seed_offset=j).validate(self.client.vocab_size)
                 self.check_context(len(ids), params.max_tokens)
@@ -209,7 +209,7 @@ class Endpoints:
         req = parse_body(P.ChatCompletionRequest, body)
         req.check_supported()
         self.check_model(req.model)
-        ids = P.render_chat(self.client.tokenizer, req.chat_dicts())
+        ids = req.truncate(P.render_chat(self.client.tokenizer, req.chat_dicts()))
         requested = req.requested_max_tokens()
         self.check_context(len(ids), None, prompt_param="messages")
         max_tokens = requested if requested is not None else self.default_max_tokens(len(ids))

@@ -51,8 +51,9 @@ def as_api_error(exc: BaseException) -> APIError:
         err = max(exc.errors(), key=lambda e: len(e.get("loc") or ()))
         loc = err.get("loc") or ()
         param = str(loc[0]) if loc else None
-        if err["type"] == "extra_forbidden":
-            return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+        if err["type"] == "extra_forbidden":  # name the unknown key itself, nested ones by their path
+            path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+            return APIError(400, f"Unrecognized request argument supplied: {path}", param=path or param)
         where = ".".join(str(x) for x in loc)
         return APIError(400, f"Invalid value for '{param}' (at {where}): {err['msg']}", param=param)
     return APIError(500, "internal server error", "server_error")

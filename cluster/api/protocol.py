@@ -9,6 +9,7 @@ names them (`check_supported`), never silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Literal
 
@@ -69,6 +70,8 @@ class _SamplingRequest(_Strict):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens
 
     @property
     def include_usage(self) -> bool:
@@ -82,10 +85,15 @@ class _SamplingRequest(_Strict):
     def _check_common(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise SamplingParamsError("n", f"must be in [1, {MAX_N}], got {self.n}")
-        if self.logit_bias:
-            raise SamplingParamsError("logit_bias", "logit_bias is not supported by this server")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise SamplingParamsError("truncate_prompt_tokens", f"must be >= 1, got {self.truncate_prompt_tokens}")
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options", "stream_options is only allowed when stream is true")
+
+    def truncate(self, ids: list[int]) -> list[int]:
+        """The prompt as the model sees it: its last `truncate_prompt_tokens` tokens, if set."""
+        k = self.truncate_prompt_tokens
+        return ids[-k:] if k is not None and len(ids) > k else ids
 
     def _params(self, max_tokens: int, logprobs: int | None, seed_offset: int) -> SamplingParams:
         def pick(v: Any, default: Any) -> Any:
@@ -108,6 +116,8 @@ class _SamplingRequest(_Strict):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=logit_bias_pairs(self.logit_bias, "logit_bias"),
         )
 
 
@@ -229,7 +239,7 @@ class GenerateRequest(_Strict):
         return self.text if self.text is not None else list(self.input_ids or [])
 
     def params(self) -> SamplingParams:
-        known = set(SamplingParams.__dataclass_fields__) - {"extra"}
+        known = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - {"extra"}
         sp = dict(self.sampling_params)
         for key in sp:
             if key not in known:
@@ -240,7 +250,23 @@ class GenerateRequest(_Strict):
                 sp[key] = (v,)
             elif isinstance(v, list):
                 sp[key] = tuple(v)
+        if isinstance(sp.get("logit_bias"), dict):
+            sp["logit_bias"] = logit_bias_pairs(sp["logit_bias"], "sampling_params.logit_bias")
         return SamplingParams(**sp)
+
+
+def logit_bias_pairs(bias: dict | None, param: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}) as (id, bias) pairs; the ranges are checked
+    with the other sampling parameters."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        tok = key.strip() if isinstance(key, str) else key
+        if isinstance(tok, str) and tok.isdigit():
+            tok = int(tok)
+        if not isinstance(tok, int) or isinstance(tok, bool):
+            raise SamplingParamsError(param, f"keys must be token ids, got {key!r}")
+        pairs.append((tok, value))
+    return tuple(pairs)
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

@@ -32,6 +32,7 @@ class DetokState:
     emitted: int = 0  # characters of `text` already handed out
     read_offset: int = 0  # tokens of token_ids whose text is in `text`
     stopped: bool = False
+    include_stop: bool = False  # keep the stop string that ended the text (include_stop_str_in_output)
     utf8: TextDecoder | None = None  # the byte-table path's incremental decoder
 
 
@@ -42,8 +43,9 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.bytes: TokenBytes | None = token_bytes(tokenizer) if table is True else (table or None)
 
-    def new_state(self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool) -> DetokState:
-        return DetokState(stop=stop, skip_special_tokens=skip_special_tokens,
+    def new_state(self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool,
+                  include_stop: bool = False) -> DetokState:
+        return DetokState(stop=stop, skip_special_tokens=skip_special_tokens, include_stop=include_stop,
                           prompt_tail=list(prompt_ids[-_CONTEXT_TOKENS:]),
                           utf8=self.bytes.decoder(skip_special_tokens) if self.bytes else None)
 
@@ -75,9 +77,10 @@ class Detokenizer:
         st.read_offset = len(st.token_ids)
         if st.stop:
             window_start = max(0, len(st.text) - len(piece) - max(len(s) for s in st.stop))
-            cut = min((i for i in (st.text.find(s, window_start) for s in st.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                st.text = st.text[:cut]
+            found = [(i, -len(s)) for i, s in ((st.text.find(s, window_start), s) for s in st.stop) if i >= 0]
+            if found:
+                cut, neg_len = min(found)  # the first to start (the longest of those)
+                st.text = st.text[: cut - neg_len if st.include_stop else cut]
                 st.stopped = True
                 return self._release(st, final=True)[0], True
         return self._release(st, final)

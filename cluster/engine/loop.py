@@ -197,7 +197,8 @@ class Engine:
             req = Request(rid, list(self.decoder_prompt), params, encoder_ids=self.tokenize(prompt), group=group)
         else:
             req = Request(rid, self.tokenize(prompt), params, is_embedding=is_embedding, group=group)
-        detok = self.detokenizer.new_state(req.prompt_ids, params.stop, params.skip_special_tokens)
+        detok = self.detokenizer.new_state(req.prompt_ids, params.stop, params.skip_special_tokens,
+                                            params.include_stop_str_in_output)
         with self._lock:
             self.scheduler.add_request(req)
             self._tracked[rid] = _Tracked(req, sink, detok)
