@@ -247,7 +247,7 @@ def test_typed_errors_from_openai_client(stack, oai):
         (dict(top_p=2), "top_p"),
         (dict(max_tokens=-3), "max_tokens"),
         (dict(stop=[f"s{i}" for i in range(17)]), "stop"),
-        (dict(echo=True), "echo"),
+        (dict(suffix="and then"), "suffix"),
         (dict(n=1, best_of=3), "best_of"),
         (dict(logit_bias={"5": 101}), "logit_bias"),  # out of [-100, 100]
         (dict(logprobs=21), "logprobs"),

@@ -75,6 +75,7 @@ class OverlapCall:
 class TokenLogprobs:
     token_logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+    rank: int = 0  # of the token among the vocabulary (1: the best; 0: not computed)
 
 
 @dataclass
@@ -86,6 +87,9 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # Embedding requests: one pooled vector per request, in batch order.
     embeddings: dict[str, list[float]] = field(default_factory=dict)
+    # Requests that asked for prompt logprobs: (first prompt position covered, the logprob of
+    # each prompt token from there, given the tokens before it) for this step's piece.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # Seconds the worker spent in this step (forward + sample), for overhead accounting.
     compute_s: float = 0.0
     # KV store: pages each KVLoad put into the device pool (agreed by all ranks), by rid; and

@@ -23,12 +23,12 @@ from workers.kv_messages import KVOffloadOptions
 from workers.kv_offload import make_rank_offload
 from workers.loader import load_model
 from workers.memory_pool import KVPool, ReqToTokenPool, kv_bytes_per_token, make_kv_pool
-from workers.messages import StepPlan, StepResult
+from workers.messages import StepPlan, StepResult, TokenLogprobs
 from workers.model_config import ModelConfig, serving_mode
 from workers.parallel import TPGroup
 from workers.pipeline import ModelPipeline
 from workers.pooling import PoolingState, default_pooling
-from workers.sampler import PendingSample, RequestSamplingState, Sampler
+from workers.sampler import LOGPROB_FLOOR, PendingSample, RequestSamplingState, Sampler
 from workers.spec_messages import SpecStepPlan, SpecStepResult
 from workers.spec_runner import DraftRunner
 from workers.state_pool import LinearStatePool
@@ -282,6 +282,7 @@ class ModelRunner:
         row's token also lands in `last_token` on the device (the next plan may read it)."""
         if self.pooling_states:
             self._pool(plan, hidden, result)
+        self._prompt_logprobs(plan, hidden, result)
         sample_idx = [i for i, r in enumerate(plan.reqs) if r.sample and r.rid in self.states]
         inflight = _InFlight(plan, result, t0, sampled=bool(sample_idx))
         if sample_idx:
@@ -297,6 +298,35 @@ class ModelRunner:
                 rows = fb.req_pool_indices if idx is None else fb.req_pool_indices[idx]
                 self.pipeline.inputs.last_token[rows] = inflight.sample.token_ids
         return inflight
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, result: StepResult) -> None:
+        """For each request of the plan that asked for prompt logprobs, the logprob of every
+        prompt token its piece predicts (token p + 1 from position p), with the top
+        alternatives and its rank. Every rank computes the logits (the LM head gathers over the
+        TP group); rank 0 reads them (a host sync, for these requests only)."""
+        start = 0
+        for r in plan.reqs:
+            n, state = len(r.input_ids), self.states.get(r.rid)
+            first, begin = r.prefix_len + 1, start
+            start += n
+            if state is None or state.params.prompt_logprobs is None or n == 0:
+                continue
+            targets = state.prompt_ids[first : r.prefix_len + n + 1]
+            if not targets:
+                continue
+            logits = self.model.compute_logits(hidden[begin : begin + len(targets)])
+            if self.sampler is None:
+                continue
+            lp = logits[:, : self.model_config.vocab_size].float().log_softmax(dim=-1)
+            ids = torch.tensor(targets, device=lp.device).unsqueeze(1)
+            chosen = lp.gather(1, ids)
+            ranks = (lp > chosen).sum(dim=1) + 1
+            k = state.params.prompt_logprobs
+            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            rows = zip(chosen.squeeze(1).clamp_min(LOGPROB_FLOOR).tolist(), ranks.tolist(),
+                       top_lp.clamp_min(LOGPROB_FLOOR).tolist(), top_ids.tolist())
+            result.prompt_logprobs[r.rid] = (first, [TokenLogprobs(c, list(zip(ti, tl)), rank)
+                                                     for c, rank, tl, ti in rows])
 
     def _complete(self, inflight: _InFlight) -> StepResult:
         """Wait for a launched step's draw; its tokens go to the sampling states and the result."""

@@ -49,7 +49,10 @@ class SamplingParams:
     # None: no logprobs; k >= 0: logprob of the sampled token plus the top k alternatives.
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
+    include_stop_str_in_output: bool = False
+    # The prompt's own logprobs (each token given those before it) plus this many top
+    # alternatives; None: not computed. Such a request recomputes its whole prompt (no cached prefix).
+    prompt_logprobs: int | None = None  # the stop string that ended the text stays in it
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias).
     logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -129,6 +132,10 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
         ):
             bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not isinstance(self.logit_bias, tuple | list) or len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
         for pair in self.logit_bias:

@@ -24,7 +24,15 @@ from cluster.api import protocol as P
 from cluster.api.deadline import RequestTimedOut, stream_within, within
 from cluster.api.embeddings import EmbeddingRequest, check_dimensions, embedding_response
 from cluster.api.errors import APIError, as_api_error
-from cluster.api.logprobs import CompletionOffsets, TokenPieces, chat_logprobs, completion_logprobs
+from cluster.api.logprobs import (
+    CompletionOffsets,
+    TokenPieces,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    joined,
+    vllm_prompt_logprobs,
+)
 from cluster.api.metrics import ServerMetrics
 from cluster.api.shutdown import ShutdownGate
 from cluster.api.sse import SSE_DONE, ClientGone, SSEResponse, sse, until_disconnect
@@ -167,25 +175,50 @@ class Endpoints:
         req = parse_body(P.CompletionRequest, body)
         req.check_supported()
         self.check_model(req.model)
-        jobs = []
-        for ids in (req.truncate(self.prompt_ids(p)) for p in req.prompts()):
+        jobs, texts = [], []
+        for prompt in req.prompts():
+            full = self.prompt_ids(prompt)
+            ids = req.truncate(full)
+            # echo returns the prompt the model saw: as given when it is whole text, else decoded
+            text = prompt if isinstance(prompt, str) and len(ids) == len(full) else None
             for j in range(req.n):
                 params = req.sampling_params(seed_offset=j).validate(self.client.vocab_size)
                 self.check_context(len(ids), params.max_tokens)
                 jobs.append((ids, params))
+                texts.append(text if text is not None else self.client.tokenizer.decode(ids))
         cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.client.model_name
-        want_lp = req.logprobs is not None
+        want_lp, scores_only = req.logprobs is not None, req.scores_only
         fan = await self.open(request, jobs, cid)
+
+        def echo(i: int, prompt_lps: list | None, offsets: CompletionOffsets) -> tuple[str, P.CompletionLogprobs | None]:
+            """The prompt's text and logprobs, for a choice's first chunk when echoing."""
+            if not req.echo:
+                return "", None
+            return texts[i], (echoed_prompt_logprobs(jobs[i][0], prompt_lps, self.pieces, offsets) if want_lp else None)
+
+        def vllm_prompt(i: int, prompt_lps: list | None) -> list | None:
+            if req.prompt_logprobs is None:
+                return None
+            return vllm_prompt_logprobs(jobs[i][0], prompt_lps, self.pieces)
 
         async def events(fan: FanOut) -> AsyncIterator[str]:
             offsets = [CompletionOffsets() for _ in jobs]
+            started = [False] * len(jobs)
             async for i, out in fan.outputs_ending_in_error():
-                if not (out.delta_text or out.delta_token_ids or out.finished):
+                if scores_only and not out.finished:
+                    out.delta_text, out.delta_token_ids, out.delta_logprobs = "", [], []
+                if not (out.delta_text or out.delta_token_ids or out.finished or not started[i]):
                     continue
+                head, head_lp = echo(i, out.prompt_logprobs, offsets[i]) if not started[i] else ("", None)
+                prompt_lp = vllm_prompt(i, out.prompt_logprobs) if not started[i] else None
+                started[i] = True
+                if scores_only:
+                    out.delta_text, out.delta_token_ids, out.delta_logprobs = "", [], []
                 lp = None
                 if want_lp:
                     lp = completion_logprobs(out.delta_token_ids, out.delta_logprobs, self.pieces, offsets[i])
-                choice = P.CompletionChoice(index=i, text=out.delta_text, logprobs=lp,
+                    lp = joined(head_lp, lp) if head_lp is not None else lp
+                choice = P.CompletionChoice(index=i, text=head + out.delta_text, logprobs=lp, prompt_logprobs=prompt_lp,
                                             finish_reason=out.finish_reason if out.finished else None)
                 usage = usage_of(fan.choices, req.n) if req.continuous_usage else None
                 yield sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[choice], usage=usage))
@@ -196,9 +229,15 @@ class Endpoints:
         def build(choices: list[ChoiceResult]) -> P.CompletionResponse:
             out = []
             for i, c in enumerate(choices):
-                lp = (completion_logprobs(c.token_ids, c.logprobs, self.pieces, CompletionOffsets()) if want_lp
-                      else None)
-                out.append(P.CompletionChoice(index=i, text=c.text, logprobs=lp, finish_reason=c.finish_reason))
+                if scores_only:
+                    c.text, c.token_ids, c.logprobs, c.completion_tokens = "", [], [], 0
+                offsets = CompletionOffsets()
+                head, head_lp = echo(i, c.prompt_logprobs, offsets)
+                lp = completion_logprobs(c.token_ids, c.logprobs, self.pieces, offsets) if want_lp else None
+                if lp is not None and head_lp is not None:
+                    lp = joined(head_lp, lp)
+                out.append(P.CompletionChoice(index=i, text=head + c.text, logprobs=lp, finish_reason=c.finish_reason,
+                                              prompt_logprobs=vllm_prompt(i, c.prompt_logprobs)))
             return P.CompletionResponse(id=cid, created=created, model=model, choices=out,
                                         usage=usage_of(choices, req.n))
 

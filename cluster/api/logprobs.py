@@ -18,7 +18,7 @@ import codecs
 import functools
 from typing import Any
 
-from cluster.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from cluster.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 from cluster.engine.token_bytes import token_bytes
 from workers.messages import TokenLogprobs
 
@@ -88,3 +88,45 @@ def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | None], pi
         content.append(ChatTokenLogprob(token=text, logprob=0.0 if lp is None else lp.token_logprob,
                                         bytes=list(raw), top_logprobs=top))
     return ChatLogprobs(content=content)
+
+
+def echoed_prompt_logprobs(ids: list[int], prompt_lps: list[TokenLogprobs | None] | None, pieces: TokenPieces,
+                           offsets: CompletionOffsets) -> CompletionLogprobs:
+    """Completions layout for an echoed prompt: each prompt token, its logprob given the tokens
+    before it (the first: None, as OpenAI gives it) and its top alternatives."""
+    out = CompletionLogprobs()
+    lps = prompt_lps or [None] * len(ids)
+    for tok, lp in zip(ids, lps):
+        text, raw = pieces.of(tok)
+        out.tokens.append(text)
+        out.text_offset.append(offsets.advance(raw))
+        out.token_logprobs.append(None if lp is None else lp.token_logprob)
+        if lp is None:
+            out.top_logprobs.append(None)
+            continue
+        top = {pieces.of(t)[0]: v for t, v in lp.top}
+        top.setdefault(text, lp.token_logprob)
+        out.top_logprobs.append(top)
+    return out
+
+
+def joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
+
+
+def vllm_prompt_logprobs(ids: list[int], prompt_lps: list[TokenLogprobs | None] | None,
+                         pieces: TokenPieces) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob,
+    rank, decoded_token}} for the prompt's own token and its top alternatives."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for tok, lp in zip(ids, prompt_lps or [None] * len(ids)):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(t): PromptLogprob(logprob=v, rank=i + 1, decoded_token=pieces.of(t)[0])
+                 for i, (t, v) in enumerate(lp.top)}
+        entry[str(tok)] = PromptLogprob(logprob=lp.token_logprob, rank=lp.rank or None,
+                                        decoded_token=pieces.of(tok)[0])
+        out.append(entry)
+    return out

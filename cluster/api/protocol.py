@@ -95,7 +95,8 @@ class _SamplingRequest(_Strict):
         k = self.truncate_prompt_tokens
         return ids[-k:] if k is not None and len(ids) > k else ids
 
-    def _params(self, max_tokens: int, logprobs: int | None, seed_offset: int) -> SamplingParams:
+    def _params(self, max_tokens: int, logprobs: int | None, seed_offset: int,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         def pick(v: Any, default: Any) -> Any:
             return default if v is None else v
 
@@ -117,6 +118,7 @@ class _SamplingRequest(_Strict):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=logit_bias_pairs(self.logit_bias, "logit_bias"),
         )
 
@@ -128,11 +130,12 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM: the prompt tokens' logprobs, with this many alternatives
 
     def check_supported(self) -> None:
         self._check_common()
-        if self.echo:
-            raise SamplingParamsError("echo", "echo is not supported by this server")
+        if self.max_tokens == 0 and not self.echo:
+            raise SamplingParamsError("max_tokens", "must be an integer >= 1 (0 only with echo: score the prompt)")
         if self.suffix:
             raise SamplingParamsError("suffix", "suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
@@ -152,9 +155,21 @@ class CompletionRequest(_SamplingRequest):
             raise SamplingParamsError("prompt", "the prompt must not be empty")
         return out
 
+    @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the prompt and its logprobs, nothing generated (one token is,
+        and dropped: the engine always samples after a prompt)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
     def sampling_params(self, seed_offset: int = 0) -> SamplingParams:
-        max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        return self._params(max_tokens, self.logprobs, seed_offset)
+        max_tokens = 16 if self.max_tokens is None else max(self.max_tokens, 1 if self.scores_only else 0)
+        return self._params(max_tokens, self.logprobs, seed_offset, self.wanted_prompt_logprobs)
 
 
 class TextPart(_Strict):
@@ -308,9 +323,17 @@ class Usage(_Out):
 
 class CompletionLogprobs(_Out):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed first prompt token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(_Out):
+    """vLLM's layout of one alternative at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
 
 
 class CompletionChoice(_Out):
@@ -318,6 +341,7 @@ class CompletionChoice(_Out):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's prompt_logprobs
 
 
 class CompletionResponse(_Out):

@@ -177,8 +177,11 @@ class ChoiceResult:
     cached_tokens: int = 0
     embedding: list[float] | None = None  # embedding requests: the pooled vector
     first_token_at: float | None = None  # monotonic time its first token reached this process
+    prompt_logprobs: list | None = None  # the prompt's logprobs, when the request asked
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if self.first_token_at is None and (out.delta_token_ids or out.embedding is not None):
             self.first_token_at = time.monotonic()
         if out.embedding is not None:

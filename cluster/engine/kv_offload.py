@@ -196,8 +196,8 @@ class SchedulerKVOffload:
 
     def on_arrival(self, req) -> None:
         """Send the store lookup of a new request's prefix (answered while it waits)."""
-        if req.is_embedding or req.rid in self.probes:
-            return
+        if req.is_embedding or req.rid in self.probes or req.params.prompt_logprobs is not None:
+            return  # (a prompt-logprobs request computes its whole prompt: nothing to load)
         n = (len(req.prompt_ids) - 1) // self.P  # the last token is always computed
         if n < self.min_pages:
             return

@@ -56,8 +56,11 @@ class GenerationResult:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     embedding: list[float] | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text += out.delta_text
         self.token_ids += out.delta_token_ids
         self.logprobs += out.delta_logprobs
@@ -192,6 +195,8 @@ class Engine:
         if is_embedding and self.model_config.is_encoder_decoder:
             raise RequestRejected("model", f"{self.config.model_name} is an encoder-decoder model and "
                                   "does not serve embeddings")
+        if params.prompt_logprobs is not None and (is_embedding or self.model_config.is_encoder_decoder):
+            raise RequestRejected("prompt_logprobs", "prompt logprobs are computed for decoder-only generation")
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if self.decoder_prompt is not None:
             req = Request(rid, list(self.decoder_prompt), params, encoder_ids=self.tokenize(prompt), group=group)
@@ -265,6 +270,7 @@ class Engine:
         else:
             done, result = plan, self.workers.execute(plan)
         with self._lock:
+            self._take_prompt_logprobs(result.prompt_logprobs)
             events = self.scheduler.process_result(done, result)
             outputs = [self._emit(ev) for ev in events]
         self._deliver(outputs)
@@ -280,6 +286,18 @@ class Engine:
         for listener in self.step_listeners:
             listener(self, dt)
         return True
+
+    def _take_prompt_logprobs(self, pieces: dict) -> None:
+        """Put each prefill piece's prompt logprobs at their positions (a piece recomputed after
+        a preemption writes the same values again)."""
+        for rid, (first, entries) in pieces.items():
+            tracked = self._tracked.get(rid)
+            if tracked is None:
+                continue
+            lps = tracked.req.prompt_logprobs
+            if len(lps) < first:
+                lps.extend([None] * (first - len(lps)))
+            lps[first : first + len(entries)] = entries
 
     def _emit(self, ev: TokenEvent) -> tuple[_Tracked | None, RequestOutput]:
         """Detokenize one request's new tokens (under the lock: may finish it on a stop string)."""
@@ -309,6 +327,10 @@ class Engine:
             cached_tokens=req.cached_tokens,
             embedding=ev.embedding,
         )
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent and (ev.token_ids or req.finished):
+            req.prompt_logprobs_sent = True
+            lps = req.prompt_logprobs
+            out.prompt_logprobs = [None] + lps[1 : req.num_prompt_tokens] + [None] * (req.num_prompt_tokens - len(lps))
         if req.finished:
             req.finish_time = now
             out.finished = True

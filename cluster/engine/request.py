@@ -45,6 +45,10 @@ class Request:
     req_pool_idx: int = -1
     prefix_node: Any = None  # radix node locked for this request's cached prefix
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    # Prompt logprobs (params.prompt_logprobs): position i holds token i's given those before
+    # it (position 0: None), filled as the prefill pieces complete; sent with the first output.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     num_preemptions: int = 0
     # Wall-clock marks for metrics.
     arrival_time: float = field(default_factory=time.monotonic)
@@ -124,6 +128,8 @@ class RequestOutput:
     error_type: str | None = None
     error_param: str | None = None
     embedding: list[float] | None = None
+    # The prompt's logprobs (the request asked: params.prompt_logprobs), whole, on the first output.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Which replica served the request (set by the router).
     replica: str = "local"
     # Seconds from the engine's arrival, filled when finished (for metrics and clients that ask):

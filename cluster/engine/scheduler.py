@@ -207,7 +207,7 @@ class Scheduler:
             if counts[group] >= share and starved - {group}:
                 skip += 1  # its group has its share while another group's requests wait with less
                 continue
-            if self.kv_offload is not None:
+            if self.kv_offload is not None and req.params.prompt_logprobs is None:
                 verdict = self.kv_offload.set_aside(req)
                 if verdict == Verdict.DEFER:
                     skip += 1
@@ -310,8 +310,11 @@ class Scheduler:
         if enc_len and enc_len >= budget:
             return None  # its encoder runs whole in the admitting step: wait for room
         # Leave at least one token to compute: its logits sample the next token. An
-        # encoder-decoder request matches nothing (cluster/engine/encoder_decoder.py says why).
-        match = self.radix.match_prefix(tokens[: len(tokens) - 1] if not enc_len else [])
+        # encoder-decoder request matches nothing (cluster/engine/encoder_decoder.py says why),
+        # nor does one that asks for its prompt's logprobs (a cached prefix has no logits: it
+        # computes its whole prompt; its pages still serve later requests).
+        whole = enc_len or req.params.prompt_logprobs is not None
+        match = self.radix.match_prefix([] if whole else tokens[: len(tokens) - 1])
         kv = RequestKV()
         kv.pages = list(match.pages)
         kv.num_tokens = match.num_tokens

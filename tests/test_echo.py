@@ -1,0 +1,60 @@
+"""completions `echo` and vLLM's `prompt_logprobs` through the real server with the real
+`openai` client: lm-eval's loglikelihood request (echo, max_tokens 0, logprobs 1) returns the
+prompt's tokens with their logprobs (the first null), equal to transformers' own log-softmax."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.test_prompt_logprobs import hf_prompt_logprobs
+from tests.test_server import MODEL, PROMPT, oai, stack  # noqa: F401 - fixtures
+
+
+def _model_dir(stack):  # noqa: F811
+    return stack["engine"].config.model
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_loglikelihood_request_as_lm_eval_sends_it(stack, oai, stream):  # noqa: F811
+    ids = stack["engine"].tokenizer(PROMPT).input_ids
+    want, _ = hf_prompt_logprobs(_model_dir(stack), ids, 1)
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    if stream:
+        chunks = [c for c in oai.completions.create(stream=True, **kw) if c.choices]
+        text = "".join(c.choices[0].text for c in chunks)
+        lp = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+        tokens = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.tokens]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        r = oai.completions.create(**kw)
+        c = r.choices[0]
+        text, lp, tokens, finish = c.text, c.logprobs.token_logprobs, c.logprobs.tokens, c.finish_reason
+        assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+        assert c.logprobs.top_logprobs[0] is None and all(len(t) >= 1 for t in c.logprobs.top_logprobs[1:])
+    assert text == PROMPT and finish == "length"
+    assert len(lp) == len(ids) == len(tokens) and lp[0] is None
+    assert lp[1:] == pytest.approx(want, abs=1e-4)
+
+
+def test_echo_with_generation_and_prompt_logprobs(stack, oai):  # noqa: F811
+    ids = stack["engine"].tokenizer(PROMPT).input_ids
+    want, want_top = hf_prompt_logprobs(_model_dir(stack), ids, 2)
+    plain = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1,
+                                   extra_body={"ignore_eos": True}).choices[0]
+    r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1,
+                               extra_body={"ignore_eos": True, "prompt_logprobs": 2}).choices[0]
+    assert r.text == PROMPT + plain.text
+    assert r.logprobs.token_logprobs[len(ids):] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    assert r.logprobs.token_logprobs[1:len(ids)] == pytest.approx(want, abs=1e-4)
+    vllm = r.model_extra["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == len(ids)
+    for entry, tok, lp, top in zip(vllm[1:], ids[1:], want, want_top):
+        assert entry[str(tok)]["logprob"] == pytest.approx(lp, abs=1e-4)
+        assert {int(t) for t, e in entry.items() if e["rank"] in (1, 2)} >= set(top[:1])
+
+
+def test_max_tokens_zero_needs_echo(stack):  # noqa: F811
+    r = httpx.post(stack["url"] + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
