@@ -304,6 +304,8 @@ class ModelRunner:
         prompt token its piece predicts (token p + 1 from position p), with the top
         alternatives and its rank. Every rank computes the logits (the LM head gathers over the
         TP group); rank 0 reads them (a host sync, for these requests only)."""
+        if plan.mode.is_decode() or not any(s.params.prompt_logprobs is not None for s in self.states.values()):
+            return  # (a decode step covers no prompt position)
         start = 0
         for r in plan.reqs:
             n, state = len(r.input_ids), self.states.get(r.rid)
