@@ -47,12 +47,15 @@ def test_validate_names_logit_bias(bias):
     assert err.value.param == "logit_bias"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_forced_token_through_the_engine_and_a_speculative_round(tmp_path_factory, overlap):
+def test_forced_token_through_the_engine_and_a_speculative_round(tmp_path_factory, overlap, device):
     d = tiny_model_dir(tmp_path_factory, "llama")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias=((42, 100.0),))
     for extra in ({}, {"speculative_draft_model": str(d), "speculative_num_tokens": 3}):
-        engine = Engine(EngineConfig(model=str(d), page_size=4, disable_overlap_schedule=not overlap, **extra))
+        engine = Engine(EngineConfig(model=str(d), page_size=4, disable_overlap_schedule=not overlap, device=device,
+                                     dtype="float32", **extra))
         out = engine.generate(["hello there", "the quick brown fox"], params)
         assert [r.token_ids for r in out] == [[42] * 6] * 2, extra
         engine.shutdown()

@@ -29,10 +29,15 @@ def hf_prompt_logprobs(model_dir, ids: list[int], k: int) -> tuple[list[float], 
     return chosen, top
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
 @pytest.mark.parametrize("options", [
     {},
     {"chunked_prefill_size": 5, "max_num_batched_tokens": 9},
     {"tp_size": 2},
+    pytest.param({"device": "cuda", "dtype": "float32", "chunked_prefill_size": 5, "max_num_batched_tokens": 9},
+                 marks=[pytest.mark.gpu, CUDA]),
 ])
 def test_prompt_logprobs_equal_transformers(tmp_path_factory, options):
     d = tiny_model_dir(tmp_path_factory, "llama")
