@@ -176,6 +176,8 @@ class Sampler:
 
         Each is flattened; the results are views of one device buffer, in argument order.
         """
+        if len({t.dtype for t in tensors}) > 1:  # (caught on CPU too, where nothing is concatenated)
+            raise TypeError(f"_upload takes tensors of one dtype, got {[t.dtype for t in tensors]}")
         if self.device.type == "cpu":
             return [t.reshape(-1) for t in tensors]
         buf = torch.cat([t.reshape(-1) for t in tensors])
@@ -323,8 +325,8 @@ class Sampler:
         V = self.vocab_size
         flat = [(i * V + t, b) for i, s in enumerate(states) for t, b in s.params.logit_bias if 0 <= t < V]
         if flat:
-            idx, add = self._upload(torch.tensor([f for f, _ in flat], dtype=torch.long),
-                                    torch.tensor([b for _, b in flat], dtype=torch.float32))
+            idx = self._tensor([f for f, _ in flat], torch.long)
+            add = self._tensor([b for _, b in flat], torch.float32)
             logits.view(-1).index_add_(0, idx, add)
 
     # -- 3. min_tokens ----------------------------------------------------------------------
