@@ -434,7 +434,7 @@ def test_store_killed_with_sigkill_under_load_is_back_within_seconds(no_store_af
         assert hit is not None, "no store hit within 10 s of the kill"
         assert hit[1] == hit[2] and took < 10, took  # the same tokens as computed
         # The live store's usage is reported again (polled in the background).
-        wait_for(lambda: 'manta:kvstore_usage_bytes{tier="file"}' in metrics.render().decode(), 15,
+        wait_for(lambda: 'manta:kvstore_usage_bytes{tier="file"}' in metrics.render().decode(), 45,
                  "the new store's usage in the metrics")
     finally:
         asyncio.run(router.aclose())
