@@ -19,6 +19,7 @@ from attention.kernel_options import KernelOptions
 from workers import encoder_decoder
 from workers.attention_choice import make_attention_backend
 from workers.forward_batch import ForwardBatch, ForwardMode
+from workers.grammar_masks import GrammarMatchers
 from workers.kv_messages import KVOffloadOptions
 from workers.kv_offload import make_rank_offload
 from workers.loader import load_model
@@ -165,6 +166,14 @@ class ModelRunner:
         # Embedding requests (rid -> pooling accumulated over their prefill pieces).
         self.pooling_states: dict[str, PoolingState] = {}
 
+    def _grammars(self) -> GrammarMatchers:
+        """Structured output's matchers (rank 0), made on the first constrained request."""
+        assert self.sampler is not None
+        if self.sampler.grammars is None:
+            self.sampler.grammars = GrammarMatchers(self.opts.model, self.model_config.vocab_size,
+                                                    list(self.model_config.eos_token_ids), self.device)
+        return self.sampler.grammars
+
     # ---------------- memory ----------------
     def _kv_tokens(self, bytes_per_token: int) -> int:
         if self.opts.kv_cache_tokens is not None:
@@ -270,7 +279,10 @@ class ModelRunner:
             if nr.is_embedding:
                 self.pooling_states[nr.rid] = PoolingState(self.pooling, len(nr.prompt_ids))
             else:
-                self.states[nr.rid] = RequestSamplingState(nr.sampling, nr.prompt_ids, list(nr.output_ids))
+                state = RequestSamplingState(nr.sampling, nr.prompt_ids, list(nr.output_ids))
+                if nr.sampling.structured is not None and self.sampler is not None:
+                    state.matcher = self._grammars().start(nr.sampling.structured, state.output_ids)
+                self.states[nr.rid] = state
         if self.state_pool is not None:
             self.state_pool.reset_admitted(plan)
         for row, start, slots in plan.table_writes:
@@ -338,7 +350,7 @@ class ModelRunner:
             for rid, tok, lp in zip(inflight.rids, out.token_ids, out.logprobs):
                 state = self.states.get(rid)
                 if state is not None:  # else finished or preempted since the launch
-                    state.output_ids.append(tok)
+                    state.extend([tok])
                 result.sampled_rids.append(rid)
                 result.next_token_ids.append(tok)
                 result.logprobs.append(lp)

@@ -10,11 +10,12 @@ back through one synchronisation at the end.
 
 Order of operations in `Sampler.sample` (vLLM/HF conventions):
   1. penalties (repetition, then frequency and presence)
-  2. min_tokens (stop tokens masked while the output is too short)
-  3. logprobs, from these processed logits (before temperature and truncation)
-  4. greedy rows: argmax
-  5. other rows: temperature, top-k, top-p, min-p, then one draw per row
-  6. seeded rows draw their noise from a generator keyed by (seed, output position)
+  2. logit_bias, then min_tokens (stop tokens masked while the output is too short)
+  3. structured output: the grammar's token mask (`workers.grammar_masks`)
+  4. logprobs, from these processed logits (before temperature and truncation)
+  5. greedy rows: argmax
+  6. other rows: temperature, top-k, top-p, min-p, then one draw per row
+  7. seeded rows draw their noise from a generator keyed by (seed, output position)
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from workers.grammar_masks import GrammarMatchers, consume
 from workers.messages import TokenLogprobs
 from workers.sampling_params import SamplingParams
 
@@ -88,6 +91,14 @@ class RequestSamplingState:
     _out_buf: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _out_seen: int = field(default=0, init=False, repr=False, compare=False)
     _out_kept: int = field(default=0, init=False, repr=False, compare=False)
+    # Structured output: the request's llguidance matcher (rank 0 sets it; None: unconstrained).
+    matcher: Any = field(default=None, repr=False, compare=False)
+
+    def extend(self, tokens: list[int]) -> None:
+        """The request emitted these tokens: append them, and advance its grammar over them."""
+        self.output_ids.extend(tokens)
+        if self.matcher is not None:
+            consume(self.matcher, tokens)
 
     def output_array(self, vocab_size: int) -> np.ndarray:
         """The output ids in [0, vocab_size) as an int64 array view; copies only new tokens."""
@@ -160,6 +171,8 @@ class Sampler:
         # Reseeded before every seeded draw; manual_seed also resets its offset, so a draw
         # depends on the seed alone.
         self._seeded_gen = torch.Generator(device=self.device)
+        # Structured output's matchers and masks (the runner sets it where a tokenizer exists).
+        self.grammars: GrammarMatchers | None = None
 
     def warm_up(self, max_rows: int) -> None:
         """On CUDA, compile the argmax launches of every batch up to `max_rows` rows at
@@ -223,6 +236,7 @@ class Sampler:
         self._apply_penalties(logits, states)
         self._apply_logit_bias(logits, states)
         self._apply_min_tokens(logits, states)
+        self.apply_grammar(logits, states)
 
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         lp_rows_t = self._tensor(lp_rows, torch.long) if 0 < len(lp_rows) < B else None
@@ -329,7 +343,7 @@ class Sampler:
             add = self._tensor([b for _, b in flat], torch.float32)
             logits.view(-1).index_add_(0, idx, add)
 
-    # -- 3. min_tokens ----------------------------------------------------------------------
+    # -- 2b. min_tokens ---------------------------------------------------------------------
 
     def _apply_min_tokens(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> None:
         """While len(output_ids) < min_tokens, the request's stop tokens get -inf: its
@@ -339,7 +353,7 @@ class Sampler:
         flat: list[int] = []
         for i, s in enumerate(states):
             p = s.params
-            if len(s.output_ids) >= p.min_tokens:
+            if len(s.output_ids) >= p.min_tokens or s.matcher is not None:  # a grammar decides
                 continue
             stops = set(p.stop_token_ids)
             if not p.ignore_eos:
@@ -348,7 +362,18 @@ class Sampler:
         if flat:
             logits.view(-1).index_fill_(0, self._tensor(flat, torch.long), -math.inf)
 
-    # -- 4-6. choosing the token ------------------------------------------------------------
+    # -- 3. structured output ---------------------------------------------------------------
+
+    def apply_grammar(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> None:
+        """In place on logits [B, V]: each constrained row keeps only the tokens its grammar
+        allows next (the masks are filled on the host now, while the device runs what was
+        enqueued before)."""
+        rows = [i for i, s in enumerate(states) if s.matcher is not None]
+        if rows and self.grammars is not None:
+            mask = self.grammars.fill([states[i].matcher for i in rows])
+            self.grammars.apply(logits, rows, mask)
+
+    # -- 5-7. choosing the token ------------------------------------------------------------
 
     def _choose(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
         """[B] token ids on the device: argmax for greedy rows, a random draw for the others."""

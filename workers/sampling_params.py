@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from workers.request_errors import InvalidRequest
+from workers.structured_output import StructuredOutput
 
 
 class SamplingParamsError(InvalidRequest):
@@ -55,6 +56,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the stop string that ended the text stays in it
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # The output must match this (a JSON schema, regex, choice or grammar); None: free text.
+    # The grammar decides when the output may end: min_tokens does not hold back its eos.
+    structured: StructuredOutput | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     # The vocabulary sizes (None: none given) this object was validated against.
     _validated: tuple = field(default=(), init=False, repr=False, compare=False, hash=False)
@@ -67,7 +71,7 @@ class SamplingParams:
     def needs_adjustment(self) -> bool:
         """Whether the sampler changes this request's logits before choosing (penalties or a
         logit bias; min_tokens is asked per step)."""
-        return self.needs_penalties or bool(self.logit_bias)
+        return self.needs_penalties or bool(self.logit_bias) or self.structured is not None
 
     @property
     def needs_penalties(self) -> bool:
@@ -146,5 +150,9 @@ class SamplingParams:
                 bad("logit_bias", f"token id {t!r} is out of range")
             if not _is_real(b) or not -100.0 <= b <= 100.0:
                 bad("logit_bias", f"bias of token {t} must be a number in [-100, 100], got {b!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                bad("structured", f"must be a StructuredOutput, got {type(self.structured).__name__}")
+            self.structured.check()
         object.__setattr__(self, "_validated", (*self._validated, vocab_size))
         return self

@@ -190,13 +190,18 @@ class DraftRunner:
                     sampler._prompt_ids(s)  # upload once; the virtual states share it
                 for i in range(K + 1):
                     v = RequestSamplingState(s.params, s.prompt_ids, s.output_ids + drafts[b][:i])
-                    v._prompt_dev = s._prompt_dev
+                    v._prompt_dev, v.matcher = s._prompt_dev, s.matcher  # (the grammar is applied below)
                     virtual.append(v)
             adj_t = torch.tensor(adjust, device=dev)
             sub = x.index_select(0, adj_t).reshape(-1, V)
             sampler._apply_penalties(sub, virtual)
             sampler._apply_logit_bias(sub, virtual)
             sampler._apply_min_tokens(sub, virtual)
+            constrained = [j for j, b in enumerate(adjust) if states[b].matcher is not None]
+            if constrained and sampler.grammars is not None:  # position i: the grammar after drafts[:i]
+                mask = sampler.grammars.fill_with_drafts([states[adjust[j]].matcher for j in constrained],
+                                                         [drafts[adjust[j]] for j in constrained])
+                sampler.grammars.apply(sub, [j * (K + 1) + i for j in constrained for i in range(K + 1)], mask)
             x.index_copy_(0, adj_t, sub.view(len(adjust), K + 1, V))
 
         n = torch.zeros(B, dtype=torch.long, device=dev)
@@ -225,7 +230,7 @@ class DraftRunner:
             k = states[b].params.logprobs
             if k is not None:
                 lps = _logprobs(x[b, : len(toks)], toks, min(k, V))
-            states[b].output_ids.extend(toks)
+            states[b].extend(toks)
             result.sampled_rids.append(r.rid)
             result.next_token_ids.append(toks[-1])
             result.logprobs.append(lps[-1])

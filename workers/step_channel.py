@@ -65,6 +65,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 # Where the messages' classes live: only their dataclasses and enums may be rebuilt.
 _MESSAGE_MODULES = ("workers.messages", "workers.kv_messages", "workers.spec_messages", "workers.sampling_params",
+                    "workers.structured_output",
                     "workers.forward_batch")
 _BUILTINS = {"set", "frozenset", "complex", "slice"}
 

@@ -36,6 +36,7 @@ from cluster.api.logprobs import (
 from cluster.api.metrics import ServerMetrics
 from cluster.api.shutdown import ShutdownGate
 from cluster.api.sse import SSE_DONE, ClientGone, SSEResponse, sse, until_disconnect
+from cluster.api.structured import TokenizerSupport
 from cluster.engine.client import ChoiceResult, EdgeTiming, FanOut, ServingClient
 from cluster.engine.request import RequestOutput
 from workers.sampling_params import SamplingParams, SamplingParamsError
@@ -55,6 +56,7 @@ class Endpoints:
         self.client, self.metrics, self.gate = client, metrics, gate
         self.created = int(time.time())
         self.pieces = TokenPieces(client.tokenizer)  # each token's own text and bytes (logprobs)
+        self.grammars = TokenizerSupport(client.tokenizer)  # can structured outputs run on this model
 
     # ---------------- request preparation ----------------
     def check_model(self, name: str | None) -> None:
@@ -183,6 +185,7 @@ class Endpoints:
             text = prompt if isinstance(prompt, str) and len(ids) == len(full) else None
             for j in range(req.n):
                 params = req.sampling_params(seed_offset=j).validate(self.client.vocab_size)
+                self.grammars.check(params.structured)
                 self.check_context(len(ids), params.max_tokens)
                 jobs.append((ids, params))
                 texts.append(text if text is not None else self.client.tokenizer.decode(ids))
@@ -256,6 +259,7 @@ class Endpoints:
         for j in range(req.n):
             try:
                 params = req.sampling_params(max_tokens, seed_offset=j).validate(self.client.vocab_size)
+                self.grammars.check(params.structured)
             except SamplingParamsError as exc:
                 renamed = {"max_tokens": req.max_tokens_param, "logprobs": "top_logprobs"}.get(exc.param)
                 if renamed is None:
@@ -322,6 +326,7 @@ class Endpoints:
             raise SamplingParamsError(f"sampling_params.{exc.param}", str(exc).split(": ", 1)[-1]) from None
         except TypeError as exc:  # a sampling_params value of a type SamplingParams cannot take
             raise APIError(400, f"invalid sampling_params: {exc}", param="sampling_params") from None
+        self.grammars.check(params.structured)
         ids = self.prompt_ids(req.prompt())
         self.check_context(len(ids), params.max_tokens, "sampling_params.max_tokens")
         rid = req.rid or f"gen-{uuid.uuid4().hex}"

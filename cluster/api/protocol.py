@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.api.structured import StructuredFields
 from workers.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
+from workers.structured_output import StructuredOutput
 
 MAX_N = 128
 
@@ -47,8 +49,11 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions (None: the default)."""
+class _SamplingRequest(StructuredFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (None: the default); the
+    structured-output fields of every dialect come from `StructuredFields`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -120,6 +125,7 @@ class _SamplingRequest(_Strict):
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=prompt_logprobs,
             logit_bias=logit_bias_pairs(self.logit_bias, "logit_bias"),
+            structured=self.structured(),
         )
 
 
@@ -200,7 +206,6 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     functions: list[dict] | None = None
     function_call: str | dict | None = None
-    response_format: dict | None = None
 
     def check_supported(self) -> None:
         self._check_common()
@@ -211,8 +216,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.functions or self.function_call not in (None, "none"):
             param = "functions" if self.functions else "function_call"
             raise SamplingParamsError(param, "function calling is not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise SamplingParamsError("response_format", "only response_format type 'text' is supported")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise SamplingParamsError("top_logprobs", "top_logprobs requires logprobs to be true")
@@ -254,7 +257,9 @@ class GenerateRequest(_Strict):
         return self.text if self.text is not None else list(self.input_ids or [])
 
     def params(self) -> SamplingParams:
-        known = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - {"extra"}
+        # SGLang's constraint keys stand for `structured`, which is not given directly.
+        known = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - {"extra", "structured"}
+        known |= {"json_schema", "regex", "ebnf"}
         sp = dict(self.sampling_params)
         for key in sp:
             if key not in known:
@@ -267,6 +272,13 @@ class GenerateRequest(_Strict):
                 sp[key] = tuple(v)
         if isinstance(sp.get("logit_bias"), dict):
             sp["logit_bias"] = logit_bias_pairs(sp["logit_bias"], "sampling_params.logit_bias")
+        found = [(k, sp.pop(k)) for k in ("json_schema", "regex", "ebnf") if sp.get(k) is not None]
+        if len(found) > 1:
+            raise SamplingParamsError(f"sampling_params.{found[1][0]}", "only one structured output constraint may be given")
+        if found:
+            (key, value), param = found[0], f"sampling_params.{found[0][0]}"
+            sp["structured"] = (StructuredOutput.json_schema(value, param) if key == "json_schema"
+                                else StructuredOutput("regex" if key == "regex" else "grammar", value, param))
         return SamplingParams(**sp)
 
 
