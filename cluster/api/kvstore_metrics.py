@@ -31,18 +31,26 @@ class KVStoreCollector(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._replicas: dict[str, dict] = {}
-        self._store: dict | None = None
+        # Every replica polls the one shared store on its own; each one's latest view, in the
+        # order they arrived (None: that replica could not reach the store at its last poll).
+        self._stores: dict[str, dict | None] = {}
 
     def set(self, replica: str, report: dict) -> None:
         with self._lock:
             self._replicas[replica] = report
-            # The store's usage as last seen; None while it cannot be reached (dead, restarting):
-            # a dead store's bytes are not reported.
-            self._store = report.get("store")
+            self._stores.pop(replica, None)
+            self._stores[replica] = report.get("store")
 
     def remove(self, replica: str) -> None:
         with self._lock:
             self._replicas.pop(replica, None)
+            self._stores.pop(replica, None)
+
+    def _store(self) -> dict | None:
+        """The store's usage: the latest that a replica reached. One replica's timed-out poll
+        (a busy or restarting store) does not hide what another just read; once no replica
+        reaches the store (dead), its bytes are not reported."""
+        return next((s for s in reversed(self._stores.values()) if s is not None), None)
 
     def collect(self) -> Iterator[Metric]:
         written = CounterMetricFamily("manta:kvstore_pages_written", "Pages a rank wrote into the shared KV store.",
@@ -86,10 +94,11 @@ class KVStoreCollector(Collector):
                     host += r.get("host", {}).get("used_bytes", 0)
                 nbytes.add_metric([replica, "write"], wbytes)
                 nbytes.add_metric([replica, "read"], rbytes)
-            if self._store is not None:
-                usage.add_metric(["ram"], self._store.get("ram_used_bytes", 0))
-                usage.add_metric(["file"], self._store.get("file_used_bytes", 0))
-                errors.add_metric(["store", "file_write"], self._store.get("file_write_errors", 0))
+            store = self._store()
+            if store is not None:
+                usage.add_metric(["ram"], store.get("ram_used_bytes", 0))
+                usage.add_metric(["file"], store.get("file_used_bytes", 0))
+                errors.add_metric(["store", "file_write"], store.get("file_write_errors", 0))
             if self._replicas:
                 usage.add_metric(["host"], host)
         yield from (written, read, hits, queries, nbytes, errors, dropped, usage)
