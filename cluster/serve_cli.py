@@ -10,6 +10,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_serve_parser(sub) -> None:
+    from cluster.api.tools import PARSERS
     from cluster.engine_args import add_engine_args
 
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API from a Ray cluster")
@@ -32,6 +33,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM/SIGINT: stop admitting, let requests in flight finish for up to S seconds, "
                         "then end them and exit (a second signal exits at once)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *PARSERS],
+                   help="how tool_choice 'auto' outputs are read: the chat template's format (auto), a named "
+                        "one, or none (text only)")
     p.add_argument("--router-max-inflight", type=int, default=None,
                    help="requests the router holds at once before answering 503 (default: with --max-waiting W, "
                         "replicas x (max-running-requests + W); else unbounded)")
@@ -101,7 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         router = cluster.start()
         app = build_app(router, metrics, api_key=args.api_key, metrics_public=args.metrics_public,
-                        request_timeout_s=args.request_timeout, admin=cluster, gate=gate)
+                        request_timeout_s=args.request_timeout, admin=cluster, gate=gate,
+                        tool_call_parser=args.tool_call_parser)
         # The gate ends every request by the deadline; uvicorn then only closes idle connections.
         from cluster.api.http_protocol import StampedH11Protocol
 

@@ -269,13 +269,14 @@ def test_typed_errors_from_openai_client(stack, oai):
     assert ei.value.param == "model" and ei.value.code == "model_not_found"
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as ei:
-        oai.chat.completions.create(model=MODEL, messages=CHAT, tools=[tool])
-    assert ei.value.param == "tools"
+        oai.chat.completions.create(model=MODEL, messages=CHAT, tools=[tool],
+                                    tool_choice={"type": "function", "function": {"name": "g"}})
+    assert ei.value.param == "tool_choice.function.name"
     with pytest.raises(openai.BadRequestError) as ei:
         oai.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=0)
     assert ei.value.param == "max_completion_tokens"
     with pytest.raises(openai.BadRequestError) as ei:
-        oai.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}])
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}])
     assert ei.value.param == "messages"
 
 

@@ -88,7 +88,9 @@ def _compile(kind: str, spec: str) -> tuple[str, str]:
             schema = json.loads(spec)
             if not isinstance(schema, dict | bool):
                 return "", "must be a JSON schema object"
-            text = LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            # A schema with its own "x-guidance" options (tool calls' compact form) takes none of ours.
+            own = isinstance(schema, dict) and "x-guidance" in schema
+            text = LLMatcher.grammar_from_json_schema(schema, defaults=None if own else _JSON_OPTIONS)
         elif kind == "regex":
             text = LLMatcher.grammar_from_regex(spec)
         elif kind == "choice":

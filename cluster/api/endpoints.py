@@ -37,6 +37,8 @@ from cluster.api.metrics import ServerMetrics
 from cluster.api.shutdown import ShutdownGate
 from cluster.api.sse import SSE_DONE, ClientGone, SSEResponse, sse, until_disconnect
 from cluster.api.structured import TokenizerSupport
+from cluster.api.tool_replies import ToolReplies
+from cluster.api.tools import detect_parser
 from cluster.engine.client import ChoiceResult, EdgeTiming, FanOut, ServingClient
 from cluster.engine.request import RequestOutput
 from workers.sampling_params import SamplingParams, SamplingParamsError
@@ -52,8 +54,12 @@ def usage_of(choices: list[ChoiceResult], n: int) -> P.Usage:
 
 
 class Endpoints:
-    def __init__(self, client: ServingClient, metrics: ServerMetrics, gate: ShutdownGate):
+    def __init__(self, client: ServingClient, metrics: ServerMetrics, gate: ShutdownGate,
+                 tool_call_parser: str = "auto"):
         self.client, self.metrics, self.gate = client, metrics, gate
+        # How `tool_choice: auto` outputs are read: a named format, "auto" (the chat template's), or "none".
+        self.tool_parser = (detect_parser(getattr(client.tokenizer, "chat_template", None))
+                            if tool_call_parser == "auto" else None if tool_call_parser == "none" else tool_call_parser)
         self.created = int(time.time())
         self.pieces = TokenPieces(client.tokenizer)  # each token's own text and bytes (logprobs)
         self.grammars = TokenizerSupport(client.tokenizer)  # can structured outputs run on this model
@@ -251,7 +257,8 @@ class Endpoints:
         req = parse_body(P.ChatCompletionRequest, body)
         req.check_supported()
         self.check_model(req.model)
-        ids = req.truncate(P.render_chat(self.client.tokenizer, req.chat_dicts()))
+        ids = req.truncate(P.render_chat(self.client.tokenizer, req.chat_dicts(), req.template_tools()))
+        tools = ToolReplies(req, self.tool_parser)
         requested = req.requested_max_tokens()
         self.check_context(len(ids), None, prompt_param="messages")
         max_tokens = requested if requested is not None else self.default_max_tokens(len(ids))
@@ -276,20 +283,29 @@ class Endpoints:
         async def events(fan: FanOut) -> AsyncIterator[str]:
             for i in range(len(jobs)):
                 yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))])
+            streams = [tools.stream() for _ in jobs] if tools.active else None
             async for i, out in fan.outputs_ending_in_error():
                 if not (out.delta_text or out.delta_token_ids or out.finished):
                     continue
                 lp = chat_logprobs(out.delta_token_ids, out.delta_logprobs, self.pieces) if req.logprobs else None
-                yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(content=out.delta_text), logprobs=lp,
-                                               finish_reason=out.finish_reason if out.finished else None)],
+                delta, reason = P.DeltaMessage(content=out.delta_text), out.finish_reason if out.finished else None
+                if streams is not None:
+                    delta, reason = streams[i].step(out.delta_text, out.finished, out.finish_reason)
+                    if delta is None and lp is None:
+                        continue
+                yield chunk([P.ChatChunkChoice(index=i, delta=delta or P.DeltaMessage(), logprobs=lp,
+                                               finish_reason=reason)],
                             usage_of(fan.choices, req.n) if req.continuous_usage else None)
             if req.include_usage:
                 yield chunk([], usage_of(fan.choices, req.n))
 
         def build(choices: list[ChoiceResult]) -> P.ChatCompletionResponse:
-            out = [P.ChatChoice(index=i, message=P.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                                logprobs=chat_logprobs(c.token_ids, c.logprobs, self.pieces) if req.logprobs else None)
-                   for i, c in enumerate(choices)]
+            out = []
+            for i, c in enumerate(choices):
+                message, reason = tools.message(c.text, c.finish_reason)
+                out.append(P.ChatChoice(index=i, message=message, finish_reason=reason,
+                                        logprobs=chat_logprobs(c.token_ids, c.logprobs, self.pieces) if req.logprobs
+                                        else None))
             return P.ChatCompletionResponse(id=cid, created=created, model=model, choices=out,
                                             usage=usage_of(choices, req.n))
 

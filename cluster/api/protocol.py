@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.api.chat_messages import ChatMessage
 from cluster.api.structured import StructuredFields
+from cluster.api.tools import NamedToolChoice, Tool, check_tools, forced_constraint
 from workers.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
 from workers.structured_output import StructuredOutput
 
@@ -178,41 +180,32 @@ class CompletionRequest(_SamplingRequest):
         return self._params(max_tokens, self.logprobs, seed_offset, self.wanted_prompt_logprobs)
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.text for p in self.content)
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Refused when used (check_supported): present so that the 400 names them precisely.
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Refused when used (check_supported): present so that the 400 names them precisely.
     functions: list[dict] | None = None
     function_call: str | dict | None = None
 
     def check_supported(self) -> None:
         self._check_common()
-        if self.tools:
-            raise SamplingParamsError("tools", "tool calling is not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise SamplingParamsError("tool_choice", "tool calling is not supported by this server")
+        check_tools(self.tools, self.tool_choice)
+        if self.forced_tools is not None and self.structured() is not None:
+            raise SamplingParamsError("tool_choice", "a required or named tool_choice cannot be combined with "
+                                                     "another output constraint")
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise SamplingParamsError(f"messages[{i}].content", "content is required (null only for an "
+                                                                   "assistant message with tool_calls)")
+            if (m.tool_calls and m.role != "assistant") or (m.tool_call_id is not None and m.role != "tool"):
+                field = "tool_calls" if m.tool_calls else "tool_call_id"
+                raise SamplingParamsError(f"messages[{i}].{field}", f"not allowed in a {m.role} message")
         if self.functions or self.function_call not in (None, "none"):
             param = "functions" if self.functions else "function_call"
             raise SamplingParamsError(param, "function calling is not supported by this server")
@@ -231,13 +224,26 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def forced_tools(self):
+        """The grammar of a `required` or named tool_choice (None: no tool call is forced)."""
+        return forced_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
+
     def sampling_params(self, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, logprobs, seed_offset)
+        params = self._params(max_tokens, logprobs, seed_offset)
+        forced = self.forced_tools
+        return dataclasses.replace(params, structured=forced) if forced is not None else params
 
-    def chat_dicts(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def chat_dicts(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates take them (none with tool_choice "none": OpenAI's
+        semantics are that the model may not call them)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 class GenerateRequest(_Strict):
@@ -296,15 +302,16 @@ def logit_bias_pairs(bias: dict | None, param: str) -> tuple[tuple[int, float], 
     return tuple(pairs)
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the chat prompt, ready for generation.
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of the chat prompt, ready for generation (with `tools`, the template is given
+    them: `apply_chat_template(..., tools=...)`).
 
     Templates usually emit the BOS token themselves, so the rendered text is encoded without
     special tokens; the built-in fallback template does not, so it gets the tokenizer's own."""
     template = getattr(tokenizer, "chat_template", None)
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False,
+            messages, tools=tools, add_generation_prompt=True, tokenize=False,
             chat_template=None if template else DEFAULT_CHAT_TEMPLATE,
         )
     except Exception as exc:  # jinja errors: raise_exception() in a template, bad role order
@@ -379,9 +386,21 @@ class ChatLogprobs(_Out):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(_Out):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Out):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda v: not v)
 
 
 class ChatChoice(_Out):
@@ -400,10 +419,25 @@ class ChatCompletionResponse(_Out):
     usage: Usage
 
 
+class FunctionDelta(_Out):
+    name: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    arguments: str = ""
+
+
+class ToolCallDelta(_Out):
+    """A streamed piece of a tool call: the first carries id, type and name."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    type: Literal["function"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    function: FunctionDelta
+
+
 class DeltaMessage(_Out):
     # Absent rather than null when unset: the role comes only in a choice's first chunk.
     role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=lambda v: not v)
 
 
 class ChatChunkChoice(_Out):
