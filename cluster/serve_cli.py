@@ -10,6 +10,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_serve_parser(sub) -> None:
+    from cluster.api.reasoning import PARSERS as REASONING_PARSERS
     from cluster.api.tools import PARSERS
     from cluster.engine_args import add_engine_args
 
@@ -36,6 +37,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *PARSERS],
                    help="how tool_choice 'auto' outputs are read: the chat template's format (auto), a named "
                         "one, or none (text only)")
+    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="reasoning models: send <think>...</think> as the message's reasoning_content")
     p.add_argument("--router-max-inflight", type=int, default=None,
                    help="requests the router holds at once before answering 503 (default: with --max-waiting W, "
                         "replicas x (max-running-requests + W); else unbounded)")
@@ -106,7 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         router = cluster.start()
         app = build_app(router, metrics, api_key=args.api_key, metrics_public=args.metrics_public,
                         request_timeout_s=args.request_timeout, admin=cluster, gate=gate,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
         # The gate ends every request by the deadline; uvicorn then only closes idle connections.
         from cluster.api.http_protocol import StampedH11Protocol
 

@@ -34,6 +34,7 @@ from cluster.api.logprobs import (
     vllm_prompt_logprobs,
 )
 from cluster.api.metrics import ServerMetrics
+from cluster.api.reasoning import ReasoningStream, split_reasoning
 from cluster.api.shutdown import ShutdownGate
 from cluster.api.sse import SSE_DONE, ClientGone, SSEResponse, sse, until_disconnect
 from cluster.api.structured import TokenizerSupport
@@ -55,11 +56,12 @@ def usage_of(choices: list[ChoiceResult], n: int) -> P.Usage:
 
 class Endpoints:
     def __init__(self, client: ServingClient, metrics: ServerMetrics, gate: ShutdownGate,
-                 tool_call_parser: str = "auto"):
+                 tool_call_parser: str = "auto", reasoning_parser: str | None = None):
         self.client, self.metrics, self.gate = client, metrics, gate
         # How `tool_choice: auto` outputs are read: a named format, "auto" (the chat template's), or "none".
         self.tool_parser = (detect_parser(getattr(client.tokenizer, "chat_template", None))
                             if tool_call_parser == "auto" else None if tool_call_parser == "none" else tool_call_parser)
+        self.reasoning_parser = reasoning_parser  # <think>...</think> -> reasoning_content
         self.created = int(time.time())
         self.pieces = TokenPieces(client.tokenizer)  # each token's own text and bytes (logprobs)
         self.grammars = TokenizerSupport(client.tokenizer)  # can structured outputs run on this model
@@ -284,15 +286,22 @@ class Endpoints:
             for i in range(len(jobs)):
                 yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))])
             streams = [tools.stream() for _ in jobs] if tools.active else None
+            thinking = [ReasoningStream(self.reasoning_parser) for _ in jobs] if self.reasoning_parser else None
             async for i, out in fan.outputs_ending_in_error():
                 if not (out.delta_text or out.delta_token_ids or out.finished):
                     continue
                 lp = chat_logprobs(out.delta_token_ids, out.delta_logprobs, self.pieces) if req.logprobs else None
-                delta, reason = P.DeltaMessage(content=out.delta_text), out.finish_reason if out.finished else None
-                if streams is not None:
-                    delta, reason = streams[i].step(out.delta_text, out.finished, out.finish_reason)
-                    if delta is None and lp is None:
-                        continue
+                reason = out.finish_reason if out.finished else None
+                thought, text = thinking[i].step(out.delta_text, out.finished) if thinking else ("", out.delta_text)
+                delta: P.DeltaMessage | None = None
+                if streams is not None:  # tool calls: content until a call may start, the calls at the end
+                    delta, reason = streams[i].step(text, out.finished, out.finish_reason)
+                elif text or thinking is None:
+                    delta = P.DeltaMessage(content=text)
+                if thought:
+                    delta = (delta or P.DeltaMessage()).model_copy(update={"reasoning_content": thought})
+                if delta is None and lp is None and not out.finished:
+                    continue
                 yield chunk([P.ChatChunkChoice(index=i, delta=delta or P.DeltaMessage(), logprobs=lp,
                                                finish_reason=reason)],
                             usage_of(fan.choices, req.n) if req.continuous_usage else None)
@@ -302,7 +311,9 @@ class Endpoints:
         def build(choices: list[ChoiceResult]) -> P.ChatCompletionResponse:
             out = []
             for i, c in enumerate(choices):
-                message, reason = tools.message(c.text, c.finish_reason)
+                thought, text = split_reasoning(self.reasoning_parser, c.text)
+                message, reason = tools.message(text, c.finish_reason)
+                message.reasoning_content = thought
                 out.append(P.ChatChoice(index=i, message=message, finish_reason=reason,
                                         logprobs=chat_logprobs(c.token_ids, c.logprobs, self.pieces) if req.logprobs
                                         else None))

@@ -401,6 +401,7 @@ class AssistantMessage(_Out):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda v: not v)
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)  # --reasoning-parser
 
 
 class ChatChoice(_Out):
@@ -437,6 +438,7 @@ class DeltaMessage(_Out):
     # Absent rather than null when unset: the role comes only in a choice's first chunk.
     role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=lambda v: not v)
 
 

@@ -90,7 +90,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None = None, *,
               metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               request_timeout_s: float | None = None, admin=None, gate: ShutdownGate | None = None,
-              tool_call_parser: str = "auto") -> FastAPI:
+              tool_call_parser: str = "auto", reasoning_parser: str | None = None) -> FastAPI:
     """The HTTP app. With `api_key`, every route but /health (and /metrics when `metrics_public`)
     needs `Authorization: Bearer <api_key>`. With `request_timeout_s`, a POST request (reading its
     body included) that runs longer is aborted and answered 504 (`cluster.api.deadline`). With
@@ -99,7 +99,7 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
     app = FastAPI(title="manta", docs_url=None, redoc_url=None, openapi_url=None)
     gate = gate if gate is not None else ShutdownGate()
     app.state.gate = gate
-    serving = Endpoints(client, metrics, gate, tool_call_parser)
+    serving = Endpoints(client, metrics, gate, tool_call_parser, reasoning_parser)
 
     def error_response(err: APIError) -> Response:
         metrics.record_error(err.status)
