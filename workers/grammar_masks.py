@@ -7,7 +7,8 @@ the step's forward has been enqueued on the device (and, with overlapped schedul
 previous step's tokens reached the host and were consumed), so the CPU fills the masks while the
 GPU runs the forward. The masks of a batch are filled in parallel by llguidance's thread pool into
 one pinned int32 bitmask ([rows, ceil(V / 32)], bit t of a row set = token t allowed), copied to the
-device in one transfer and expanded there.
+device in one transfer and expanded there. (On a CPU replica, where torch's threads compute the
+forward, the masks are filled in the calling thread: no pool.)
 
 A speculative round needs K + 1 masks per request: position i sees the output plus the first i
 draft tokens; `fill_with_drafts` computes them by advancing the matcher over the drafts and
@@ -103,8 +104,13 @@ class GrammarMatchers:
 
         mask = self._bitmask(len(matchers))
         live = [(m, i) for i, m in enumerate(matchers) if not m.is_error()]
-        if live:
+        if self.device.type == "cuda" and len(live) > 1:  # the host is idle while the GPU runs: use its cores
             fill_next_token_bitmask_par(self._executor, live, mask)
+            return mask
+        # On a CPU replica torch's threads run the forward: a pool's idle spinning would slow them.
+        row_bytes = self.words * 4
+        for m, i in live:
+            m.unsafe_compute_mask_ptr(mask[i].data_ptr(), row_bytes)
         return mask
 
     def fill_with_drafts(self, matchers: list[Any], drafts: list[list[int]]) -> torch.Tensor:

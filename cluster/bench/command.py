@@ -26,7 +26,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from cluster.bench.offline import bench_offline, random_prompts
+from cluster.bench.offline import bench_offline, bench_structured, random_prompts
 from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from workers.sampling_params import SamplingParams
@@ -196,6 +196,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.mode == "offline":
         engine = Engine(config)
         res = {"manta": bench_offline(engine, args.num_prompts, args.input_len, args.output_len)}
+        if args.structured != "none":  # the same workload under a grammar, in the same process (A/B)
+            constrained = bench_offline(engine, args.num_prompts, args.input_len, args.output_len,
+                                        structured=bench_structured(args.structured))
+            res[f"manta_{args.structured}"] = constrained
+            res["structured_cost"] = 1 - constrained["output_tokens_per_s"] / res["manta"]["output_tokens_per_s"]
         if args.compare_transformers:
             import gc
 
@@ -222,7 +227,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         payload["result"] = res
         _print_table(f"offline: {args.num_prompts} x ({args.input_len} in, {args.output_len} out)",
                      [(f"{g} {k}", v) for g, row in res.items() if isinstance(row, dict) for k, v in row.items()]
-                     + ([("speedup vs transformers", res["speedup"])] if "speedup" in res else []))
+                     + ([("speedup vs transformers", res["speedup"])] if "speedup" in res else [])
+                     + ([("structured output cost", res["structured_cost"])] if "structured_cost" in res else []))
     elif args.mode == "serve":
         import asyncio
 
@@ -311,6 +317,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--out", default=None, help="write JSON here")
     p.add_argument("--compare-transformers", action="store_true",
                    help="offline: run the same workload through transformers' generate_batch")
+    p.add_argument("--structured", default="none", choices=["none", "json", "regex"],
+                   help="offline: also run the workload with every request under a JSON schema or a regex")
     p.add_argument("--request-rate", type=float, default=16.0, help="serve: Poisson arrivals per second")
     p.add_argument("--url", default=None, help="serve: a running server (else the in-process engine)")
     p.add_argument("--st-batch-size", type=int, default=64, help="embed: sentence-transformers' batch size")

@@ -7,6 +7,7 @@ import time
 
 from cluster.engine.loop import Engine
 from workers.sampling_params import SamplingParams
+from workers.structured_output import StructuredOutput
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -16,9 +17,25 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(10, vocab - 1) for _ in range(length)] for _ in range(n)]
 
 
-def bench_offline(engine: Engine, num_prompts: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+# `--structured json`: a schema that stays open for any output length (an unbounded array of
+# objects), so every step of every request is constrained.
+BENCH_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {
+    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}},
+    "required": ["id", "name"]}}}, "required": ["items"]}
+
+
+def bench_structured(kind: str) -> StructuredOutput | None:
+    if kind == "none":
+        return None
+    if kind == "json":
+        return StructuredOutput.json_schema(BENCH_SCHEMA, "bench")
+    return StructuredOutput("regex", r"([a-z]+ [0-9]+, )*", "bench")
+
+
+def bench_offline(engine: Engine, num_prompts: int, input_len: int, output_len: int, seed: int = 0,
+                  structured: StructuredOutput | None = None) -> dict:
     prompts = random_prompts(num_prompts, input_len, engine.model_config.vocab_size, seed)
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, structured=structured)
     engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
     results = engine.generate(prompts, params)
