@@ -201,9 +201,52 @@ def test_timeout_grows_with_the_prompt_and_stops_early():
     time.sleep(0.16)
     plan = s.schedule()  # not reported finished, but the deadline passed
     assert plan.kv_loads and plan.kv_loads[0].wait_s == 0.0 and off.stats.early_stops == 1
+    assert not plan.kv_loads[0].until_done  # past the deadline: what every rank has, no second try
     s.process_result(plan, result(plan, loaded={"r": 0}))
     run_until_idle(s)
     assert s.stats.prefix_hit_tokens == 0 and s.requests == {}
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_a_rank_still_prefetching_makes_the_load_come_again(abort):
+    """Rank 0 reported its prefetch finished, another rank's still runs (an MLA rank != 0 reads
+    pages it never wrote): the load is `until_done`, the ranks answer LOAD_PENDING, and the
+    same load (same pages) is ordered again until every rank has all of it; no page is cached
+    or freed in between. An abort between two tries frees everything."""
+    from workers.kv_messages import LOAD_PENDING
+
+    prompt = list(range(100, 141))
+    s, off = make(prefetch="wait_complete", probe=FakeProbe(keys_of(prompt[:40])))
+    s.add_request(Request("r", prompt, SamplingParams(max_tokens=2, ignore_eos=True)))
+    step(s)  # the prefetch
+    step(s, prefetched=["r"])  # rank 0's prefetch is done
+    first = s.schedule()
+    (load,) = first.kv_loads
+    assert load.until_done and len(load.page_ids) == 10
+    for _ in range(3):  # another rank still reads: pending, on every rank
+        s.process_result(first, result(first, loaded={"r": LOAD_PENDING}))
+        s.check_integrity()
+        assert s.radix.total_cached_pages == 0 and off.held_pages() == load.page_ids and not s.waiting
+        first = s.schedule()
+        (again,) = first.kv_loads
+        assert again.page_ids == load.page_ids and again.keys == load.keys and again.until_done
+    if abort:
+        s.process_result(first, result(first, loaded={"r": LOAD_PENDING}))
+        s.abort("r")
+        plan = s.schedule()
+        assert "r" in plan.finished_rids and not plan.kv_loads  # the ranks cancel the prefetch
+        s.process_result(plan, result(plan))
+        assert not s.has_work() and not off.loading and not off.held_pages() and s.radix.protected_pages == 0
+        s.check_integrity()
+        return
+    s.process_result(first, result(first, loaded={"r": 10}))
+    s.check_integrity()
+    plan = s.schedule()
+    (sr,) = plan.reqs
+    assert sr.prefix_len == 40 and off.stats.hit_pages == 10 and off.stats.loads == 1
+    s.process_result(plan, result(plan))
+    run_until_idle(s)
+    assert s.requests == {} and s.radix.protected_pages == 0
 
 
 def test_abort_while_prefetching_releases_everything():

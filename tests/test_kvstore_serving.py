@@ -200,12 +200,7 @@ def test_prefix_prefilled_on_one_replica_is_loaded_by_another(no_store_after, tm
 
 
 @pytest.mark.slow
-# The MLA run's reload sometimes finds a rank with none of the prefix (cached 0 or 256 of 400
-# tokens; about 1 run in 4, at bee166a too): under investigation. Its keys and writer ranks
-# (contract 5) are checked strictly in tests/test_kvstore.py as well.
-@pytest.mark.parametrize("layout", [pytest.param("mla", marks=pytest.mark.xfail(
-    strict=False, reason="flaky store reload at MLA TP=2 (a rank loads none of the prefix); under investigation")),
-    "mha"])
+@pytest.mark.parametrize("layout", ["mla", "mha"])
 def test_tp2_keys_per_page_and_writer_ranks(no_store_after, tmp_path, llama_dir, mla_dir, layout):
     """MLA at TP=2: one key per page, every write from rank 0; MHA: two keys per page per rank.
     After the radix cache is dropped and another prompt has pushed the first one out of the

@@ -35,17 +35,30 @@ class KVPrefetch:
     keys: list[str]
 
 
+# `StepResult.kv_loaded[rid]` of a `KVLoad` with `until_done` while some rank's prefetch of the
+# request is still running: no rank used any page; the scheduler orders the load again.
+LOAD_PENDING = -1
+
+
 @dataclass
 class KVLoad:
     """Copy the leading pages of `keys` that the host tier holds into device pages page_ids,
     after waiting up to wait_s for the request's prefetch (the stop policy, decided by the
     scheduler). Every rank answers min over ranks (`kvstore.client.agree_on_pages`) in
-    `StepResult.kv_loaded[rid]`; device pages past that count are garbage."""
+    `StepResult.kv_loaded[rid]`; device pages past that count are garbage.
+
+    `until_done`: the scheduler may still wait for the prefetch (it ordered the load because
+    rank 0's prefetch finished, but the other ranks' may lag: an MLA rank != 0 reads from the
+    store only now). Then a rank whose own prefetch is still running after its short wait makes
+    every rank answer `LOAD_PENDING` (one agreement: all ranks answer the same), its prefetch
+    goes on and the scheduler sends the load again in a later step. Without it (best_effort,
+    or the policy's deadline passed) each rank takes what it has and the ranks agree on the min."""
 
     rid: str
     page_ids: list[int]
     keys: list[str]
     wait_s: float = 0.0
+    until_done: bool = False
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,16 @@ cluster's store actor (`kvstore.store`, reached through this rank's `kvstore.cli
 - prefetch (`KVPrefetch`): the I/O thread reads the request's keys from the store into host
   rows, a chunk at a time, while the rank keeps computing other requests' steps.
 - load (`KVLoad`): wait up to `wait_s` (at most `LOAD_WAIT_CAP_S`) for the prefetch (the
-  scheduler orders a load once rank 0's prefetch is done or its deadline passed, so a rank
-  rarely waits), copy the leading host-resident pages into pinned memory and enqueue their copy
-  into the device pages, and agree with the other ranks on the count (min over ranks). Every
-  rank runs the same loads in the same order, so the collective lines up; a rank that fails
-  locally contributes 0 and never skips the collective.
+  scheduler orders a load once rank 0's prefetch is done or its deadline passed), copy the
+  leading host-resident pages into pinned memory and enqueue their copy into the device pages,
+  and agree with the other ranks on the count (min over ranks). Rank 0's prefetch being done
+  says nothing about the others' (an MLA rank != 0 reads pages it never wrote, and its first
+  read registers with the store): while the scheduler may still wait (`until_done`), a rank
+  whose prefetch still runs contributes `LOAD_PENDING` to the same agreement, every rank
+  answers pending and keeps its prefetch, and the load comes again in a later step — rather
+  than every rank dropping the pages the lagging one had not read yet. Every rank runs the
+  same loads in the same order, so the collective lines up; a rank that fails locally
+  contributes 0 and never skips the collective.
 
 Which pages are saved, and when (write-through, selective, write-back), and when a prefetch
 stops, is decided by the scheduler (`cluster.engine.kv_offload`); this file only carries out orders.
@@ -38,12 +43,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.kv_messages import KVLoad, KVOffloadOptions, KVPrefetch, KVSave
+from workers.kv_messages import LOAD_PENDING, KVLoad, KVOffloadOptions, KVPrefetch, KVSave
 
 logger = logging.getLogger(__name__)
 
 # A load never holds the step longer than this for a lagging rank's prefetch (the scheduler
-# already waited for rank 0's): what has not arrived by then is computed.
+# already waited for rank 0's): by then an `until_done` load answers pending (and comes again),
+# a final one takes what has arrived (the rest is computed).
 LOAD_WAIT_CAP_S = 0.02
 
 
@@ -303,28 +309,37 @@ class RankKVOffload:
         from kvstore.client import agree_on_pages
         from kvstore.pages import stage_in
 
-        job = self.jobs.pop(load.rid, None)
+        job = self.jobs.get(load.rid)
         n_local, rows = 0, []
         try:
             if job is not None and load.wait_s > 0:
                 job.done.wait(min(load.wait_s, LOAD_WAIT_CAP_S))
-            rows = self.host.leading(load.keys[: len(load.page_ids)])
-            if rows:
-                # A copy taken while the rows are pinned, into pinned memory: its copy to the
-                # device is enqueued, not waited for.
-                stage = torch.empty((len(rows), self.page_bytes), dtype=torch.uint8, pin_memory=self.host.pinned)
-                torch.index_select(self.host.data, 0, torch.tensor(rows), out=stage)
-                stage_in(self.pool, load.page_ids[: len(rows)], stage)
-            n_local = len(rows)
+            if load.until_done and job is not None and not job.done.is_set():
+                # This rank's prefetch still runs (it lags rank 0's, whose end the scheduler
+                # saw): every rank answers pending, and the load comes again.
+                n_local = LOAD_PENDING
+            else:
+                rows = self.host.leading(load.keys[: len(load.page_ids)])
+                if rows:
+                    # A copy taken while the rows are pinned, into pinned memory: its copy to
+                    # the device is enqueued, not waited for.
+                    stage = torch.empty((len(rows), self.page_bytes), dtype=torch.uint8,
+                                        pin_memory=self.host.pinned)
+                    torch.index_select(self.host.data, 0, torch.tensor(rows), out=stage)
+                    stage_in(self.pool, load.page_ids[: len(rows)], stage)
+                n_local = len(rows)
         except Exception:
             logger.exception("kv offload: loading %d pages failed", len(load.page_ids))
             self.counters["errors"] += 1
             n_local = 0
         finally:
             self.host.unpin(rows)
-            if job is not None:
-                job.cancel(self.host)  # the I/O thread stops after its current chunk
         n = agree_on_pages(self.tp, n_local)  # every rank reaches this, whatever happened above
+        if n == LOAD_PENDING:
+            return n  # the prefetch goes on (its rows stay pinned) until the load comes again
+        job = self.jobs.pop(load.rid, None)
+        if job is not None:
+            job.cancel(self.host)  # the I/O thread stops after its current chunk
         self.counters["loads"] += 1
         self.counters["pages_loaded"] += n
         return n

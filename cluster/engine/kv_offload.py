@@ -25,6 +25,11 @@ Loading a prefix (when the store has a longer prefix than the radix cache):
    timeout: when finished or at prefetch_timeout_s + per_page_s × pages (grows with the prompt).
    Then pages are allocated (evicting the radix cache's LRU pages if needed) and a `KVLoad`
    copies the host-tier pages into them; the ranks answer n = min over ranks of what they had.
+   Only rank 0 reports its prefetch finished, and the other ranks' may lag behind it (an MLA
+   rank != 0 reads pages it never wrote; its first read registers with the store): while the
+   policy still allows waiting, the load is `until_done` and the ranks answer `LOAD_PENDING`
+   (all of them: it is one agreement) while any rank's prefetch runs; the request keeps its
+   pages and the load is ordered again in a later step.
 3. `on_result`: the first m + n pages go into the radix cache (locked until admission), the
    other allocated pages are freed, and the request returns to the front of the queue, where
    `_admit` matches the longer prefix and the prefill computes only the rest.
@@ -62,7 +67,7 @@ from dataclasses import asdict, dataclass, field
 
 from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES
 from kvstore.messages import STORE_NAME
-from workers.kv_messages import KVLoad, KVPrefetch, KVSave
+from workers.kv_messages import LOAD_PENDING, KVLoad, KVPrefetch, KVSave
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +130,7 @@ class _Loading:
     finished: bool = False  # rank 0 reported its prefetch done
     pages: list[int] = field(default_factory=list)  # allocated for the KVLoad in flight
     load_step: int = 0  # the step id of the plan carrying that KVLoad
+    pending: bool = False  # its KVLoad answered LOAD_PENDING: order it again (same pages)
 
 
 class _Rate:
@@ -313,7 +319,9 @@ class SchedulerKVOffload:
         loads: list[KVLoad] = []
         now = time.monotonic()
         for e in list(self.loading.values()):
-            if e.pages or not e.executed or not self._should_stop(e, now):
+            if e.pages and not e.pending:
+                continue  # its load is in flight
+            if not e.pages and (not e.executed or not self._should_stop(e, now)):
                 continue
             load = self._start_load(e, now)
             if load is not None:
@@ -337,9 +345,13 @@ class SchedulerKVOffload:
             if e is not None:
                 e.finished = True
         for load in plan.kv_loads:
+            n = result.kv_loaded.get(load.rid, 0)
+            if n == LOAD_PENDING and load.rid in self.loading:
+                self.loading[load.rid].pending = True  # a rank's prefetch still runs: again later
+                continue
             e = self.loading.pop(load.rid, None)
             if e is not None:
-                self._finish_load(e, min(result.kv_loaded.get(load.rid, 0), len(e.pages)))
+                self._finish_load(e, max(0, min(n, len(e.pages))))
 
     # ---------------- internals ----------------
     def _chain(self, req, n_pages: int, token_ids: list[int] | None = None) -> list[str]:
@@ -379,25 +391,32 @@ class SchedulerKVOffload:
         return e.finished or now >= e.deadline
 
     def _start_load(self, e: _Loading, now: float) -> KVLoad | None:
-        want = e.s - e.m
-        pages = self.allocator.alloc(want)
-        if pages is None:
-            self.radix.evict(want - self.allocator.num_free)
-            pages = self.allocator.alloc(min(want, self.allocator.num_free))
-        if not pages:
-            self.loading.pop(e.req.rid)
-            self._finish_load(e, 0)
-            return None
-        e.pages = pages
-        if not e.finished:
-            self.stats.early_stops += 1
+        """The KVLoad of e (its pages allocated now, or kept from a load that answered
+        pending); None when no page could be had (the request is requeued)."""
+        if e.pending:
+            e.pending = False
+        else:
+            want = e.s - e.m
+            pages = self.allocator.alloc(want)
+            if pages is None:
+                self.radix.evict(want - self.allocator.num_free)
+                pages = self.allocator.alloc(min(want, self.allocator.num_free))
+            if not pages:
+                self.loading.pop(e.req.rid)
+                self._finish_load(e, 0)
+                return None
+            e.pages = pages
+            if not e.finished:
+                self.stats.early_stops += 1
         if self.prefetch_policy == "best_effort":
             wait = 0.0
         elif self.prefetch_policy == "wait_complete":
             wait = max(0.0, e.started + WAIT_COMPLETE_CAP_S - now)
         else:
             wait = max(0.0, e.deadline - now)
-        return KVLoad(e.req.rid, pages, e.chain[e.m : e.m + len(pages)], wait)
+        # While the policy still waits, every rank's prefetch must be done before any page is
+        # used (rank 0's finishing, which started this load, says nothing of the others').
+        return KVLoad(e.req.rid, e.pages, e.chain[e.m : e.m + len(e.pages)], wait, until_done=wait > 0)
 
     def _finish_load(self, e: _Loading, n: int) -> None:
         """The ranks put n pages into e.pages[:n]: cache them, free the rest, requeue req."""
@@ -445,9 +464,17 @@ class SchedulerKVOffload:
         overlapped scheduling the newest plan may still be in flight: its loads wait."""
         in_flight_step = self.sched._step_id if self.sched.overlap else None
         for rid, e in list(self.loading.items()):
-            if e.pages and e.load_step == in_flight_step:
+            if e.pages and e.load_step == in_flight_step and not e.pending:
                 continue
-            if e.pages:
+            if e.pending and e.req.finished:  # between two tries of its load
+                del self.loading[rid]
+                self.allocator.free(e.pages)
+                e.pages = []
+                self.radix.unlock(e.node)
+                self.sched._pending_drop.append(rid)  # the ranks cancel its prefetch
+            elif e.pending:
+                continue  # ordered again by `orders`
+            elif e.pages:
                 del self.loading[rid]
                 self._finish_load(e, 0)
             elif e.req.finished:
