@@ -21,7 +21,9 @@ def test_loglikelihood_request_as_lm_eval_sends_it(stack, oai, stream):  # noqa:
     want, _ = hf_prompt_logprobs(_model_dir(stack), ids, 1)
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0)
     if stream:
-        chunks = [c for c in oai.completions.create(stream=True, **kw) if c.choices]
+        every = list(oai.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        assert every[-1].usage.completion_tokens == 0 and every[-1].usage.prompt_tokens == len(ids)
+        chunks = [c for c in every if c.choices]
         text = "".join(c.choices[0].text for c in chunks)
         lp = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
         tokens = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.tokens]

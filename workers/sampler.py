@@ -189,7 +189,7 @@ class Sampler:
 
         Each is flattened; the results are views of one device buffer, in argument order.
         """
-        if len({t.dtype for t in tensors}) > 1:  # (caught on CPU too, where nothing is concatenated)
+        if any(t.dtype != tensors[0].dtype for t in tensors[1:]):  # (caught on CPU too: nothing is concatenated)
             raise TypeError(f"_upload takes tensors of one dtype, got {[t.dtype for t in tensors]}")
         if self.device.type == "cpu":
             return [t.reshape(-1) for t in tensors]
@@ -233,10 +233,11 @@ class Sampler:
         masks = any(p.needs_adjustment or len(s.output_ids) < p.min_tokens for p, s in zip(params, states))
         logits = logits[:, :V].to(torch.float32, copy=masks).contiguous()
 
-        self._apply_penalties(logits, states)
-        self._apply_logit_bias(logits, states)
-        self._apply_min_tokens(logits, states)
-        self.apply_grammar(logits, states)
+        if masks:  # (else no row asks for any of these: skip their walks over the batch)
+            self._apply_penalties(logits, states)
+            self._apply_logit_bias(logits, states)
+            self._apply_min_tokens(logits, states)
+            self.apply_grammar(logits, states)
 
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         lp_rows_t = self._tensor(lp_rows, torch.long) if 0 < len(lp_rows) < B else None

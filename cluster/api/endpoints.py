@@ -231,11 +231,16 @@ class Endpoints:
                     lp = joined(head_lp, lp) if head_lp is not None else lp
                 choice = P.CompletionChoice(index=i, text=head + out.delta_text, logprobs=lp, prompt_logprobs=prompt_lp,
                                             finish_reason=out.finish_reason if out.finished else None)
-                usage = usage_of(fan.choices, req.n) if req.continuous_usage else None
+                usage = usage_now() if req.continuous_usage else None
                 yield sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[choice], usage=usage))
             if req.include_usage:
-                yield sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[],
-                                             usage=usage_of(fan.choices, req.n)))
+                yield sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage_now()))
+
+        def usage_now() -> P.Usage:
+            """Scoring a prompt generates nothing the client sees: the engine's one dropped token is
+            not counted (as in the non-streamed answer)."""
+            u = usage_of(fan.choices, req.n)
+            return P.Usage.of(u.prompt_tokens, 0, u.prompt_tokens_details.cached_tokens) if scores_only else u
 
         def build(choices: list[ChoiceResult]) -> P.CompletionResponse:
             out = []
