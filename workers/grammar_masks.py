@@ -6,7 +6,8 @@ for the next token is computed when the sampler needs it: in `ModelRunner._launc
 the step's forward has been enqueued on the device (and, with overlapped scheduling, after the
 previous step's tokens reached the host and were consumed), so the CPU fills the masks while the
 GPU runs the forward. The masks of a batch are filled in parallel by llguidance's thread pool into
-one pinned int32 bitmask ([rows, ceil(V / 32)], bit t of a row set = token t allowed), copied to the
+one pinned int32 bitmask (llguidance's layout, written through its pointer API: its
+`llguidance.torch` helpers would import torch.compile, seconds at the first use; [rows, ceil(V / 32)], bit t of a row set = token t allowed), copied to the
 device in one transfer and expanded there. (On a CPU replica, where torch's threads compute the
 forward, the masks are filled in the calling thread: no pool.)
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -50,6 +52,30 @@ class GrammarMatchers:
         self._protos: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
         self._pin = device.type == "cuda"
+        # llguidance's first mask over a tokenizer builds its token trie: about 3 s for a 128k
+        # vocabulary (once per process; a new grammar after that costs milliseconds). Done here,
+        # in a thread, so that the first constrained request does not stall every running one.
+        self._ready = threading.Lock()
+        self._ready.acquire()
+        threading.Thread(target=self._warm_up, name="grammar-warm-up", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        try:
+            from llguidance import LLMatcher
+
+            tokenizer = self._llg_tokenizer()
+            # A JSON string and number: the lexer states whose token sets ("slices") cost the most.
+            schema = StructuredOutput.json_schema({"type": "object", "properties": {
+                "s": {"type": "string"}, "n": {"type": "number"}}}, "warm-up")
+            matcher = LLMatcher(tokenizer, schema.grammar(), log_level=0)
+            mask = self._bitmask(1)
+            for piece in ('{"s": "', "ab", '", "n": ', "1"):
+                matcher.unsafe_compute_mask_ptr(mask[0].data_ptr(), self.words * 4)
+                matcher.consume_tokens(tokenizer.tokenize_str(piece))
+        except Exception:  # (a tokenizer llguidance cannot read: `start` says so when it is needed)
+            logger.debug("grammar warm-up failed", exc_info=True)
+        finally:
+            self._ready.release()
 
     def _llg_tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -72,6 +98,8 @@ class GrammarMatchers:
 
         proto = self._protos.get(structured)
         if proto is None:
+            with self._ready:  # (the warm-up is done: waits only for a request in the first seconds)
+                pass
             try:
                 tokenizer = self._llg_tokenizer()
             except Exception:
@@ -100,12 +128,10 @@ class GrammarMatchers:
     def fill(self, matchers: list[Any]) -> torch.Tensor:
         """[len(matchers), words] int32 on the host: each matcher's allowed next tokens. A
         matcher in an error state (it consumed a token its grammar refused) allows every token."""
-        from llguidance.torch import fill_next_token_bitmask_par
-
         mask = self._bitmask(len(matchers))
         live = [(m, i) for i, m in enumerate(matchers) if not m.is_error()]
         if self.device.type == "cuda" and len(live) > 1:  # the host is idle while the GPU runs: use its cores
-            fill_next_token_bitmask_par(self._executor, live, mask)
+            self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), self.words * 4, mask.shape[0])
             return mask
         # On a CPU replica torch's threads run the forward: a pool's idle spinning would slow them.
         row_bytes = self.words * 4
@@ -116,13 +142,12 @@ class GrammarMatchers:
     def fill_with_drafts(self, matchers: list[Any], drafts: list[list[int]]) -> torch.Tensor:
         """[len(matchers) * (K + 1), words]: for matcher b, row b * (K + 1) + i allows the tokens
         that may follow its output plus drafts[b][:i]. The matchers are left as they were."""
-        from llguidance.torch import fill_next_token_bitmask_par_with_draft_tokens
-
         k1 = len(drafts[0]) + 1 if drafts else 1
         mask = self._bitmask(len(matchers) * k1)
         live = [(m, b * k1, list(d)) for b, (m, d) in enumerate(zip(matchers, drafts)) if not m.is_error()]
         if live:
-            fill_next_token_bitmask_par_with_draft_tokens(self._executor, live, mask)
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(live, mask.data_ptr(), self.words * 4,
+                                                                     mask.shape[0])
         return mask
 
     def apply(self, logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:

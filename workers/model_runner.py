@@ -163,11 +163,12 @@ class ModelRunner:
             self.drafter.attach()
         if self.sampler is not None and not self.serving.is_embedding:
             self.sampler.warm_up(opts.most_rows)
+            self._grammars()  # its tokenizer view is built in a thread now, not at the first constrained request
         # Embedding requests (rid -> pooling accumulated over their prefill pieces).
         self.pooling_states: dict[str, PoolingState] = {}
 
     def _grammars(self) -> GrammarMatchers:
-        """Structured output's matchers (rank 0), made on the first constrained request."""
+        """Structured output's matchers (rank 0, generation replicas)."""
         assert self.sampler is not None
         if self.sampler.grammars is None:
             self.sampler.grammars = GrammarMatchers(self.opts.model, self.model_config.vocab_size,
