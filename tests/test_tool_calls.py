@@ -64,7 +64,7 @@ def _streamed_calls(stream) -> tuple[list[dict[int, dict]], list[str | None], li
 
 def test_required_and_named_streamed(stack, oai):  # noqa: F811
     stream = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", n=5,
-                                         temperature=1.0, max_tokens=300, stream=True)
+                                         temperature=1.0, max_tokens=460, stream=True)  # (up to 8 calls)
     calls, reasons, _ = _streamed_calls(stream)
     for i in range(5):
         assert reasons[i] == "tool_calls" and calls[i]

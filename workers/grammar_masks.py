@@ -28,6 +28,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ class GrammarMatchers:
         self._tokenizer: Any = None
         self._executor: Any = None
         self._protos: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._filler: ThreadPoolExecutor | None = None  # fill_async's thread
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
         self._pin = device.type == "cuda"
         # llguidance's first mask over a tokenizer builds its token trie: about 3 s for a 128k
@@ -138,6 +140,15 @@ class GrammarMatchers:
         for m, i in live:
             m.unsafe_compute_mask_ptr(mask[i].data_ptr(), row_bytes)
         return mask
+
+    def fill_async(self, states: list[Any]) -> Future:
+        """`fill` of the constrained rows of `states` on a background thread (llguidance
+        releases the GIL): a future of (rows, mask) for `Sampler.launch(grammar_masks=...)`."""
+        rows = [i for i, s in enumerate(states) if s.matcher is not None]
+        matchers = [states[i].matcher for i in rows]
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        return self._filler.submit(lambda: (rows, self.fill(matchers)))
 
     def fill_with_drafts(self, matchers: list[Any], drafts: list[list[int]]) -> torch.Tensor:
         """[len(matchers) * (K + 1), words]: for matcher b, row b * (K + 1) + i allows the tokens

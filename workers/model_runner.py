@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,9 @@ class _InFlight:
     sampled: bool = False  # rows were sampled (on rank 0; the same on every rank)
     sample: PendingSample | None = None
     rids: list[str] = field(default_factory=list)
+    # Overlapped steps with grammar-constrained rows: the draw, enqueued when the next plan is
+    # launched or this one collected (its masks are filled meanwhile, off the engine's path).
+    deferred: Callable[[], None] | None = None
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -228,6 +232,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _launch(self, plan: StepPlan, share_tokens: bool) -> None:
         t0 = time.perf_counter()
+        self._draw_deferred()  # the previous step's tokens, before this forward reads them
         self._prepare(plan)
         spec = plan.mode == ForwardMode.TARGET_VERIFY  # one speculative round (workers.spec_runner), waited for
         result = SpecStepResult(plan.step_id) if spec else StepResult(plan.step_id)
@@ -246,12 +251,22 @@ class ModelRunner:
             if self.drafter is not None:  # the draft computes the same tokens into its own pool
                 self.drafter.follow(fb)
         self._retire_inflight()
-        self._inflight = (self._launch_sampling(plan, fb, hidden, logits, result, t0) if fb is not None
+        self._inflight = (self._launch_sampling(plan, fb, hidden, logits, result, t0, share_tokens) if fb is not None
                           else _InFlight(plan, result, t0))
-        if share_tokens and self._inflight.sampled and self.tp.size > 1:
+        if share_tokens and self._inflight.sampled and self._inflight.deferred is None:
+            self._share_tokens()
+
+    def _share_tokens(self) -> None:
+        if self.tp.size > 1:
             self.tp.broadcast(self.pipeline.inputs.last_token)  # rank 0 sampled; every rank reads placeholders
 
+    def _draw_deferred(self) -> None:
+        if self._inflight is not None and self._inflight.deferred is not None:
+            draw, self._inflight.deferred = self._inflight.deferred, None
+            draw()
+
     def _retire_inflight(self) -> None:
+        self._draw_deferred()
         if self._inflight is not None:
             self._ready.append(self._complete(self._inflight))
             self._inflight = None
@@ -290,9 +305,16 @@ class ModelRunner:
             self.req_to_token_pool.write(row, start, self.pipeline.inputs.upload(slots, torch.int32))
 
     def _launch_sampling(self, plan: StepPlan, fb: ForwardBatch, hidden: torch.Tensor,
-                         all_logits: torch.Tensor | None, result: StepResult, t0: float) -> _InFlight:
+                         all_logits: torch.Tensor | None, result: StepResult, t0: float,
+                         overlapped: bool = False) -> _InFlight:
         """Pool embeddings, compute the logits of the sampled rows and enqueue their draw; each
-        row's token also lands in `last_token` on the device (the next plan may read it)."""
+        row's token also lands in `last_token` on the device (the next plan may read it).
+
+        Overlapped, a step with grammar-constrained rows defers its draw: their masks are filled
+        on llguidance's threads while this call returns and the engine processes the previous
+        result and plans the next step; the draw (and, under TP, the token broadcast) is enqueued
+        at the next launch or collect, which is when the device needs it. Every rank decides the
+        same way (from the plan's sampling parameters)."""
         if self.pooling_states:
             self._pool(plan, hidden, result)
         self._prompt_logprobs(plan, hidden, result)
@@ -302,15 +324,27 @@ class ModelRunner:
             every_row = len(sample_idx) == fb.batch_size
             idx = None if every_row else self.pipeline.inputs.upload(sample_idx, torch.long)
             logits = self.pipeline.logits(fb, hidden, all_logits, idx)  # all ranks gather
-            if self.sampler is not None:
-                states = [self.states[plan.reqs[i].rid] for i in sample_idx]
-                if self.generation_rules is not None:  # generate's forced bos/eos tokens
-                    logits = self.generation_rules.force(logits, states)
-                inflight.sample = self.sampler.launch(logits, states)
-                inflight.rids = [plan.reqs[i].rid for i in sample_idx]
-                rows = fb.req_pool_indices if idx is None else fb.req_pool_indices[idx]
-                self.pipeline.inputs.last_token[rows] = inflight.sample.token_ids
+            states = [self.states[plan.reqs[i].rid] for i in sample_idx]
+            rows = fb.req_pool_indices if idx is None else fb.req_pool_indices[idx]
+            if self.sampler is not None and self.generation_rules is not None:  # generate's forced bos/eos tokens
+                logits = self.generation_rules.force(logits, states)
+            if overlapped and any(s.params.structured is not None for s in states):
+                masks = self.sampler.grammars.fill_async(states) if self.sampler is not None and self.sampler.grammars else None
+                inflight.deferred = lambda: self._draw(inflight, logits, states, rows, masks, share=True)
+            else:
+                self._draw(inflight, logits, states, rows, None, share=False)
+            inflight.rids = [plan.reqs[i].rid for i in sample_idx]
         return inflight
+
+    def _draw(self, inflight: _InFlight, logits: torch.Tensor, states: list[RequestSamplingState],
+              rows: torch.Tensor, masks, share: bool) -> None:
+        """Enqueue the draw of a launched step (rank 0) and put its tokens in `last_token`;
+        `masks`: the grammar masks being filled (None: filled here, if any row needs one)."""
+        if self.sampler is not None:
+            inflight.sample = self.sampler.launch(logits, states, grammar_masks=masks)
+            self.pipeline.inputs.last_token[rows] = inflight.sample.token_ids
+        if share:
+            self._share_tokens()
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, result: StepResult) -> None:
         """For each request of the plan that asked for prompt logprobs, the logprob of every

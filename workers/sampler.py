@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,10 +218,12 @@ class Sampler:
         """
         return self.launch(logits, states).wait()
 
-    def launch(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> PendingSample:
+    def launch(self, logits: torch.Tensor, states: list[RequestSamplingState],
+               grammar_masks: Future | None = None) -> PendingSample:
         """`sample` without waiting: the draw is enqueued on the device, its results start
         their copy to the host, and `PendingSample.wait()` returns them. Meanwhile the caller
-        may enqueue more work (and read `token_ids` on the device)."""
+        may enqueue more work (and read `token_ids` on the device). `grammar_masks`: the
+        constrained rows' masks, already being filled (`GrammarMatchers.fill_async`)."""
         B, V = len(states), self.vocab_size
         if logits.dim() != 2 or logits.shape[0] != B or logits.shape[1] < V:
             raise ValueError(f"logits must be [{B}, >= {V}], got {list(logits.shape)}")
@@ -237,7 +240,7 @@ class Sampler:
             self._apply_penalties(logits, states)
             self._apply_logit_bias(logits, states)
             self._apply_min_tokens(logits, states)
-            self.apply_grammar(logits, states)
+            self.apply_grammar(logits, states, grammar_masks)
 
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         lp_rows_t = self._tensor(lp_rows, torch.long) if 0 < len(lp_rows) < B else None
@@ -365,13 +368,19 @@ class Sampler:
 
     # -- 3. structured output ---------------------------------------------------------------
 
-    def apply_grammar(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> None:
+    def apply_grammar(self, logits: torch.Tensor, states: list[RequestSamplingState],
+                      masks: Future | None = None) -> None:
         """In place on logits [B, V]: each constrained row keeps only the tokens its grammar
-        allows next (the masks are filled on the host now, while the device runs what was
-        enqueued before)."""
-        rows = [i for i, s in enumerate(states) if s.matcher is not None]
-        if rows and self.grammars is not None:
-            mask = self.grammars.fill([states[i].matcher for i in rows])
+        allows next. The masks are filled on the host now (while the device runs what was
+        enqueued before), or were being filled since `masks` was started."""
+        if self.grammars is None:
+            return
+        if masks is not None:
+            rows, mask = masks.result()
+        else:
+            rows = [i for i, s in enumerate(states) if s.matcher is not None]
+            mask = self.grammars.fill([states[i].matcher for i in rows]) if rows else None
+        if rows:
             self.grammars.apply(logits, rows, mask)
 
     # -- 5-7. choosing the token ------------------------------------------------------------
