@@ -59,6 +59,16 @@ class GrammarMatchers:
         # in a thread, so that the first constrained request does not stall every running one.
         self._ready = threading.Lock()
         self._ready.acquire()
+        # The tokenizer files are read here, not in the thread: two threads importing one package
+        # (transformers loads tokenizer modules lazily) can see it half-initialised.
+        self._hf_tokenizer: Any = None
+        try:
+            from transformers import AutoTokenizer
+
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        except Exception:  # (no tokenizer files: `start` says so when a grammar is needed)
+            logger.debug("no tokenizer for structured output in %s", tokenizer_dir, exc_info=True)
+        import llguidance.hf  # noqa: F401
         threading.Thread(target=self._warm_up, name="grammar-warm-up", daemon=True).start()
 
     def _warm_up(self) -> None:
@@ -83,9 +93,10 @@ class GrammarMatchers:
         if self._tokenizer is None:
             import llguidance
             import llguidance.hf
-            from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+            hf = self._hf_tokenizer
+            if hf is None:
+                raise ValueError(f"no tokenizer could be loaded from {self.tokenizer_dir}")
             eos = self.eos_token_ids or [hf.eos_token_id]
             self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
             self._executor = llguidance.LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))

@@ -100,6 +100,8 @@ class TokenizerSupport:
     def __init__(self, tokenizer: Any):
         self._why = ""
         self._done = threading.Event()
+        import llguidance.hf  # noqa: F401 - here, not in the thread: a package imported by two threads at once
+        # can be seen half-initialised (tokenizers' pre_tokenizers, found by a test)
         threading.Thread(target=self._probe, args=(tokenizer,), name="tokenizer-support", daemon=True).start()
 
     def _probe(self, tokenizer: Any) -> None:
