@@ -60,3 +60,20 @@ def test_max_tokens_zero_needs_echo(stack):  # noqa: F811
     r = httpx.post(stack["url"] + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0},
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_chat_prompt_logprobs_in_vllm_layout(stack, oai):  # noqa: F811
+    from cluster.api.protocol import render_chat
+
+    messages = [{"role": "user", "content": "Say hello"}]
+    ids = render_chat(stack["engine"].tokenizer, messages)
+    want, _ = hf_prompt_logprobs(_model_dir(stack), ids, 1)
+    r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"prompt_logprobs": 1})
+    got = r.model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    assert [e[str(t)]["logprob"] for e, t in zip(got[1:], ids[1:])] == pytest.approx(want, abs=1e-4)
+    plain = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert "prompt_logprobs" not in plain.model_extra
+    r = httpx.post(stack["url"] + "/v1/chat/completions", timeout=30, json={
+        "messages": messages, "max_tokens": 2, "stream": True, "prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"

@@ -322,8 +322,10 @@ class Endpoints:
                 out.append(P.ChatChoice(index=i, message=message, finish_reason=reason,
                                         logprobs=chat_logprobs(c.token_ids, c.logprobs, self.pieces) if req.logprobs
                                         else None))
+            prompt_lp = (vllm_prompt_logprobs(ids, choices[0].prompt_logprobs, self.pieces)
+                         if req.prompt_logprobs is not None else None)
             return P.ChatCompletionResponse(id=cid, created=created, model=model, choices=out,
-                                            usage=usage_of(choices, req.n))
+                                            usage=usage_of(choices, req.n), prompt_logprobs=prompt_lp)
 
         return await self.answer(request, fan, req.stream, events, build)
 

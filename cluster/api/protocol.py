@@ -186,6 +186,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM: the rendered prompt's logprobs (not streamed)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -196,6 +197,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def check_supported(self) -> None:
         self._check_common()
         check_tools(self.tools, self.tool_choice)
+        if self.prompt_logprobs is not None and self.stream:
+            raise SamplingParamsError("prompt_logprobs", "prompt_logprobs is returned in a non-streamed chat "
+                                                         "response only")
         if self.forced_tools is not None and self.structured() is not None:
             raise SamplingParamsError("tool_choice", "a required or named tool_choice cannot be combined with "
                                                      "another output constraint")
@@ -231,7 +235,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def sampling_params(self, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self._params(max_tokens, logprobs, seed_offset)
+        params = self._params(max_tokens, logprobs, seed_offset, self.prompt_logprobs)
         forced = self.forced_tools
         return dataclasses.replace(params, structured=forced) if forced is not None else params
 
@@ -418,6 +422,8 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's layout: the (one) rendered prompt's logprobs, beside the choices
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class FunctionDelta(_Out):
