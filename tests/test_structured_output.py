@@ -253,14 +253,14 @@ def test_masks_match_the_matcher_on_a_mixed_batch_with_an_odd_vocabulary(tmp_pat
             if s.matcher is None:
                 assert torch.equal(masked[i], logits[i])
                 continue
-            ref = _allowed(torch.frombuffer(bytearray(s.matcher.compute_bitmask()), dtype=torch.int32), V)
+            ref = _allowed(torch.frombuffer(bytearray(s.matcher.get().compute_bitmask()), dtype=torch.int32), V)
             got = {t for t in range(V) if masked[i, t] != -math.inf}
             assert got == ref and got
         out = sampler.sample(logits, states)
         for i, (s, t) in enumerate(zip(states, out.token_ids)):
             s.extend([t])
             if s.matcher is not None:
-                assert not s.matcher.is_error(), (i, t)
+                assert not s.matcher.get().is_error(), (i, t)
 
 
 def test_spec_validates_once_and_names_the_field():

@@ -66,7 +66,7 @@ def _constrained_share(engine: Engine, structured: StructuredOutput, outputs: li
                         torch.device("cpu"))
     active = 0
     for toks in outputs:
-        m = g.start(structured, [])
+        m = g.start(structured, []).get()
         for t in toks:
             if m.is_stopped() or m.is_error() or not m.consume_token(t):
                 break
