@@ -40,8 +40,10 @@ client_venv() {  # NAME REQUIREMENT...
     || { rm -rf "$dir"; echo "note: could not install $* into $dir (see $dir.log; tests/test_real_clients.py skips it)"; }
 }
 mkdir -p .clients
-# lm-eval's API models need transformers only for the tokenizer, not torch; guidellm needs torch.
+# lm-eval's API models need transformers only for the tokenizer, not torch; guidellm needs torch;
+# aiperf does not (it brings its own transformers for the tokenizer).
 client_venv lm-eval "lm_eval[api]==0.4.13" "transformers==5.23.0" &
 client_venv guidellm "guidellm==0.8.1" "torch==2.13.0" &
+client_venv aiperf "aiperf==0.13.0" &
 wait
 echo "manta is set up in .venv"

@@ -1,6 +1,7 @@
 """The third-party clients users point at the server, run for real against it: lm-eval's
 `local-completions` model (a loglikelihood multiple-choice task and a generate_until task,
-shipped offline under tests/data/lm_eval/) and guidellm's streaming benchmark.
+shipped offline under tests/data/lm_eval/), guidellm's streaming benchmark and aiperf's streaming
+profile.
 
 Each client lives in its own virtual environment under `.clients/` (their pins clash with ours),
 made by scripts/setup.sh at the versions written there; a missing one is skipped with the reason.
@@ -10,8 +11,8 @@ in-process engine, as in tests/test_server.py; no part of it is stubbed.
 
 What is checked is what the client computed from our answers: lm-eval's loglikelihoods equal
 transformers' log-softmax on the same tokens, its accuracy follows from them, its generations equal
-our greedy completion of the same token ids; guidellm saw no error and measured TTFT and ITL over
-the token counts we were asked for. The server's own counters agree on how many requests came.
+our greedy completion of the same token ids; guidellm and aiperf saw no error and measured TTFT and
+ITL over the token counts we were asked for. The server's own counters agree on how many requests came.
 """
 
 from __future__ import annotations
@@ -76,14 +77,20 @@ def counters(url: str) -> defaultdict[str, float]:
     return out
 
 
-def run_client(argv: list, cwd: Path, home: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """A client's command line, offline, with its own HF cache; its output is in the failure."""
+def run_client(argv: list, cwd: Path, home: Path, timeout_s: float = 300,
+               hf_offline: bool = True) -> subprocess.CompletedProcess:
+    """A client's command line, offline, with its own HF cache; its output is in the failure.
+    `hf_offline=False` leaves HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE unset (there is still no
+    network: the tokenizer is a local directory) for a client that takes either as "load the
+    tokenizer from the HF cache" and so cannot load one from a directory (aiperf)."""
     # The clients' venvs are installed without byte-compiling (scripts/setup.sh: faster); let the
     # first run cache what it imports, for the later runs and the clients' own worker processes.
     drop = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(home),
                TOKENIZERS_PARALLELISM="false", NO_COLOR="1", COLUMNS="200")
+    if not hf_offline:
+        del env["HF_HUB_OFFLINE"], env["TRANSFORMERS_OFFLINE"]
     proc = subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout_s)
     assert proc.returncode == 0, f"{argv[0]} exited {proc.returncode}:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
@@ -231,3 +238,52 @@ def test_guidellm_streaming_benchmark(server, tmp_path, request_format):
             == GUIDELLM_REQUESTS * OUTPUT_TOKENS)
     assert after["manta:request_errors_total"] == before["manta:request_errors_total"]
 
+
+
+# ------------------------------------------------------------------------------------------------
+# aiperf
+# ------------------------------------------------------------------------------------------------
+
+AIPERF_REQUESTS = 6
+
+
+@pytest.mark.parametrize("endpoint_type", ["completions", "chat"])
+def test_aiperf_streaming_profile(server, tmp_path, endpoint_type):
+    """A streaming profile of synthetic prompts (16 tokens in, 8 out with ignore_eos), one request at
+    a time, output lengths from our usage (`--use-server-token-count`), as aiperf's docs run it."""
+    aiperf = client_bin("aiperf", "aiperf")
+    url = server["url"]
+    before = counters(url)
+    out = tmp_path / "artifacts"
+    run_client([aiperf, "profile", "--model", MODEL, "--url", url, "--endpoint-type", endpoint_type,
+                "--streaming", "--tokenizer", server["model_dir"], "--use-server-token-count",
+                "--request-count", AIPERF_REQUESTS, "--concurrency", 1,
+                "--synthetic-input-tokens-mean", PROMPT_TOKENS, "--synthetic-input-tokens-stddev", 0,
+                "--output-tokens-mean", OUTPUT_TOKENS, "--output-tokens-stddev", 0,
+                "--extra-inputs", "ignore_eos:true", "--random-seed", 0,
+                "--no-server-metrics", "--ui-type", "none", "--artifact-dir", out],
+               cwd=tmp_path, home=tmp_path / "hf", hf_offline=False)
+    after = counters(url)
+
+    (export,) = out.rglob("profile_export_aiperf.json")
+    metrics = json.loads(export.read_text())
+    assert metrics["aiperf_version"] == "0.13.0" and metrics["is_complete"] and not metrics["was_cancelled"]
+    assert metrics["request_count"]["avg"] == AIPERF_REQUESTS
+    assert metrics["completed_request_count"]["avg"] == AIPERF_REQUESTS
+    assert metrics["request_error_rate"]["avg"] == 0 and metrics["error_summary"] == []
+    assert "error_request_count" not in metrics
+    ttft, itl = metrics["time_to_first_token"], metrics["inter_token_latency"]
+    assert ttft["count"] == AIPERF_REQUESTS and ttft["min"] > 0
+    # ITL per request = (latency - TTFT) / (output tokens - 1), the tokens counted from our usage.
+    # Its mean, not its min: aiperf timestamps each network read, and a whole stream that arrives in
+    # one read (seen on a reused keep-alive connection) has an ITL of 0.
+    assert itl["count"] == AIPERF_REQUESTS and itl["avg"] > 0
+    assert metrics["usage_completion_tokens"]["min"] == metrics["usage_completion_tokens"]["max"] == OUTPUT_TOKENS
+    assert metrics["output_sequence_length"]["avg"] == OUTPUT_TOKENS  # ignore_eos + max_tokens
+    if endpoint_type == "completions":  # a chat prompt adds the template's tokens
+        assert metrics["usage_prompt_tokens"]["min"] == metrics["usage_prompt_tokens"]["max"] == PROMPT_TOKENS
+
+    assert after["manta:request_finished_total"] - before["manta:request_finished_total"] == AIPERF_REQUESTS
+    assert (after["manta:generation_tokens_total"] - before["manta:generation_tokens_total"]
+            == AIPERF_REQUESTS * OUTPUT_TOKENS)
+    assert after["manta:request_errors_total"] == before["manta:request_errors_total"]
