@@ -508,3 +508,18 @@ def test_a_failed_stream_says_which_choice_failed_and_is_counted(stack):
         return float(line.rsplit(" ", 1)[1]) if line else 0.0
 
     assert errors(httpx.get(url + "/metrics").text) == errors(before) + 1
+
+
+def test_streamed_tokens_arrive_as_they_come_on_a_reused_connection(stack):
+    """Each token is sent when generated, on every request of a keep-alive connection: with Nagle's
+    algorithm on the server's socket, the second response waited for the client's delayed ACK and
+    came in one piece about 40 ms later."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "stream": True, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(timeout=60) as client:
+        for _ in range(3):
+            t0, arrivals = time.perf_counter(), []
+            with client.stream("POST", stack["url"] + "/v1/completions", json=body) as r:
+                for _chunk in r.iter_raw():
+                    arrivals.append(time.perf_counter() - t0)
+            # 8 tokens are 8 engine steps (a millisecond or more each): their chunks cannot all come at once.
+            assert len(arrivals) >= 2 and arrivals[-1] - arrivals[0] > 0.002, arrivals
