@@ -58,7 +58,10 @@ class GrammarMatchers:
             self._hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         except Exception:  # (no tokenizer files: a constrained request is then served unconstrained, logged)
             logger.debug("no tokenizer for structured output in %s", tokenizer_dir, exc_info=True)
-        import llguidance.hf  # noqa: F401
+        try:
+            import llguidance.hf  # noqa: F401
+        except ImportError:  # (a broken install: the HTTP edge refuses constrained requests then)
+            logger.warning("llguidance is not importable: structured output is unavailable")
         # One thread builds matchers and fills masks, in submission order (llguidance releases
         # the GIL). Its first task builds llguidance's view of the tokenizer and computes a few
         # masks (about 3 s for a 128k vocabulary, once), so no request waits for that.

@@ -100,8 +100,12 @@ class TokenizerSupport:
     def __init__(self, tokenizer: Any):
         self._why = ""
         self._done = threading.Event()
-        import llguidance.hf  # noqa: F401 - here, not in the thread: a package imported by two threads at once
-        # can be seen half-initialised (tokenizers' pre_tokenizers, found by a test)
+        try:  # here, not in the thread: a package imported by two threads at once can be seen
+            import llguidance.hf  # noqa: F401 - half-initialised (tokenizers' pre_tokenizers, found by a test)
+        except ImportError as exc:  # a broken install: constrained requests get a 400, the rest is served
+            self._why = f"structured outputs need the llguidance package: {exc}"
+            self._done.set()
+            return
         threading.Thread(target=self._probe, args=(tokenizer,), name="tokenizer-support", daemon=True).start()
 
     def _probe(self, tokenizer: Any) -> None:
