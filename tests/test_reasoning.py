@@ -4,13 +4,10 @@ DeepSeek-R1 (the template opened the block) and Qwen3 (the model opens it), whol
 
 from __future__ import annotations
 
-import openai
 import pytest
 
-from cluster.api.metrics import ServerMetrics
 from cluster.api.reasoning import ReasoningStream, split_reasoning
-from cluster.api.server import BackgroundServer, build_app
-from tests.test_server import MODEL, stack  # noqa: F401 - fixtures
+from tests.test_server import MODEL, openai_client, served_with, stack  # noqa: F401 - fixtures
 
 CASES = [
     ("deepseek_r1", "let me think</think>\n\nThe answer is 4.", "let me think", "The answer is 4."),
@@ -42,15 +39,12 @@ def test_any_streamed_split_gives_the_whole_answer(parser, text, reasoning, cont
         assert got_r.rstrip() == (reasoning or "") and got_c == content, (size, got_r, got_c)
 
 
-@pytest.fixture(scope="module")
-def qwen3_url(stack):  # noqa: F811
-    server = BackgroundServer(build_app(stack["client"], ServerMetrics(), reasoning_parser="qwen3"))
-    yield server.url
-    server.stop()
+def test_reasoning_content_through_the_server(stack):  # noqa: F811
+    with served_with(stack, reasoning_parser="qwen3") as url:
+        _check_reasoning(openai_client(url))
 
 
-def test_reasoning_content_through_the_server(qwen3_url):
-    client = openai.OpenAI(base_url=qwen3_url + "/v1", api_key="x", max_retries=0, timeout=60)
+def _check_reasoning(client) -> None:
     # The random model is held to a thinking model's shape by a regex.
     shape = {"guided_regex": "<think>[a-z]{2,6}( [a-z]{2,6}){1,3}</think>answer [a-z]{2}"}
     ask = [{"role": "user", "content": "hi"}]

@@ -8,6 +8,7 @@ made to produce on demand (queue full, no replica, crashes, a replica failing mi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -55,9 +56,23 @@ def stack(tmp_path_factory):
         asyncio.run(client.aclose())
 
 
+def openai_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
 @pytest.fixture
 def oai(stack):
-    return openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(stack["url"])
+
+
+@contextlib.contextmanager
+def served_with(stack, **app_options):
+    """The stack's engine behind a second app built with other options (a parser, say); its URL."""
+    server = BackgroundServer(build_app(stack["client"], ServerMetrics(), **app_options))
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 def post(stack, path: str, body, **kw) -> httpx.Response:

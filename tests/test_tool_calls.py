@@ -8,14 +8,11 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 
 from cluster.api import protocol as P
-from cluster.api.metrics import ServerMetrics
-from cluster.api.server import BackgroundServer, build_app
 from cluster.api.tools import detect_parser, held_back, parse_tool_calls
-from tests.test_server import MODEL, assert_error, oai, post, stack  # noqa: F401 - fixtures
+from tests.test_server import MODEL, assert_error, oai, openai_client, post, served_with, stack  # noqa: F401
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -88,17 +85,14 @@ def test_required_and_named_streamed(stack, oai):  # noqa: F811
 HERMES_CALL = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def hermes_url(stack):  # noqa: F811
-    """The same engine behind a server that reads `auto` outputs with the Hermes parser."""
-    server = BackgroundServer(build_app(stack["client"], ServerMetrics(), tool_call_parser="hermes"))
-    yield server.url
-    server.stop()
+def test_auto_output_is_parsed_into_tool_calls(stack):  # noqa: F811
+    # The same engine behind a server that reads `auto` outputs with the Hermes parser.
+    with served_with(stack, tool_call_parser="hermes") as url:
+        _check_hermes_auto(openai_client(url))
 
 
-def test_auto_output_is_parsed_into_tool_calls(hermes_url):
+def _check_hermes_auto(client) -> None:
     # The random model is steered into Hermes' format by a regex; the server must find the call.
-    client = openai.OpenAI(base_url=hermes_url + "/v1", api_key="x", max_retries=0, timeout=60)
     pattern = r"Let me check\. " + HERMES_CALL
     out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=1.0, max_tokens=80,
                                          extra_body={"guided_regex": pattern})
