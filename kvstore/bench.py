@@ -5,7 +5,8 @@
 Runs a client in this process against a store actor (a fresh one under a temporary directory
 unless `store` is given). Pages are MLA-layout (one key each), so the numbers are per key.
 Measured: batch_set (copy into staging, crc32, reserve, NIXL WRITE over UCX, commit), batch_get
-from RAM (locate, NIXL READ, crc32, copy out) and, after a flush and a store restart, batch_get
+from RAM (locate, NIXL READ, crc32, copy out), the same straight from registered host rows as a
+rank's host tier moves them (write_rows/read_rows: no staging copy) and, after a flush and a store restart, batch_get
 from the file tier (POSIX read into the store's RAM first).
 """
 
@@ -72,6 +73,25 @@ def bench_store(num_pages: int = 256, page_bytes: int = 1 << 20, batch_pages: in
                 raise RuntimeError(f"bench round trip failed: set {ok}, got {got}/{num_pages}")
         results["set_MBps"] = _rate(total, best_set)
         results["get_ram_MBps"] = _rate(total, best_get)
+        # The rank's path: straight between registered host rows (its host tier) and the store.
+        rows = torch.cat([p[0] for p in pages]).view(num_pages, page_bytes)
+        rows = rows.pin_memory() if torch.cuda.is_available() else rows.clone()
+        if client.register_rows(rows):
+            best_set = best_get = float("inf")
+            for r in range(repeats):
+                if own_root is not None:
+                    ray.get(store.clear.remote())
+                chain = chain_keys(list(range((r + 10) * num_pages, (r + 11) * num_pages)), 1, fp, "mla")
+                t0 = time.perf_counter()
+                ok = client.write_rows(chain, list(rows), [page_bytes])
+                best_set = min(best_set, time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                got = client.read_rows(chain, list(rows), [page_bytes])
+                best_get = min(best_get, time.perf_counter() - t0)
+                if not ok or got != num_pages:
+                    raise RuntimeError(f"bench row round trip failed: set {ok}, got {got}/{num_pages}")
+            results["set_rows_MBps"] = _rate(total, best_set)
+            results["get_rows_MBps"] = _rate(total, best_get)
         if file_tier and own_root is not None:
             ray.get(store.flush.remote())
             ray.kill(store)
@@ -95,7 +115,7 @@ def bench_store(num_pages: int = 256, page_bytes: int = 1 << 20, batch_pages: in
     if print_table:
         print(f"KV store: {num_pages} pages x {page_bytes / 2**10:.0f} KiB, batches of {batch_pages}")
         print(f"{'operation':<24}{'MB/s':>12}")
-        for key in ("set_MBps", "get_ram_MBps", "get_file_MBps"):
+        for key in ("set_MBps", "get_ram_MBps", "set_rows_MBps", "get_rows_MBps", "get_file_MBps"):
             if key in results:
                 print(f"{key.removesuffix('_MBps'):<24}{results[key]:>12.1f}")
     return results

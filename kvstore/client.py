@@ -28,6 +28,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -88,7 +89,25 @@ class _Stage:
 
     tensor: torch.Tensor
     np: np.ndarray
-    base: int  # its address
+
+
+_CRC_POOL: ThreadPoolExecutor | None = None
+_CRC_POOL_LOCK = threading.Lock()
+PARALLEL_CRC_BYTES = 4 << 20  # a batch at least this large is checksummed on several threads
+
+
+def checksums(views: Sequence[np.ndarray]) -> list[int]:
+    """crc32 of each view; a large batch on a few threads at once (zlib releases the GIL for
+    large buffers): one core's crc32 (~2 GB/s) was the client's largest cost."""
+    global _CRC_POOL
+    if len(views) < 2 or sum(v.nbytes for v in views) < PARALLEL_CRC_BYTES:
+        return [zlib.crc32(v) for v in views]
+    if _CRC_POOL is None:
+        with _CRC_POOL_LOCK:
+            if _CRC_POOL is None:
+                _CRC_POOL = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) // 2)),
+                                               thread_name_prefix="kv-crc")
+    return list(_CRC_POOL.map(zlib.crc32, views))
 
 
 def agree_on_pages(tp_group, found: int) -> int:
@@ -126,11 +145,12 @@ class KVStoreClient:
         area = staging_pages * self.page_bytes
         for i in range(staging_slots):
             t = self._buffer[i * area : (i + 1) * area]
-            self._free.put(_Stage(t, t.numpy(), t.data_ptr()))
+            self._free.put(_Stage(t, t.numpy()))
         self._tls = threading.local()
         self._store_agent: str | None = None
         self._registered_gen = -1
         self._conn_lock = threading.Lock()  # registration with the store
+        self._regions: list[tuple[int, int, object]] = []  # registered row buffers: (address, bytes, handle)
         self.agent = None
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -152,10 +172,6 @@ class KVStoreClient:
     @property
     def _np(self) -> np.ndarray:
         return self._tls.stage.np
-
-    @property
-    def _base(self) -> int:
-        return self._tls.stage.base
 
     # ---------------- queries ----------------
     def chain_keys(self, token_ids: Sequence[int], page_size: int, parent: str | None = None) -> list[str]:
@@ -221,6 +237,58 @@ class KVStoreClient:
         self.counters.pages_read += loaded
         self.counters.hit_pages += loaded
         return loaded
+
+    # ---------------- pages in registered host rows ----------------
+    def register_rows(self, rows: torch.Tensor) -> bool:
+        """Register a host buffer of page rows (a rank's host tier: [n, >= page_bytes] uint8,
+        contiguous, pinned on a GPU host) with this client's NIXL agent, so that `read_rows` and
+        `write_rows` move pages between its rows and the store with no staging copy. False when
+        the agent cannot (the caller keeps to batch_get/batch_set)."""
+        if self.agent is None or not rows.is_contiguous() or rows.dtype != torch.uint8 or rows.dim() != 2 \
+                or rows.shape[1] < self.page_bytes:
+            return False
+        try:
+            handle = self.agent.register_memory(rows)
+        except Exception:
+            logger.exception("kv store client %s: registering %d host rows failed", self.name, rows.shape[0])
+            return False
+        self._regions.append((rows.data_ptr(), rows.numel(), handle))
+        return True
+
+    def _areas(self, rows: Sequence[torch.Tensor]) -> list[np.ndarray]:
+        areas = []
+        for row in rows:
+            addr, n = row.data_ptr(), row.numel()
+            if row.dtype != torch.uint8 or not row.is_contiguous() or n < self.page_bytes or not any(
+                    a <= addr and addr + n <= a + size for a, size, _ in self._regions):
+                raise ValueError("a page row must be a contiguous uint8 row of a buffer given to register_rows")
+            areas.append(row.numpy())
+        return areas
+
+    @_serialized
+    def read_rows(self, chain: Sequence[str], rows: Sequence[torch.Tensor], key_bytes: Sequence[int]) -> int:
+        """Load the leading stored pages of chain straight into host rows (registered with
+        `register_rows`), page i's keys packed by `key_bytes` from the start of rows[i];
+        returns how many pages arrived intact (0 on any failure). Rows past that hold garbage."""
+        if not chain or not self._valid(chain):
+            return 0
+        areas = self._areas(rows[: len(chain)])
+        self.counters.query_pages += len(chain)
+        n = self._read_staged(chain, [list(key_bytes)] * len(chain), areas)
+        self.counters.pages_read += n
+        self.counters.hit_pages += n
+        return n
+
+    @_serialized
+    def write_rows(self, chain: Sequence[str], rows: Sequence[torch.Tensor], key_bytes: Sequence[int]) -> bool:
+        """Store pages straight from host rows (registered with `register_rows`), laid out as
+        `read_rows` reads them. Same result contract as batch_set."""
+        if self.backup_skip:
+            self.counters.pages_backup_skipped += len(chain)
+            return True
+        if not chain or not self._valid(chain):
+            return not chain
+        return self._write_staged(chain, [list(key_bytes)] * len(chain), self._areas(rows[: len(chain)]))
 
     # ---------------- KV pool pages ----------------
     @_serialized
@@ -364,23 +432,30 @@ class KVStoreClient:
             return False
         return True
 
-    def _write_staged(self, chain: Sequence[str], sizes: list[list[int]]) -> bool:
-        """Send staged pages (page i at i * page_bytes, keys packed by `sizes[i]`)."""
+    def _staged(self, n: int) -> list[np.ndarray]:
+        """The first n page areas of the calling thread's staging area."""
+        return [self._np[i * self.page_bytes : (i + 1) * self.page_bytes] for i in range(n)]
+
+    def _write_staged(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None) -> bool:
+        """Send pages from registered memory: page i's keys packed by `sizes[i]` from the start
+        of `areas[i]` (default: the staging area, page i at i * page_bytes)."""
         keys = store_keys(chain, self.layout, self.tp_rank)
-        offsets = [i * self.page_bytes + sum(s[:j]) for i, s in enumerate(sizes) for j in range(len(s))]
+        areas = self._staged(len(chain)) if areas is None else areas
+        where = [(areas[i], sum(s[:j])) for i, s in enumerate(sizes) for j in range(len(s))]
         flat = [n for s in sizes for n in s]
         reply = self._data_call("reserve", keys, flat)
         if reply is FAILED:
             return False
         assert isinstance(reply, ReserveReply)
-        local, remote, sent, crcs = [], [], [], []
-        for key, off, loc in zip(keys, offsets, reply.locs):
+        local, remote, sent, views = [], [], [], []
+        for key, (area, off), loc in zip(keys, where, reply.locs):
             if loc is None:
                 continue
-            crcs.append(zlib.crc32(self._np[off : off + loc.size]))
+            views.append(area[off : off + loc.size])
             sent.append(key)
+            base = area.ctypes.data
             for addr, n in loc.regions:
-                local.append((self._base + off, n, 0))
+                local.append((base + off, n, 0))
                 remote.append((addr, n, 0))
                 off += n
         if not sent:
@@ -389,7 +464,7 @@ class KVStoreClient:
             self.link.send("release", reply.lease)  # frees the reservation
             return False
         else:
-            committed = self.link.call("commit", self.name, reply.lease, sent, crcs)
+            committed = self.link.call("commit", self.name, reply.lease, sent, checksums(views))
             if committed is FAILED or committed != len(sent):
                 if committed is not FAILED:
                     self.counters.errors += 1
@@ -404,10 +479,12 @@ class KVStoreClient:
                 self.counters.pages_present += 1
         return all(p or loc is not None for p, loc in zip(reply.present, reply.locs))
 
-    def _read_staged(self, chain: Sequence[str], sizes: list[list[int]]) -> int:
-        """Read the leading stored pages into staging; returns how many arrived intact with
-        the expected key sizes (`sizes[i]` per page)."""
+    def _read_staged(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None) -> int:
+        """Read the leading stored pages into registered memory (page i's keys packed by
+        `sizes[i]` from the start of `areas[i]`; default: the staging area, page i at
+        i * page_bytes); returns how many arrived intact with the expected key sizes."""
         keys = store_keys(chain, self.layout, self.tp_rank)
+        areas = self._staged(len(chain)) if areas is None else areas
         reply = self._data_call("locate", keys)
         if reply is FAILED:
             return 0
@@ -421,21 +498,23 @@ class KVStoreClient:
             self.counters.errors += 1
             n = good // self.kpp
         locs = reply.locs[: n * self.kpp]
-        local, remote, offsets = [], [], []
+        local, remote, where = [], [], []
         for i, loc in enumerate(locs):
             page, j = divmod(i, self.kpp)
-            off = page * self.page_bytes + sum(sizes[page][:j])
-            offsets.append(off)
+            off = sum(sizes[page][:j])
+            where.append((areas[page], off))
+            base = areas[page].ctypes.data
             for addr, size in loc.regions:
-                local.append((self._base + off, size, 0))
+                local.append((base + off, size, 0))
                 remote.append((addr, size, 0))
                 off += size
         ok = not local or self._xfer("READ", local, remote)
         self.link.send("release", reply.lease)
         if not ok:
             return 0
-        for i, (loc, off) in enumerate(zip(locs, offsets)):
-            if zlib.crc32(self._np[off : off + loc.size]) != loc.checksum:
+        crcs = checksums([area[off : off + loc.size] for loc, (area, off) in zip(locs, where)])
+        for i, (loc, crc) in enumerate(zip(locs, crcs)):
+            if crc != loc.checksum:
                 logger.warning("kv store client: checksum mismatch on %s", loc.key)
                 self.counters.errors += 1
                 self.counters.corrupt += 1
@@ -452,8 +531,10 @@ class KVStoreClient:
 
     def close(self) -> None:
         if self.agent is not None:
-            try:
-                self.agent.deregister_memory(self._reg)
-            except Exception:
-                pass
+            for handle in [self._reg] + [h for _, _, h in self._regions]:
+                try:
+                    self.agent.deregister_memory(handle)
+                except Exception:
+                    pass
+            self._regions = []
             self.agent = None

@@ -38,14 +38,21 @@ serve_stop() {  # SIGINT to the server (it drains the KV cache, flushes the stor
 http_bench() {  # http_bench NAME: the workload against the running server; JSON + a /metrics scrape
   # PROFILE=1: py-spy samples the server and the replica actor for 8 s in the middle of the run.
   if [ -n "${PROFILE:-}" ]; then
-    ( sleep 12; for role in server:"cluster.cli serve" replica:"ray::Replica"; do pid=$(pgrep -f "${role#*:}" | head -1)
+    ( sleep ${PROFILE_AT:-12}; for role in server:"cluster.cli serve" replica:"ray::Replica" rank:"ray::RankWorker"; do pid=$(pgrep -f "${role#*:}" | head -1)
         ${PYSPY:-py-spy} record --nonblocking -d 8 -r 100 -f speedscope -o "$OUT/prof_$1_${role%%:*}.json" \
           --pid "$pid" >/dev/null 2>&1 & done; wait ) & PROF=$!
   fi
   $M bench serve --model "$SERVE_MODEL" --url "http://127.0.0.1:$PORT" $WORK --out "$OUT/$1.json" 2>&1 \
     | grep -v "INFO\|Warning"; [ -z "${PROFILE:-}" ] || wait $PROF
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
-    > "$OUT/$1_metrics.txt"; grep -E "^manta:(kvstore_(hit|query)_pages|replica_output_(messages|steps))" "$OUT/$1_metrics.txt"
+    > "$OUT/$1_metrics.txt"
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/admin/replicas').read().decode())" \
+    > "$OUT/$1_replicas.json"  # each replica's stats: the KV store's load/prefill rates, loads, bypasses
+  grep -E "^manta:(kvstore_(hit|query)_pages|replica_output_(messages|steps))" "$OUT/$1_metrics.txt"
+  python3 -c "import json,sys; [print(r['name'], {k: v for k, v in ((r.get('stats') or {}).get('kvstore') or {}).items()
+    if k in ('loads', 'hit_pages', 'early_stops', 'bypassed', 'busy', 'probe_timeouts', 'load_tokens_per_s',
+             'prefill_tokens_per_s', 'saved_pages', 'drained_pages')}) for r in json.load(open(sys.argv[1]))['replicas']]" \
+    "$OUT/$1_replicas.json" 2>&1 | tail -2
   ps -eo pid,pcpu,rss,args | grep -E "ray::(Replica|RankWorker|KVStore)|cluster.cli serve" | grep -v grep
 }
 for s in $stages; do

@@ -207,6 +207,50 @@ def test_raw_tensors_round_trip_bf16(store):
     assert c.batch_get(chain[:2] + c.chain_keys(tokens(1, salt=8), PAGE) + chain[3:4], outs) == 2
 
 
+def test_host_rows_move_pages_without_staging(store):
+    """register_rows/read_rows/write_rows (a rank's host tier): pages written from rows read back
+    through the staging path and the other way round, byte for byte; a row outside a registered
+    buffer is refused; a page changed in the store's RAM stops the load at it."""
+    handle, name = store
+    key_bytes = [1000, 1536]  # odd sizes: the client rounds a page up to 64 bytes
+    c = client(handle, name, "mha", page_bytes=sum(key_bytes))
+    rows = torch.zeros((12, c.page_bytes), dtype=torch.uint8)
+    assert c.register_rows(rows)
+    assert not c.register_rows(torch.zeros((2, 8), dtype=torch.uint8))  # rows shorter than a page
+    chain = c.chain_keys(tokens(11, salt=21), PAGE)  # more pages than staging_pages
+    rows[:11].copy_(torch.randint(0, 256, (11, c.page_bytes), dtype=torch.uint8))
+    assert c.write_rows(chain, [rows[i] for i in range(11)], key_bytes)
+    outs = [[torch.empty(n, dtype=torch.uint8) for n in key_bytes] for _ in chain]
+    assert c.batch_get(chain, outs) == 11
+    assert all(torch.equal(torch.cat(o), rows[i, : sum(key_bytes)]) for i, o in enumerate(outs))
+    other = c.chain_keys(tokens(3, salt=22), PAGE)
+    pages = [[torch.randint(0, 256, (n,), dtype=torch.uint8) for n in key_bytes] for _ in other]
+    assert c.batch_set(other, pages)
+    assert c.read_rows(other, [rows[9], rows[3], rows[11]], key_bytes) == 3  # any rows, any order
+    assert [torch.equal(torch.cat(p), rows[r, : sum(key_bytes)]) for p, r in zip(pages, (9, 3, 11))] == [True] * 3
+    with pytest.raises(ValueError, match="register_rows"):
+        c.read_rows(other, [torch.zeros(c.page_bytes, dtype=torch.uint8)], key_bytes)
+    assert c.stats()["errors"] == 0
+
+
+def test_host_rows_load_stops_at_a_corrupt_page(ray_local, tmp_path):
+    handle, name = new_store(tmp_path)
+    c = client(handle, name, "mla", page_bytes=4096)
+    rows = torch.randint(0, 256, (4, c.page_bytes), dtype=torch.uint8)
+    assert c.register_rows(rows)
+    chain = c.chain_keys(tokens(4, salt=23), PAGE)
+    assert c.write_rows(chain, list(rows), [4096])
+    assert ray.get(handle.flush.remote()) == 4
+    _kill(handle, name)
+    _flip_byte(_page_file(tmp_path, chain[2]), HEADER_BYTES + 100)
+    handle = _restart(tmp_path, name)
+    got = torch.zeros_like(rows)
+    assert c.register_rows(got)
+    assert c.read_rows(chain, list(got), [4096]) == 2  # the page after the good ones fails its checksum
+    assert torch.equal(got[:2], rows[:2]) and c.stats()["corrupt"] == 1
+    assert c.read_rows(chain[3:], [got[3]], [4096]) == 1 and torch.equal(got[3], rows[3])
+
+
 def test_batch_exists_uses_keys_per_page_of_layout(store):
     """Regression (contract 5): 3 pages set -> 3 for MLA (not 6 / 1.5) and 3 for MHA."""
     handle, name = store

@@ -286,6 +286,32 @@ def test_restart_keeps_prefixes_and_a_damaged_page_misses(engines, tmp_path, lla
 
 
 
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+def test_pages_load_into_a_gpu_pool_from_pinned_rows(engines, tmp_path, llama_dir):
+    """On a GPU the store's pages land in the rank's pinned host rows and are copied into the
+    device pool straight from them: a fresh engine loads what another wrote, answers with the
+    same greedy tokens, and every host row it pinned for a copy is unpinned afterwards."""
+    root = tmp_path / "kv"
+    start_store(root)
+    cfg = engine_config(llama_dir, root, device="cuda")
+    prompts = [prompt_ids(16 * n + 1, seed=40 + n) for n in (3, 10, 21)]
+    eng = engines(cfg)
+    ref = [eng.generate([p], greedy(5))[0] for p in prompts]
+    wait_for(lambda: len(store_keys()) == 2 * (3 + 10 + 21), 60, "the pages in the store")
+    fresh = engines(cfg)
+    outs = fresh.generate(prompts, greedy(5))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert [o.cached_tokens for o in outs] == [48, 160, 336]
+    fresh.generate([prompt_ids(40, seed=49)], greedy(2))  # a step after the loads' copies ran
+
+    def unpinned():
+        ranks = kv_store_stats(fresh)["ranks"]
+        return bool(ranks) and ranks[0]["host"]["pinned_rows"] == 0 and ranks[0]["offload_pages_loaded"] == 34
+
+    wait_for(unpinned, 30, "the host rows unpinned")
+    fresh.scheduler.check_integrity()
+
+
 @pytest.mark.slow
 def test_killed_store_comes_back_and_serves_its_pages_from_disk(no_store_after, tmp_path, llama_dir):
     """The store actor killed under a serving cluster: requests go on without it, the

@@ -13,11 +13,14 @@ cluster's store actor (`kvstore.store`, reached through this rank's `kvstore.cli
   MLA ranks != 0 keep their host copy and write nothing (the client skips: contract 5).
   A `sync` save (the drain at shutdown, no step running) writes straight to the store.
 - prefetch (`KVPrefetch`): the I/O thread reads the request's keys from the store into host
-  rows, a chunk at a time, while the rank keeps computing other requests' steps.
+  rows, a chunk at a time, while the rank keeps computing other requests' steps. The host tier
+  is registered with the client's NIXL agent, so the store's bytes land in the rows themselves
+  (and saves leave from them): no staging copy on either path.
 - load (`KVLoad`): wait up to `wait_s` (at most `LOAD_WAIT_CAP_S`) for the prefetch (the
-  scheduler orders a load once rank 0's prefetch is done or its deadline passed), copy the
-  leading host-resident pages into pinned memory and enqueue their copy into the device pages,
-  and agree with the other ranks on the count (min over ranks). Rank 0's prefetch being done
+  scheduler orders a load once rank 0's prefetch is done or its deadline passed), enqueue the
+  copy of the leading host-resident pages into the device pages straight from their pinned rows
+  (no host-side copy on the step's thread: the rows stay pinned until the copy's event has
+  completed, checked at the next step), and agree with the other ranks on the count (min over ranks). Rank 0's prefetch being done
   says nothing about the others' (an MLA rank != 0 reads pages it never wrote, and its first
   read registers with the store): while the scheduler may still wait (`until_done`), a rank
   whose prefetch still runs contributes `LOAD_PENDING` to the same agreement, every rank
@@ -216,6 +219,10 @@ class RankKVOffload:
         self.page_bytes = self.client.page_bytes
         pages = max(opts.host_cache_bytes // self.page_bytes, opts.chunk_pages)
         self.host = HostTier(pages, self.page_bytes, pin=torch.cuda.is_available())
+        # Pages move straight between the store and the host rows (no staging copy) when the
+        # client's NIXL agent takes the host tier's memory.
+        self.direct = self.client.register_rows(self.host.data)
+        self._copying: deque[tuple[object, list[int]]] = deque()  # (copy event, rows pinned until it)
         self.jobs: dict[str, _Prefetch] = {}
         self._reads: deque[_Prefetch] = deque()
         self._writes: deque[_Write] = deque()
@@ -239,6 +246,7 @@ class RankKVOffload:
     # ---------------- one step ----------------
     def run(self, plan, result) -> None:
         """Saves, then prefetch starts, then loads (see workers.kv_messages for why)."""
+        self._unpin_copied()
         for rid in plan.finished_rids:
             job = self.jobs.pop(rid, None)
             if job is not None:
@@ -307,7 +315,7 @@ class RankKVOffload:
 
     def _load(self, load: KVLoad) -> int:
         from kvstore.client import agree_on_pages
-        from kvstore.pages import stage_in
+        from kvstore.pages import pool_device, stage_in
 
         job = self.jobs.get(load.rid)
         n_local, rows = 0, []
@@ -320,14 +328,13 @@ class RankKVOffload:
                 n_local = LOAD_PENDING
             else:
                 rows = self.host.leading(load.keys[: len(load.page_ids)])
-                if rows:
-                    # A copy taken while the rows are pinned, into pinned memory: its copy to
-                    # the device is enqueued, not waited for.
-                    stage = torch.empty((len(rows), self.page_bytes), dtype=torch.uint8,
-                                        pin_memory=self.host.pinned)
-                    torch.index_select(self.host.data, 0, torch.tensor(rows), out=stage)
-                    stage_in(self.pool, load.page_ids[: len(rows)], stage)
                 n_local = len(rows)
+                if rows and self.host.pinned and pool_device(self.pool).type == "cuda":
+                    self._copy_in(load.page_ids[:n_local], rows)
+                    rows = []  # pinned until their copy has run (`_unpin_copied`)
+                elif rows:
+                    stage = torch.index_select(self.host.data, 0, torch.tensor(rows))
+                    stage_in(self.pool, load.page_ids[:n_local], stage)
         except Exception:
             logger.exception("kv offload: loading %d pages failed", len(load.page_ids))
             self.counters["errors"] += 1
@@ -343,6 +350,33 @@ class RankKVOffload:
         self.counters["loads"] += 1
         self.counters["pages_loaded"] += n
         return n
+
+    def _copy_in(self, page_ids: list[int], rows: list[int]) -> None:
+        """Enqueue the copy of pinned host rows into device pages on the current stream, with
+        no host-side copy on the step's thread (DMA straight from the rows, each run of
+        adjacent rows in one copy); the rows stay pinned until the copy's event completes."""
+        from kvstore.pages import pool_device, scatter_pages
+
+        dev = torch.empty((len(rows), self.page_bytes), dtype=torch.uint8, device=pool_device(self.pool))
+        i = 0
+        while i < len(rows):
+            j = i + 1
+            while j < len(rows) and rows[j] == rows[j - 1] + 1:
+                j += 1
+            dev[i:j].copy_(self.host.data[rows[i] : rows[i] + j - i], non_blocking=True)
+            i = j
+        scatter_pages(self.pool, page_ids, dev)
+        done = torch.cuda.Event()
+        done.record()
+        self._copying.append((done, rows))
+
+    def _unpin_copied(self, wait: bool = False) -> None:
+        """Unpin the host rows whose copies into the device have run (all of them: `wait`)."""
+        while self._copying and (wait or self._copying[0][0].query()):
+            done, rows = self._copying.popleft()
+            if wait:
+                done.synchronize()
+            self.host.unpin(rows)
 
     # ---------------- the I/O thread ----------------
     @staticmethod
@@ -413,7 +447,10 @@ class RankKVOffload:
             raise
         held = self.host.publish(w.keys, w.rows, pin=True)  # pinned until the store write is done
         try:
-            self._count_write(self.client.batch_set, w.keys, [self._row_views(r) for r in held])
+            if self.direct:
+                self._count_write(self.client.write_rows, w.keys, [self.host.data[r] for r in held], self.key_bytes)
+            else:
+                self._count_write(self.client.batch_set, w.keys, [self._row_views(r) for r in held])
         finally:
             self.host.unpin(held)
 
@@ -454,7 +491,10 @@ class RankKVOffload:
                 self.counters["host_full"] += 1
                 return
             chunk = chunk[: len(rows)]
-            n = self.client.batch_get(chunk, [self._row_views(r) for r in rows])
+            if self.direct:
+                n = self.client.read_rows(chunk, [self.host.data[r] for r in rows], self.key_bytes)
+            else:
+                n = self.client.batch_get(chunk, [self._row_views(r) for r in rows])
             self.host.give(rows[n:])
             self.counters["prefetched_pages"] += n
             if not job.add(self.host, self.host.publish(chunk[:n], rows[:n], pin=True)):
@@ -469,7 +509,8 @@ class RankKVOffload:
         st["errors"] += self.counters["errors"]
         st.update({f"offload_{k}": v for k, v in self.counters.items() if k != "errors"})
         st["host"] = {"used_bytes": self.host.used_bytes, "capacity_bytes": self.host.capacity * self.page_bytes,
-                      "pages": len(self.host.ready), "evictions": self.host.evictions}
+                      "pages": len(self.host.ready), "evictions": self.host.evictions,
+                      "pinned_rows": len(self.host.pins)}
         return st
 
     def close(self) -> None:
@@ -477,6 +518,7 @@ class RankKVOffload:
         timeouts) and release the client's NIXL agent. Idempotent."""
         for job in list(self.jobs.values()):
             job.cancel(self.host)
+        self._unpin_copied(wait=True)
         with self._cv:
             self._stop = True
             self._cv.notify_all()

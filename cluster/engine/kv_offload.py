@@ -53,9 +53,10 @@ Saving pages (the write policy, when device pages get a copy in the host tier an
 The store down, slow or full never stops serving or holds a step: the probe is read without
 waiting, the ranks drop saves their host tier has no room for, a failed or slow probe pauses
 probing for `backoff_s`, and a load that finds nothing admits the request with its radix
-match only. A store slower than recompute is bypassed: when loading a page has been taking
-longer than prefilling its tokens (both measured as the replica runs), requests are not set
-aside for `BYPASS_S`, then the store is tried again.
+match only. A store slower than recompute is bypassed: when the store has been delivering prompt tokens
+slower than the prefill computes them (both throughputs, measured as the replica runs: loads
+overlap, so the load rate counts the time some load was in flight), requests are not set aside
+for `BYPASS_S`, then the store is tried again.
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ class SchedulerKVOffload:
         self._prefetch: list[KVPrefetch] = []
         self._skip_until = 0.0
         self._bypass_until = 0.0
+        self._load_clock = 0.0  # when the last load finished (`_measure_load`)
         self.load_rate, self.prefill_rate = _Rate(), _Rate()  # tokens/s: loaded from the store; computed
         self.stats = KVOffloadStats()
         self.poller = None  # the replica's stats poller (cluster/kv_store_setup.py)
@@ -436,7 +438,7 @@ class SchedulerKVOffload:
             node = match.node
             self.stats.hit_pages += n
             self.stats.loaded_tokens += n * P
-            self._measure_load(n * P, time.monotonic() - e.started)
+            self._measure_load(n * P, e.started)
         else:
             self.allocator.free(e.pages)
         e.pages = []
@@ -447,9 +449,14 @@ class SchedulerKVOffload:
         self.held[req.rid] = (req, node)
         self.sched.waiting.appendleft(req)
 
-    def _measure_load(self, tokens: int, seconds: float) -> None:
-        """Bypass the store while loading has been slower than computing the same tokens."""
-        self.load_rate.add(tokens, seconds)
+    def _measure_load(self, tokens: int, started: float) -> None:
+        """Bypass the store while it delivers tokens slower than the GPU computes them. Both
+        are throughputs: loads run side by side (up to MAX_LOADING), so a load is credited
+        only the time since the previous load finished (or since it started, if later): the
+        seconds summed are those in which some load was in flight, not each request's wait."""
+        now = time.monotonic()
+        self.load_rate.add(tokens, now - max(started, self._load_clock))
+        self._load_clock = now
         if (self.load_rate.samples >= RATE_SAMPLES and self.prefill_rate.samples >= RATE_SAMPLES
                 and self.load_rate.value < self.prefill_rate.value):
             logger.warning("KV store: loading runs at %.0f tokens/s, prefill at %.0f: not using the store for "
