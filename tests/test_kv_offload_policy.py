@@ -325,3 +325,23 @@ def test_a_lookup_that_never_answers_is_a_miss():
         ko.PROBE_WAIT_S = old
     assert off.stats.probe_timeouts == 1 and not off.loading and s.requests == {}
     assert plans[0].reqs and plans[0].reqs[0].prefix_len == 0  # computed, not loaded
+
+
+@pytest.mark.parametrize("load_ttft_s, bypass", [(0.2, True), (0.02, False)])
+def test_store_is_bypassed_when_loaded_requests_get_later_first_tokens(load_ttft_s, bypass):
+    """The judge is time to first token per prompt token, by path: requests that loaded most of
+    their prompt against requests that computed it (queueing included on both)."""
+    prompt = list(range(100, 141))
+    s, off = make(probe=FakeProbe(keys_of(prompt[:40])))
+    for i in range(3):
+        computed = req(f"c{i}", 41)
+        off.note_first_token(computed, 0.05)  # 41 tokens in 50 ms: 820 tokens/s
+        loaded = req(f"l{i}", 41)
+        off._loaded_by[loaded.rid] = 40  # as `_finish_load` records it
+        off.note_first_token(loaded, load_ttft_s)
+    assert off.counters()["ttft_tokens_per_s_computed"] == pytest.approx(820)
+    assert off.counters()["bypassing"] is bypass
+    s.add_request(Request("r", prompt, SamplingParams(max_tokens=1)))
+    plan = s.schedule()
+    assert bool(plan.kv_prefetch) is not bypass and off.stats.bypassed == int(bypass)
+    assert not off._loaded_by  # every sample taken once

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 from collections.abc import AsyncIterator
 
@@ -538,3 +539,19 @@ def test_streamed_tokens_arrive_as_they_come_on_a_reused_connection(stack):
                     arrivals.append(time.perf_counter() - t0)
             # 8 tokens are 8 engine steps (a millisecond or more each): their chunks cannot all come at once.
             assert len(arrivals) >= 2 and arrivals[-1] - arrivals[0] > 0.002, arrivals
+
+
+def test_bench_serve_counts_tokens_from_usage_not_text_events(stack):
+    """`manta bench serve --url`'s client: tokens from the server's usage (byte-level tokens that
+    decode to nothing still count), every latency it reports measured, the warm-up untimed,
+    and a failed request counted by kind."""
+    from cluster.bench.serve import run_http
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, 250) for _ in range(12 + i)] for i in range(6)]
+    res = asyncio.run(run_http(stack["url"], MODEL, prompts, 9, rate=100.0, warmup=prompts[:2]))
+    assert res["requests"] == 6 and res["errors"] == 0 and res["output_tokens"] == 6 * 9
+    for key in ("ttft_ms_p50", "tpot_ms_mean", "itl_ms_p99", "chunk_gap_ms_p99"):
+        assert res[key] > 0, key
+    bad = asyncio.run(run_http(stack["url"], "no-such-model", prompts[:2], 4, rate=100.0))
+    assert bad["errors"] == 2 and bad["errors_by_kind"] == {"HTTP 404": 2}

@@ -4,11 +4,11 @@ The host tier (`HostTier`) is one host tensor of page rows (pinned when a GPU is
 by chain key, least recently used first out. It sits between the rank's device pool and the
 cluster's store actor (`kvstore.store`, reached through this rank's `kvstore.client`):
 
-- save (`KVSave`, at the start of a step, before the forward): the device pages' bytes are
-  copied out to pinned host memory by copies enqueued on the compute stream ahead of this
-  step's forward (which may overwrite a saved page: stream order keeps the copy first), and
-  nothing waits for them; the I/O thread waits for the copy's event, puts the bytes into host
-  rows and writes them on to the store. When the host tier has no free row (every row still
+- save (`KVSave`, at the start of a step, before the forward): on a GPU the pages are gathered
+  by kernels enqueued on the compute stream ahead of this step's forward (which may overwrite a
+  saved page: stream order keeps the gather first) and copied down into their pinned host rows
+  on a side stream, beside the forward; nothing on the step's thread waits or copies bytes. The
+  I/O thread waits for the copy's event, publishes the rows and writes them on to the store. When the host tier has no free row (every row still
   on its way to a slow store) the page is dropped and counted, never written in the step.
   MLA ranks != 0 keep their host copy and write nothing (the client skips: contract 5).
   A `sync` save (the drain at shutdown, no step running) writes straight to the store.
@@ -58,13 +58,25 @@ LOAD_WAIT_CAP_S = 0.02
 
 @dataclass(eq=False)
 class _Write:
-    """Pages on their way to the store: bytes in `stage` once `event` completes (None: now),
-    then in host rows `rows` (taken, invisible until published), then written."""
+    """Pages on their way to the store: bytes in `stage` (None on a GPU: copied into `rows`
+    themselves) once `event` completes (None: now), then in host rows `rows` (taken, invisible
+    until published), then written."""
 
     keys: list[str]
     rows: list[int]
-    stage: torch.Tensor
+    stage: torch.Tensor | None
     event: object = None
+
+
+def _runs(rows: list[int]):
+    """(i, j) spans of `rows` whose rows are adjacent (rows[i:j] == range(rows[i], rows[i] + j - i))."""
+    i = 0
+    while i < len(rows):
+        j = i + 1
+        while j < len(rows) and rows[j] == rows[j - 1] + 1:
+            j += 1
+        yield i, j
+        i = j
 
 
 class HostTier:
@@ -204,7 +216,7 @@ class RankKVOffload:
 
     def __init__(self, opts: KVOffloadOptions, pool, tp):
         from kvstore.client import KVStoreClient
-        from kvstore.pages import pool_key_bytes, pool_layout, pool_page_bytes
+        from kvstore.pages import pool_device, pool_key_bytes, pool_layout, pool_page_bytes
 
         if pool_layout(pool) != opts.layout:
             raise ValueError(f"KV store layout {opts.layout!r} for a {pool_layout(pool)!r} pool")
@@ -223,6 +235,11 @@ class RankKVOffload:
         # client's NIXL agent takes the host tier's memory.
         self.direct = self.client.register_rows(self.host.data)
         self._copying: deque[tuple[object, list[int]]] = deque()  # (copy event, rows pinned until it)
+        # On a GPU, pages move between the device pool and the pinned rows by DMA: saves on a
+        # side stream, loads on the compute stream (the next forward reads them).
+        self._device = pool_device(pool)
+        self._gpu_rows = self.host.pinned and self._device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self._device) if self._gpu_rows else None
         self.jobs: dict[str, _Prefetch] = {}
         self._reads: deque[_Prefetch] = deque()
         self._writes: deque[_Write] = deque()
@@ -283,8 +300,13 @@ class RankKVOffload:
             todo = todo[: len(rows)]
         if not todo:
             return
+        pages = [p for p, _ in todo]
         try:
-            stage, event = stage_out(self.pool, [p for p, _ in todo], self.page_bytes)
+            if self._gpu_rows:
+                write = _Write([k for _, k in todo], rows, None, self._copy_out(pages, rows))
+            else:
+                stage, event = stage_out(self.pool, pages, self.page_bytes)
+                write = _Write([k for _, k in todo], rows, stage, event)
         except Exception:
             logger.exception("kv offload: copying %d pages out of the device pool failed", len(todo))
             self.counters["errors"] += 1
@@ -292,8 +314,28 @@ class RankKVOffload:
             return
         self.counters["pages_saved_host"] += len(todo)
         with self._cv:
-            self._writes.append(_Write([k for _, k in todo], rows, stage, event))
+            self._writes.append(write)
             self._cv.notify_all()
+
+    def _copy_out(self, page_ids: list[int], rows: list[int]):
+        """Device pages into pinned host rows with nothing on the step's thread but launches:
+        the pages are gathered on the compute stream (ahead of the forward that may overwrite
+        them), copied down to their rows on a side stream (beside the forward), and the
+        returned event completes when the bytes are in the rows."""
+        from kvstore.pages import gather_pages
+
+        dev = torch.empty((len(page_ids), self.page_bytes), dtype=torch.uint8, device=self._device)
+        gather_pages(self.pool, page_ids, dev)
+        gathered = torch.cuda.Event()
+        gathered.record()
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(gathered)
+            for i, j in _runs(rows):
+                self.host.data[rows[i] : rows[i] + j - i].copy_(dev[i:j], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        dev.record_stream(self._copy_stream)  # not reused before the copy has read it
+        return done
 
     def _save_now(self, save: KVSave) -> None:
         """Write pages straight from the device pool to the store (the drain: no step runs)."""
@@ -315,7 +357,7 @@ class RankKVOffload:
 
     def _load(self, load: KVLoad) -> int:
         from kvstore.client import agree_on_pages
-        from kvstore.pages import pool_device, stage_in
+        from kvstore.pages import stage_in
 
         job = self.jobs.get(load.rid)
         n_local, rows = 0, []
@@ -329,7 +371,7 @@ class RankKVOffload:
             else:
                 rows = self.host.leading(load.keys[: len(load.page_ids)])
                 n_local = len(rows)
-                if rows and self.host.pinned and pool_device(self.pool).type == "cuda":
+                if rows and self._gpu_rows:
                     self._copy_in(load.page_ids[:n_local], rows)
                     rows = []  # pinned until their copy has run (`_unpin_copied`)
                 elif rows:
@@ -358,13 +400,8 @@ class RankKVOffload:
         from kvstore.pages import pool_device, scatter_pages
 
         dev = torch.empty((len(rows), self.page_bytes), dtype=torch.uint8, device=pool_device(self.pool))
-        i = 0
-        while i < len(rows):
-            j = i + 1
-            while j < len(rows) and rows[j] == rows[j - 1] + 1:
-                j += 1
+        for i, j in _runs(rows):
             dev[i:j].copy_(self.host.data[rows[i] : rows[i] + j - i], non_blocking=True)
-            i = j
         scatter_pages(self.pool, page_ids, dev)
         done = torch.cuda.Event()
         done.record()
@@ -441,7 +478,8 @@ class RankKVOffload:
         try:
             if w.event is not None:
                 w.event.synchronize()
-            self.host.data[torch.tensor(w.rows)] = w.stage
+            if w.stage is not None:  # on a GPU the bytes were copied into the rows themselves
+                self.host.data[torch.tensor(w.rows)] = w.stage
         except Exception:
             self.host.give(w.rows)
             raise

@@ -245,7 +245,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             vocab = AutoConfig.from_pretrained(config.model).vocab_size
             prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0)
-            res = asyncio.run(run_http(args.url, config.model_name, prompts, args.output_len, args.request_rate))
+            warmup = random_prompts(2, args.input_len, vocab, 1)  # as the in-process run warms its engine
+            res = asyncio.run(run_http(args.url, config.model_name, prompts, args.output_len, args.request_rate,
+                                       warmup=warmup))
         else:
             engine = Engine(config)
             prompts = random_prompts(args.num_prompts, args.input_len, engine.model_config.vocab_size, 0)

@@ -122,23 +122,25 @@ async def run_in_process(engine, prompts: list[list[int]], output_len: int, rate
 
 
 async def run_http(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,
-                   seed: int = 0, api_key: str = "none") -> dict:
+                   seed: int = 0, api_key: str = "none", warmup: list[list[int]] = ()) -> dict:
     """Streamed /v1/completions against a running server, from an aiohttp client (its per-chunk
     cost is a fraction of httpx's: with 200 streams the client's own event loop would otherwise
     add tens of ms to the latencies it measures). Tokens are counted from the usage the server
     reports: on every chunk where it supports vLLM's `continuous_usage_stats` (manta, vLLM),
     else once at the end (`include_usage`), the chunks' tokens then being spread one per chunk
     with the rest on the last. Never from text: a byte-level token may decode to nothing until
-    its character completes."""
+    its character completes. `warmup`: prompts sent first (4 tokens each, untimed), as the
+    in-process run warms its engine: a server's first requests pay its kernels' compiles."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=timeout,
                                      headers={"Authorization": f"Bearer {api_key}"}) as session:
-        async def one(i: int) -> RequestTiming:
+        async def one(i: int, prompt: list[int] | None = None, max_tokens: int = output_len) -> RequestTiming:
             t = RequestTiming(time.perf_counter())
-            body = {"model": model, "prompt": prompts[i], "max_tokens": output_len, "temperature": 0,
+            body = {"model": model, "prompt": prompts[i] if prompt is None else prompt, "max_tokens": max_tokens,
+                    "temperature": 0,
                     "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
             counted, chunks_without_usage = 0, []
@@ -173,6 +175,9 @@ async def run_http(url: str, model: str, prompts: list[list[int]], output_len: i
                 t.error = type(exc).__name__
             return t
 
+        warm = await asyncio.gather(*(one(-1, p, 4) for p in warmup))
+        if any(w.error for w in warm):
+            raise RuntimeError(f"the warm-up requests failed: {[w.error for w in warm]}")
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(one(i)) async for i in _arrivals(len(prompts), rate, seed)]
         timings = await asyncio.gather(*tasks)

@@ -275,11 +275,6 @@ class Engine:
             outputs = [self._emit(ev) for ev in events]
         self._deliver(outputs)
         dt = time.perf_counter() - t0
-        if self.kv_offload is not None and done.mode.name in ("EXTEND", "MIXED"):
-            # Prefill speed, against which the store's load speed is judged. Overlapped, the
-            # interval from this call's start is about the completed plan's device time.
-            prompt_tokens = sum(len(r.input_ids) for r in done.reqs if len(r.input_ids) > 1)
-            self.kv_offload.note_prefill(prompt_tokens, dt)
         if self.step_trace is not None:
             self.step_trace.append((t0, time.perf_counter(), done.mode.name, len(done.reqs),
                                     sum(len(r.input_ids) for r in done.reqs)))
@@ -317,6 +312,8 @@ class Engine:
         now = time.monotonic()
         if ev.token_ids and req.first_token_time is None:
             req.first_token_time = now
+            if self.kv_offload is not None:  # which path (store load or prefill) answers sooner
+                self.kv_offload.note_first_token(req, now - req.arrival_time)
         out = RequestOutput(
             rid=req.rid,
             delta_text=text,
