@@ -25,7 +25,10 @@ def get_or_create_store(root: str, *, name: str = STORE_NAME, namespace: str | N
     # max_restarts: a store whose process dies (killed, OOM) is started again by Ray under the
     # same name and handle; __init__ rebuilds the index from its files, and each client
     # registers its NIXL agent with the new instance at its next call.
+    # max_concurrency: calls run on a few threads (KVStore locks its state and does its file
+    # I/O outside the lock), so one client's file reads never queue another's calls.
     return cls.options(name=name, namespace=namespace, get_if_exists=True, num_cpus=0, max_restarts=-1,
+                       max_concurrency=8,
                        resources={HEAD_NODE_RESOURCE: 0.001},
                        lifetime="detached" if detached else None).remote(root, **kwargs)
 

@@ -473,10 +473,13 @@ class KVStoreClient:
         done = {k for k, loc in zip(keys, reply.locs) if loc is not None}
         for p in range(len(chain)):
             page = keys[p * self.kpp : (p + 1) * self.kpp]
+            present = reply.present[p * self.kpp : (p + 1) * self.kpp]
             if all(k in done for k in page):
                 self.counters.pages_written += 1
-            elif all(reply.present[p * self.kpp : (p + 1) * self.kpp]):
+            elif all(present):
                 self.counters.pages_present += 1
+            elif not all(k in done or here for k, here in zip(page, present)):
+                self.counters.pages_refused += 1
         return all(p or loc is not None for p, loc in zip(reply.present, reply.locs))
 
     def _read_staged(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None) -> int:

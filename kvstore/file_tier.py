@@ -7,7 +7,9 @@ the page's: the store verifies it after every read into RAM.
 
 This class keeps the files, their LRU order and their byte count; which entry a file belongs
 to, and what happens to it when a file is evicted, is the store's business (`kvstore.store`).
-All calls come from the store under its lock.
+All calls come from the store under its lock, but for the I/O of `write_bytes` and
+`read_many`, which the store runs outside it (on page RAM it has pinned) so that one page's
+file I/O never holds up another client's call.
 
 The disk is shared: the tier never fills its filesystem past a reserve (5% of its size, at
 least 256 MiB, at most 20%). At start its capacity is clamped to what the disk has free beyond
@@ -124,16 +126,16 @@ class FileTier:
     def touch(self, key: str) -> None:
         self.lru.move_to_end(key)
 
-    def victims(self, need: int, keep: str) -> list[str] | None:
-        """Least recently used keys to delete so that `need` more bytes fit (never `keep`);
-        None when they cannot fit at all."""
+    def victims(self, need: int, keep: str, busy: frozenset[str] | set[str] = frozenset()) -> list[str] | None:
+        """Least recently used keys to delete so that `need` more bytes fit (never `keep`, nor
+        a `busy` one: its file is being read); None when they cannot fit at all."""
         if need > self.capacity:
             return None
         out, free = [], self.capacity - self.used
         for key, nbytes in self.lru.items():
             if free >= need:
                 break
-            if key != keep:
+            if key != keep and key not in busy:
                 out.append(key)
                 free += nbytes
         return out if free >= need else None
@@ -174,7 +176,21 @@ class FileTier:
             self.agent.deregister_memory(reg, backends=["POSIX"])
 
     def write(self, key: str, regions: Sequence[tuple[int, int]], size: int, checksum: int) -> bool:
-        """Write a page atomically (tmp + rename); the caller made room (`victims`)."""
+        """Write a page atomically (tmp + rename) and count it; the caller made room (`victims`)."""
+        if not self.write_bytes(key, regions, size, checksum):
+            return False
+        self.add(key, size)
+        return True
+
+    def add(self, key: str, size: int, reserved: bool = False) -> None:
+        """Count a page file that `write_bytes` wrote (`reserved`: its bytes already are)."""
+        self.lru[key] = file_bytes(size)
+        if not reserved:
+            self.used += file_bytes(size)
+
+    def write_bytes(self, key: str, regions: Sequence[tuple[int, int]], size: int, checksum: int) -> bool:
+        """The I/O of `write`, without counting the file: safe outside the store's lock (the
+        flusher writes there; `add` counts the file under the lock afterwards)."""
         path = self.path(key)
         tmp = path.with_name(path.name + ".tmp")
         ok = False
@@ -203,8 +219,6 @@ class FileTier:
             self._failed_write(key)
             return False
         self._wrote()
-        self.lru[key] = file_bytes(size)
-        self.used += file_bytes(size)
         return True
 
     def read(self, key: str, regions: Sequence[tuple[int, int]], size: int, checksum: int) -> bool:

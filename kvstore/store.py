@@ -21,7 +21,9 @@ Data path. Page bytes never travel through Ray's object store. A client (one per
 Invariants: a key is in at most one of `pending` (reserved, invisible) and `index` (committed);
 pinned or pending slots are never evicted or reused; every page carries the crc32 of its bytes
 and one that fails a check is deleted and reported missing, never returned. Every public method
-runs under one lock (the flusher thread shares the NIXL agent and the index).
+runs under one lock (the flusher thread shares the NIXL agent and the index), except for file
+I/O: the flusher's writes and `locate`'s reads run outside it on pinned RAM, and the actor serves
+calls on several threads, so a read of one page's file never holds up another client's call.
 """
 
 from __future__ import annotations
@@ -107,10 +109,13 @@ class KVStore(StoreFiles):
         self._next_lease = 1
         self._registered_at = 0.0
         self._lock = threading.RLock()
+        self._loaded = threading.Condition(self._lock)  # a page's file read (outside the lock) ended
+        self._loading_keys: set[str] = set()
         self._stop = threading.Event()
         with self._lock:
             self._rebuild()
         threading.Thread(target=self._progress, name="kvstore-progress", daemon=True).start()
+        self._write_behind = bool(flush_interval_s)
         if flush_interval_s:
             threading.Thread(target=self._flusher, args=(flush_interval_s,), name="kvstore-flush",
                              daemon=True).start()
@@ -170,7 +175,9 @@ class KVStore(StoreFiles):
 
     def clear(self) -> None:
         """Delete every page, in RAM and on disk (pending writes and leases are dropped).
-        Counters stay (they are cumulative); writes_by_client restarts."""
+        Counters stay (they are cumulative); writes_by_client restarts. An admin and test
+        tool: a file read in flight meanwhile may land in RAM handed out again (a page that
+        then fails its checksum at the client, and is deleted)."""
         with self._lock:
             self.writes_by_client.clear()
             for key in list(self.index):
@@ -205,7 +212,9 @@ class KVStore(StoreFiles):
                     locs.append(None)
                     continue
                 present.append(False)
-                slots = self._alloc(int(size)) if 0 < size else None
+                # A write never waits for a spill while the flusher runs: no clean page to
+                # replace, and the write is refused (the store is slower than its writers).
+                slots = self._alloc(int(size), spill=not self._write_behind) if 0 < size else None
                 if slots is None:
                     self.counters["refused_full"] += 1
                     locs.append(None)
@@ -263,9 +272,10 @@ class KVStore(StoreFiles):
     # ---------------- read path ----------------
     def locate(self, client: str, keys: list[str]) -> LocateReply | None:
         """Regions of the leading present keys, pinned in RAM until release(lease). Pages only
-        on file are read into RAM first, all of them in one batched transfer; their checksums
-        are verified by the client that reads them (end to end), which asks `verify` to delete
-        a page that fails."""
+        on file are read into RAM first, all of them in one batched transfer made outside the
+        lock (their slots pinned and marked `loading`: a locate of the same page meanwhile
+        waits for that read rather than start its own); their checksums are verified by the
+        client that reads them (end to end), which asks `verify` to delete a page that fails."""
         validate_keys(keys)
         with self._lock:
             if client not in self.clients:
@@ -287,34 +297,48 @@ class KVStore(StoreFiles):
                         slots = None
                     if slots is None:
                         break
-                    entry.slots = slots
+                    entry.slots, entry.loading = slots, True
+                    self._loading_keys.add(key)
                     loading.append((key, entry))
-                else:
+                elif not entry.loading:
                     self.ram_lru.move_to_end(key)
                 entry.pins += 1
                 lease.entries.append(entry)
                 found.append((key, entry))
-            if loading:
-                ok = self.files.read_many([(k, self.ram.regions(e.slots, e.size), e.size, e.checksum)
-                                           for k, e in loading])
-                bad = {k for (k, _), good in zip(loading, ok) if not good}
-                for key, _entry in loading:
-                    if key in bad:
-                        continue
+            requests = [(k, self.ram.regions(e.slots, e.size), e.size, e.checksum) for k, e in loading]
+        ok = self.files.read_many(requests) if requests else []  # no lock held: other calls go on
+        with self._lock:
+            bad: set[str] = set()
+            for (key, entry), good in zip(loading, ok):
+                entry.loading = False
+                self._loading_keys.discard(key)
+                if self.index.get(key) is not entry:  # deleted while it was read
+                    self.ram.give(entry.slots)
+                    entry.slots = None
+                    bad.add(key)
+                elif not good:
+                    bad.add(key)
+                else:
                     self.ram_lru[key] = None
                     self.counters["files_read"] += 1
-                if bad:  # the leading pages before the first bad one are served
-                    cut = next(i for i, (k, _) in enumerate(found) if k in bad)
-                    for key, entry in found[cut:]:
-                        entry.pins -= 1
-                        lease.entries.remove(entry)
-                        if key in bad:
-                            self.ram.give(entry.slots)
-                            entry.slots = None
-                            self._corrupt(key)
-                        elif (key, entry) in loading:
-                            self.ram_lru[key] = None
-                    found = found[:cut]
+            if loading:
+                self._loaded.notify_all()
+            # Pages another locate is reading: wait for that read (bounded), under the condition.
+            deadline = time.monotonic() + self.lease_s / 2
+            while any(e.loading for _, e in found) and time.monotonic() < deadline:
+                self._loaded.wait(0.05)
+            cut = next((i for i, (k, e) in enumerate(found) if k in bad or e.loading or e.slots is None
+                        or self.index.get(k) is not e), len(found))
+            for key, entry in found[cut:]:  # the leading pages before the first bad one are served
+                entry.pins = max(0, entry.pins - 1)
+                lease.entries.remove(entry)
+                if key in bad and self.index.get(key) is entry:
+                    self.ram.give(entry.slots)
+                    entry.slots = None
+                    self._corrupt(key)
+                elif (key, entry) in loading and entry.slots is not None:
+                    self.ram_lru[key] = None
+            found = found[:cut]
             locs = [PageLoc(k, e.size, e.checksum, self.ram.regions(e.slots, e.size)) for k, e in found]
             self.counters["queries"] += len(keys)
             self.counters["hits"] += len(locs)
@@ -358,6 +382,9 @@ class KVStore(StoreFiles):
                 if entry is None:
                     out.append(False)
                     continue
+                if entry.loading:  # being read from its file: the reader's client checks it
+                    out.append(True)
+                    continue
                 if entry.slots is not None:
                     ok = page_checksum(*self.ram.views(entry.slots, entry.size)) == entry.checksum
                 else:
@@ -381,13 +408,18 @@ class KVStore(StoreFiles):
             self.counters["leases_expired"] += 1
             self.release(lid)
 
-    def _alloc(self, size: int) -> list[int] | None:
-        """Slots for `size` bytes, evicting unpinned RAM pages (LRU first, spilled to files)."""
+    def _alloc(self, size: int, spill: bool = True) -> list[int] | None:
+        """Slots for `size` bytes, evicting unpinned RAM pages, LRU first: pages on file
+        already (they leave at no cost), then — `spill`, or while the file tier refuses writes
+        (their pages are dropped then, as before) — dirty ones, written to files first under the
+        lock (the flusher writes them outside it, ahead of need)."""
         n = self.ram.slots_for(size)
         if n > self.ram.num_slots:
             return None
         while self.ram.num_free < n:
-            victim = next((k for k in self.ram_lru if self.index[k].pins == 0), None)
+            victim = next((k for k in self.ram_lru if self.index[k].pins == 0 and self.index[k].on_file), None)
+            if victim is None and (spill or not self.files.writable()):
+                victim = next((k for k in self.ram_lru if self.index[k].pins == 0), None)
             if victim is None:
                 return None
             self._evict_ram(victim)
@@ -413,7 +445,7 @@ class KVStore(StoreFiles):
         """The entry with a RAM copy (read from its file if needed), or None (missing, no room,
         or its file failed its checks and was deleted)."""
         entry = self.index.get(key)
-        if entry is None:
+        if entry is None or entry.loading:
             return None
         if entry.slots is None:
             self.files.touch(key)
@@ -439,7 +471,7 @@ class KVStore(StoreFiles):
         entry = self.index.pop(key, None)
         if entry is None:
             return
-        if entry.slots is not None:
+        if entry.slots is not None and not entry.loading:  # (a loading page's reader frees them)
             self.ram.give(entry.slots)
             entry.slots = None
         self.ram_lru.pop(key, None)

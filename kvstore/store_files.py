@@ -24,7 +24,8 @@ class Entry:
     writer: str  # client name ("" when rebuilt from disk)
     slots: list[int] | None = None  # RAM copy (sorted slot ids), None when only on file
     on_file: bool = False
-    pins: int = 0  # read leases holding the RAM copy
+    pins: int = 0  # read leases (and file I/O in flight) holding the RAM copy
+    loading: bool = False  # its RAM copy is being read from its file (outside the lock)
 
 
 class StoreFiles:
@@ -36,6 +37,7 @@ class StoreFiles:
     counters: Counter[str]
     _lock: threading.RLock
     _stop: threading.Event
+    _loading_keys: set[str]  # pages whose files a locate is reading outside the lock
 
     def _write_file(self, key: str, entry: Entry) -> bool:
         """Copy a RAM page to its file, deleting least recently used files to make room (within
@@ -43,16 +45,10 @@ class StoreFiles:
         assert entry.slots is not None
         if not self.files.writable():
             return False
-        victims = self.files.victims(file_bytes(entry.size), keep=key)
+        victims = self.files.victims(file_bytes(entry.size), keep=key, busy=self._loading_keys)
         if victims is None:
             return False
-        for victim in victims:
-            dropped = self.index[victim]
-            dropped.on_file = False
-            self.files.remove(victim)
-            self.counters["file_evictions"] += 1
-            if dropped.slots is None:
-                del self.index[victim]
+        self._drop_files(victims)
         if not self.files.write(key, self.ram.regions(entry.slots, entry.size), entry.size, entry.checksum):
             self.counters["errors"] += 1
             self.counters["file_write_errors"] += 1
@@ -99,12 +95,65 @@ class StoreFiles:
         return done
 
     def _flusher(self, interval: float) -> None:
+        """Write-behind: dirty pages to their files, a batch at a time, the file I/O outside
+        the lock (the pages pinned meanwhile): a serving call never waits for a flush."""
         while not self._stop.wait(interval):
             try:
                 while self.dirty and not self._stop.is_set():
                     with self._lock:
-                        moved = self._flush_some(16)  # small batches: serving calls wait on the lock
-                    if not moved:
+                        batch = self._take_dirty(16)
+                    if not batch:
                         break  # the disk refuses: try again next round
+                    done = [self.files.write_bytes(key, regions, e.size, e.checksum) for key, e, regions in batch]
+                    with self._lock:
+                        self._flushed(batch, done)
             except Exception:
                 logger.exception("kv store flusher")
+
+    def _take_dirty(self, limit: int) -> list[tuple[str, Entry, tuple]]:
+        """Up to `limit` dirty pages to write now: each pinned, its file's bytes reserved and
+        room made (LRU files deleted). Stops at one that cannot fit (it stays dirty)."""
+        out: list[tuple[str, Entry, tuple]] = []
+        if not self.files.writable():
+            return out
+        for key in list(self.dirty)[:limit]:
+            entry = self.index.get(key)
+            if entry is None or entry.slots is None or entry.on_file:
+                self.dirty.pop(key, None)
+                continue
+            victims = self.files.victims(file_bytes(entry.size), keep=key, busy=self._loading_keys)
+            if victims is None:
+                break
+            self._drop_files(victims)
+            self.dirty.pop(key, None)
+            self.files.used += file_bytes(entry.size)  # reserved until `_flushed`
+            entry.pins += 1
+            out.append((key, entry, self.ram.regions(entry.slots, entry.size)))
+        return out
+
+    def _flushed(self, batch: list[tuple[str, Entry, tuple]], done: list[bool]) -> None:
+        for (key, entry, _), ok in zip(batch, done):
+            entry.pins = max(0, entry.pins - 1)
+            if ok and self.index.get(key) is entry and entry.slots is not None:
+                self.files.add(key, entry.size, reserved=True)
+                entry.on_file = True
+                self.counters["files_written"] += 1
+                continue
+            self.files.used -= file_bytes(entry.size)
+            if ok:  # deleted while its file was written: the file goes too
+                self.files.remove(key)
+            else:
+                self.counters["errors"] += 1
+                self.counters["file_write_errors"] += 1
+                if self.index.get(key) is entry:
+                    self.dirty[key] = None  # a later round tries again
+
+    def _drop_files(self, victims: list[str]) -> None:
+        """Delete the files of `victims` (LRU evictions); an entry with no RAM copy goes."""
+        for victim in victims:
+            dropped = self.index[victim]
+            dropped.on_file = False
+            self.files.remove(victim)
+            self.counters["file_evictions"] += 1
+            if dropped.slots is None:
+                del self.index[victim]

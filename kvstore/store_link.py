@@ -19,6 +19,7 @@ class ClientCounters:
     pages_written: int = 0  # pages this client wrote into the store
     pages_present: int = 0  # pages batch_set found already stored (not sent again)
     pages_backup_skipped: int = 0  # MLA pages a rank != 0 did not write
+    pages_refused: int = 0  # pages the store had no room for (its RAM full of pages not yet on file)
     pages_read: int = 0  # pages loaded by batch_get / load_pages
     hit_pages: int = 0  # == pages_read; hit_pages / query_pages is the store hit rate
     query_pages: int = 0  # pages asked for by batch_get / load_pages

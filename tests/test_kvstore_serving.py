@@ -538,7 +538,8 @@ class HungStore:
 @pytest.mark.slow
 def test_dead_hung_or_full_store_never_stops_serving(engines, tmp_path, llama_dir):
     """A full store refuses writes, a dead one is gone, a hung one never answers: every request
-    still answers exactly as without a store, in bounded time, and the errors are counted."""
+    still answers exactly as without a store, in bounded time, and the refusals (dropped pages,
+    not errors) and the errors are counted."""
     from kvstore.messages import STORE_NAME
 
     prompts = [prompt_ids(161, seed=s) for s in (20, 21, 22, 23)]
@@ -552,7 +553,8 @@ def test_dead_hung_or_full_store_never_stops_serving(engines, tmp_path, llama_di
     start_store(tmp_path / "kv", ram_bytes=1024, slot_bytes=1024)
     eng = engines(cfg)
     assert eng.generate([prompts[0]], greedy(4))[0].token_ids == ref[0].token_ids
-    wait_for(lambda: eng.workers.runner.kv_offload.stats()["errors"] > 0, 30, "a refused write counted")
+    wait_for(lambda: eng.workers.runner.kv_offload.stats()["pages_refused"] > 0, 30, "a refused write counted")
+    assert eng.workers.runner.kv_offload.stats()["errors"] == 0
     assert ray.get(ray.get_actor(STORE_NAME).stats.remote())["counters"]["refused_full"] > 0
 
     # Dead: misses at once; the failed probe pauses probing.
@@ -560,9 +562,9 @@ def test_dead_hung_or_full_store_never_stops_serving(engines, tmp_path, llama_di
     t0 = time.monotonic()
     assert eng.generate([prompts[1]], greedy(4))[0].token_ids == ref[1].token_ids
     assert time.monotonic() - t0 < 10
-    assert eng.kv_offload.probe.counters.errors >= 1 and errors(eng) >= 2
+    assert eng.kv_offload.probe.counters.errors >= 1 and errors(eng) >= 1
     # The replica's report (what the metrics export) catches up with them in the background.
-    wait_for(lambda: kv_store_stats(eng)["errors"] >= 2, 10, "the errors in the report")
+    wait_for(lambda: kv_store_stats(eng)["errors"] >= 1, 10, "the errors in the report")
 
     # Hung: the probe times out once, then probing pauses; writes time out on the I/O thread.
     hung = HungStore.options(name=STORE_NAME, namespace=NS).remote()

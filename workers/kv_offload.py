@@ -493,13 +493,14 @@ class RankKVOffload:
             self.host.unpin(held)
 
     def _count_write(self, write, *args) -> None:
-        """A store write; a failure (store down or full: those pages just miss later) counts
-        once as an error, whether or not the client counted it itself (a refusal it does not)."""
-        before = self.client.counters.errors
+        """A store write; a failure (store down or failing: those pages just miss later) counts
+        once as an error, whether or not the client counted it itself; pages the store refused
+        (no room in its RAM for now) are counted by the client as refused, not as errors."""
+        before = (self.client.counters.errors, self.client.counters.pages_refused)
         if not write(*args):
             self.counters["write_failures"] += 1
-            if self.client.counters.errors == before:
-                self.counters["errors"] += 1
+            if (self.client.counters.errors, self.client.counters.pages_refused) == before:
+                self.counters["errors"] += 1  # (a refusal is counted as a dropped page, not an error)
 
     def _take_rows(self, n: int, job: _Prefetch, wait_s: float = 1.0) -> list[int]:
         """Rows for a prefetch chunk; while none is free but saves are being written (their

@@ -14,7 +14,9 @@ zero, which `rate()` reads as a counter reset).
     manta:kvstore_errors_total{replica,op}     failed store operations: op "probe" (lookups), "write"
                                                and "read" (the ranks' transfers), "file_write" (the
                                                store's file tier, replica "store")
-    manta:kvstore_dropped_pages_total{replica} saves dropped because a rank's host tier was full
+    manta:kvstore_dropped_pages_total{replica} saves dropped: a rank's host tier was full, or the
+                                               store refused them (its RAM full of pages not yet
+                                               written to files: the store is slower than the saves)
     manta:kvstore_usage_bytes{tier}            "ram" and "file" (the store), "host" (ranks' host tiers)
 """
 
@@ -69,8 +71,8 @@ class KVStoreCollector(Collector):
                                      "checksums, failed file writes); each is a miss or a page not saved, never a "
                                      "failed request.", labels=["replica", "op"])
         dropped = CounterMetricFamily("manta:kvstore_dropped_pages",
-                                      "Pages not saved to the KV store because a rank's host tier had no room (the "
-                                      "store is slower than the saves).", labels=["replica"])
+                                      "Pages not saved to the KV store because a rank's host tier had no room or the "
+                                      "store refused them (the store is slower than the saves).", labels=["replica"])
         usage = GaugeMetricFamily("manta:kvstore_usage_bytes",
                                   "Bytes held by KV store tiers: ram and file (the shared store), host (the "
                                   "ranks' host tiers, all replicas).", labels=["tier"])
@@ -83,7 +85,8 @@ class KVStoreCollector(Collector):
                 errors.add_metric([replica, "probe"], rep.get("probe_errors", 0))
                 errors.add_metric([replica, "write"], sum(r.get("write_errors", 0) for r in ranks))
                 errors.add_metric([replica, "read"], sum(r.get("read_errors", 0) for r in ranks))
-                dropped.add_metric([replica], sum(r.get("offload_dropped_pages", 0) for r in ranks))
+                dropped.add_metric([replica], sum(r.get("offload_dropped_pages", 0) + r.get("pages_refused", 0)
+                                                  for r in ranks))
                 wbytes = rbytes = 0
                 for r in ranks:
                     labels = [replica, str(r.get("layout", rep.get("layout", ""))), str(r.get("tp_rank", 0))]
