@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--mem-fraction", type=float, default=0.85)
+    p.add_argument("--gpus-per-rank", type=float, default=1.0,
+                   help="share of one GPU per TP rank (0.5: two replicas on one GPU); the KV cache takes "
+                        "mem-fraction x this of the GPU's memory")
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
@@ -65,7 +68,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 ENGINE_ARG_NAMES = (
     "tokenizer", "served_model_name", "device", "dtype", "tp_size", "page_size", "kv_cache_tokens",
-    "mem_fraction", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
+    "mem_fraction", "gpus_per_rank", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
     "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len", "max_waiting",
     "disable_cuda_graph", "disable_overlap_schedule", "speculative_draft_model", "speculative_num_tokens",
 )

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=300)
@@ -31,3 +33,16 @@ def test_generate_rejects_bad_parameter_with_its_name(tmp_path):
     assert run("make-model", str(out), "--arch", "llama", "--layers", "1").returncode == 0
     gen = run("generate", "--model", str(out), "--prompt", "x", "--top-p", "1.5")
     assert gen.returncode != 0 and "top_p" in gen.stderr
+
+
+def test_gpus_per_rank_reaches_the_engine_config_and_is_checked():
+    import argparse
+
+    from cluster.engine_args import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args(["--gpus-per-rank", "0.5"])).gpus_per_rank == 0.5
+    for bad in ("0", "1.5"):
+        with pytest.raises(ValueError, match="gpus_per_rank"):
+            engine_config_from_args(p.parse_args(["--gpus-per-rank", bad]))

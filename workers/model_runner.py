@@ -65,6 +65,7 @@ class RunnerOptions:
     page_size: int = 1
     kv_cache_tokens: int | None = None
     mem_fraction: float = 0.85
+    gpu_share: float = 1.0  # of one GPU (Ray's fractional resource): other ranks may share it
     max_running_requests: int = 256
     max_context_len: int | None = None
     attention_backend: str = "flash"
@@ -185,8 +186,13 @@ class ModelRunner:
             return self.opts.kv_cache_tokens
         if self.device.type == "cpu":
             return 65536
-        free, _total = torch.cuda.mem_get_info(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
         budget = int(free * self.opts.mem_fraction) - (1 << 30)  # keep 1 GiB for activations
+        if self.opts.gpu_share < 1.0:
+            # A GPU shared with other ranks (which may still be loading): this rank's part of
+            # it, less what it holds already (weights), whatever the others have taken so far.
+            mine = int(total * self.opts.mem_fraction * self.opts.gpu_share) - torch.cuda.memory_reserved(self.device)
+            budget = min(budget, mine - (1 << 30))
         # More than every running request at full context can never be used.
         most = self.opts.max_running_requests * self.max_context_len
         tokens = max(min(budget // bytes_per_token, most), 2 * self.opts.page_size)

@@ -45,7 +45,8 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
             raise ValueError(f"placement strategy must be one of {PLACEMENT_STRATEGIES}")
         self.tp_size = tp_size
         gpu = opts.device == "cuda"
-        bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if gpu else {})}
+        gpus = opts.gpu_share if gpu else 0  # a fraction: ranks of other replicas share the GPU
+        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus} if gpu else {})}
         self.pg: PlacementGroup | None = placement_group([dict(bundle) for _ in range(tp_size)],
                                                          strategy=placement_strategy, name=f"{name}-pg")
         ready, _ = ray.wait([self.pg.ready()], timeout=ready_timeout_s)
@@ -62,7 +63,7 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
             actor_cls.options(
                 name=f"manta-{name}-rank{i}",
                 num_cpus=cpus_per_rank,
-                num_gpus=1 if gpu else 0,
+                num_gpus=gpus,
                 max_concurrency=2,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 runtime_env={"env_vars": env} if env else None,

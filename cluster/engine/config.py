@@ -35,6 +35,10 @@ class EngineConfig:
     # KV capacity in tokens. None: sized from memory (cpu: 65536 tokens; cuda: mem_fraction).
     kv_cache_tokens: int | None = None
     mem_fraction: float = 0.85
+    # The share of one GPU each TP rank takes (Ray's fractional GPU resource): 0.5 puts two
+    # replicas' ranks on one GPU (small models, tests). The rank's KV pool is then sized from
+    # mem_fraction x gpus_per_rank of the GPU's memory, so replicas sharing it never overcommit.
+    gpus_per_rank: float = 1.0
     max_running_requests: int = 256
     # Tokens computed per step over all requests (decodes + prefill chunks).
     max_num_batched_tokens: int = 8192
@@ -94,6 +98,8 @@ class EngineConfig:
             bad("kv_cache_tokens", "must hold at least two pages")
         if not 0.0 < self.mem_fraction <= 1.0:
             bad("mem_fraction", "must be in (0, 1]")
+        if not 0.0 < self.gpus_per_rank <= 1.0:
+            bad("gpus_per_rank", "must be in (0, 1] (a share of one GPU)")
         if self.speculative_num_tokens < 1:
             bad("speculative_num_tokens", "must be >= 1")
         if self.speculative_draft_model is not None and self.is_embedding:

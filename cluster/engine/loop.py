@@ -89,6 +89,7 @@ def runner_options(config: EngineConfig) -> RunnerOptions:
         page_size=config.page_size,
         kv_cache_tokens=config.kv_cache_tokens,
         mem_fraction=config.mem_fraction,
+        gpu_share=config.gpus_per_rank,
         max_running_requests=config.max_running_requests,
         max_context_len=config.max_context_len,
         attention_backend=config.attention_backend,
