@@ -8,8 +8,9 @@ cluster's store actor (`kvstore.store`, reached through this rank's `kvstore.cli
   by kernels enqueued on the compute stream ahead of this step's forward (which may overwrite a
   saved page: stream order keeps the gather first) and copied down into their pinned host rows
   on a side stream, beside the forward; nothing on the step's thread waits or copies bytes. The
-  I/O thread waits for the copy's event, publishes the rows and writes them on to the store. When the host tier has no free row (every row still
-  on its way to a slow store) the page is dropped and counted, never written in the step.
+  I/O thread waits for the copy's event, publishes the rows and writes them on to the store.
+  When the host tier has no free row (every row still on its way to a slow store) the page is
+  dropped and counted, never written in the step.
   MLA ranks != 0 keep their host copy and write nothing (the client skips: contract 5).
   A `sync` save (the drain at shutdown, no step running) writes straight to the store.
 - prefetch (`KVPrefetch`): the I/O thread reads the request's keys from the store into host
@@ -20,12 +21,12 @@ cluster's store actor (`kvstore.store`, reached through this rank's `kvstore.cli
   scheduler orders a load once rank 0's prefetch is done or its deadline passed), enqueue the
   copy of the leading host-resident pages into the device pages straight from their pinned rows
   (no host-side copy on the step's thread: the rows stay pinned until the copy's event has
-  completed, checked at the next step), and agree with the other ranks on the count (min over ranks). Rank 0's prefetch being done
-  says nothing about the others' (an MLA rank != 0 reads pages it never wrote, and its first
-  read registers with the store): while the scheduler may still wait (`until_done`), a rank
-  whose prefetch still runs contributes `LOAD_PENDING` to the same agreement, every rank
-  answers pending and keeps its prefetch, and the load comes again in a later step — rather
-  than every rank dropping the pages the lagging one had not read yet. Every rank runs the
+  completed, checked at the next step), and agree with the other ranks on the count (min over
+  ranks). Rank 0's prefetch being done says nothing about the others' (an MLA rank != 0 reads
+  pages it never wrote, and its first read registers with the store): while the scheduler may
+  still wait (`until_done`), a rank whose prefetch still runs contributes `LOAD_PENDING` to the
+  same agreement, every rank answers pending and keeps its prefetch, and the load comes again
+  in a later step — rather than every rank dropping the pages the lagging one had not read yet. Every rank runs the
   same loads in the same order, so the collective lines up; a rank that fails locally
   contributes 0 and never skips the collective.
 
