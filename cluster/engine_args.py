@@ -52,9 +52,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context-len", type=int, default=None)
     p.add_argument("--max-waiting", type=int, default=0)
     p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--skip-warmup", action="store_true",
-                   help="a replica on a GPU takes traffic at once, without first running a warm-up prefill, "
-                        "decodes and a mixed step (its first requests then pay the kernels' compiles)")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch the decode kernels without programmatic dependent launch (per-kernel profiles; "
                         "also MANTA_PDL=0)")
@@ -73,7 +70,7 @@ ENGINE_ARG_NAMES = (
     "tokenizer", "served_model_name", "device", "dtype", "tp_size", "page_size", "kv_cache_tokens",
     "mem_fraction", "gpus_per_rank", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
     "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len", "max_waiting",
-    "disable_cuda_graph", "skip_warmup", "disable_overlap_schedule", "speculative_draft_model", "speculative_num_tokens",
+    "disable_cuda_graph", "disable_overlap_schedule", "speculative_draft_model", "speculative_num_tokens",
 )
 
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine, runner_options
 from cluster.engine.request import RequestOutput
-from cluster.engine.warmup import warm_up
 from cluster.kv_store_setup import kv_store_stats
 from workers.request_errors import RequestError
 from workers.sampling_params import SamplingParams
@@ -93,8 +92,6 @@ class Replica:
                                **self._group_args)
         self.group = group
         self.engine = Engine(self.config, workers=group, batch_sink=self._on_outputs)
-        if self.config.device == "cuda" and not self.config.skip_warmup:
-            warm_up(self.engine)  # before /health says ready: users never pay the compiles
         self.engine.start()
         self.healthy, self.unhealthy_reason = True, None
         threading.Thread(target=self._monitor, args=(group,), name=f"{self.name}-monitor", daemon=True).start()

@@ -181,24 +181,3 @@ def test_context_limit_finishes_with_length(model_dirs):
     engine = Engine(EngineConfig(model=str(model_dirs["llama"]), max_context_len=16))
     res = engine.generate([list(range(5, 15))], greedy(50))[0]
     assert res.finish_reason == "length" and len(res.token_ids) == 6
-
-
-def test_warm_up_runs_a_mixed_step_and_leaves_the_engine_as_new(model_dirs):
-    """A replica's warm-up (cluster/engine/warmup.py): a prefill, decodes and a MIXED step run,
-    then nothing of it stays — no cached page, no counted request — and the engine answers
-    as a fresh one does."""
-    from cluster.engine.warmup import warm_up
-
-    d = model_dirs["llama"]
-    eng = Engine(EngineConfig(model=str(d), page_size=4, kv_cache_tokens=512))
-    eng.step_trace = []
-    assert warm_up(eng, prompt_len=40) is not None
-    modes = {mode for _, _, mode, _, _ in eng.step_trace}
-    assert {"EXTEND", "MIXED", "DECODE"} <= modes, modes
-    assert eng.scheduler.radix.total_cached_pages == 0
-    assert eng.scheduler.allocator.num_free == eng.scheduler.allocator.num_total
-    assert eng.scheduler.stats.prefix_hit_tokens == 0 and not eng.scheduler.requests
-    eng.scheduler.check_integrity()
-    fresh = Engine(EngineConfig(model=str(d), page_size=4, kv_cache_tokens=512))
-    assert [r.token_ids for r in eng.generate(PROMPTS, greedy())] == [
-        r.token_ids for r in fresh.generate(PROMPTS, greedy())]

@@ -286,25 +286,6 @@ def test_restart_keeps_prefixes_and_a_damaged_page_misses(engines, tmp_path, lla
 
 
 
-def test_warm_up_saves_nothing_and_a_flush_forgets_the_cache(engines, tmp_path, llama_dir):
-    """A replica's warm-up runs with the store detached (even under write_through nothing of it
-    is saved) and reattaches it; `flush_cache` drops the store's bookkeeping of the pages."""
-    from cluster.engine.warmup import warm_up
-
-    start_store(tmp_path / "kv")
-    eng = engines(engine_config(llama_dir, tmp_path / "kv"))  # write_through
-    assert warm_up(eng, prompt_len=100) is not None  # 6 pages of its own, were they saved
-    assert eng.kv_offload is not None and eng.scheduler.kv_offload is eng.kv_offload
-    eng.generate([prompt_ids(161, seed=60)], greedy(4))  # 10 prompt pages, written through
-    wait_for(lambda: len(store_keys()) >= 2 * 10, 60, "its pages in the store")
-    time.sleep(0.5)
-    assert len(store_keys()) == 2 * 10
-    assert eng.kv_offload.tree_keys
-    eng.scheduler.flush_cache()
-    assert not eng.kv_offload.tree_keys and eng.scheduler.radix.total_cached_pages == 0
-    eng.scheduler.check_integrity()
-
-
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
 def test_pages_load_into_a_gpu_pool_from_pinned_rows(engines, tmp_path, llama_dir):
     """On a GPU the store's pages land in the rank's pinned host rows and are copied into the

@@ -39,9 +39,6 @@ class EngineConfig:
     # replicas' ranks on one GPU (small models, tests). The rank's KV pool is then sized from
     # mem_fraction x gpus_per_rank of the GPU's memory, so replicas sharing it never overcommit.
     gpus_per_rank: float = 1.0
-    # A replica on a GPU runs a prefill, decodes and a MIXED step before it takes traffic
-    # (cluster/engine/warmup.py): its first requests then pay no kernel compiles.
-    skip_warmup: bool = False
     max_running_requests: int = 256
     # Tokens computed per step over all requests (decodes + prefill chunks).
     max_num_batched_tokens: int = 8192

@@ -311,15 +311,6 @@ class SchedulerKVOffload:
             if self.write_policy == "write_through":
                 self._save(pages[i], chain[i])
 
-    def forget_cache(self) -> None:
-        """The radix cache was flushed (`Scheduler.flush_cache`): its pages' keys and hit
-        counts go too, and nothing of them is saved."""
-        self.tree_keys.clear()
-        self.saved.clear()
-        self.hits.clear()
-        self.prompt_pages.clear()
-        self.pending_saves = []
-
     def drain_saves(self) -> list[KVSave]:
         """At shutdown (write_back policies): `sync` saves of every cached page not saved yet,
         prompt pages first, most recently cached first, in chunks the caller sends one at a

@@ -463,16 +463,6 @@ class Scheduler:
         self._free_rows.append(req.req_pool_idx)
         req.kv, req.prefix_node, req.req_pool_idx = None, None, -1
 
-    def flush_cache(self) -> None:
-        """Forget every cached prefix (its pages freed, none saved to a KV store) and restart
-        the counters: the engine as if new (after a warm-up). Requires no request in flight."""
-        if self.requests:
-            raise RuntimeError(f"flush_cache with {len(self.requests)} requests in flight")
-        self.radix.reset()
-        if self.kv_offload is not None:
-            self.kv_offload.forget_cache()
-        self.stats = SchedulerStats()
-
     # ---------------- introspection ----------------
     def kv_usage(self) -> float:
         total = self.allocator.num_total
