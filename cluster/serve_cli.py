@@ -94,6 +94,23 @@ def _gated_server_class():
     return GatedServer
 
 
+def _refused_checkpoint(model: str) -> str | None:
+    """Why a local checkpoint cannot be served (an unknown architecture, a quantized format),
+    found before Ray and the replicas start; None when it can, or when the directory is not
+    here (on a `ray up` cluster the ranks' nodes may hold it)."""
+    import os
+
+    from workers.model_config import ModelConfig
+
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        return None
+    try:
+        ModelConfig.from_pretrained(model)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -102,8 +119,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cluster.api.shutdown import ShutdownGate
     from cluster.launch import ServingCluster
 
+    options = cluster_options_from_args(args)
+    refusal = _refused_checkpoint(options.engine.model)
+    if refusal:
+        logger.error("manta serve: %s", refusal)
+        return 2
     metrics = ServerMetrics()
-    cluster = ServingCluster(cluster_options_from_args(args), metrics)
+    cluster = ServingCluster(options, metrics)
     gate = ShutdownGate()
     try:
         router = cluster.start()

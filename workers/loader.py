@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from workers.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors' names of the dtypes a plain checkpoint stores: float weights, and the int64 /
+# bool buffers some keep (BERT's `position_ids`, masks). Quantized weights are F8_*, I8, U8
+# (packed 4-bit) or I32 (GPTQ/AWQ packed).
+PLAIN_DTYPES = frozenset({"F32", "BF16", "F16", "F64", "I64", "BOOL"})
 
 
 class CheckpointReader:
@@ -73,6 +77,16 @@ class CheckpointReader:
         """The whole tensor (for replicated parameters and tests)."""
         return self._handle(self._file(name)).get_tensor(name)
 
+    def refuse_quantized_tensors(self) -> None:
+        """Raise ValueError naming a tensor stored in a quantized type (FP8, int8, packed
+        ints): copied into a float parameter without its scales it would load wrong weights
+        silently. (A checkpoint that says so in its config is refused earlier, by ModelConfig.)"""
+        for name in self.names():
+            dtype = self.get_slice(name).get_dtype()
+            if dtype not in PLAIN_DTYPES:
+                raise ValueError(f"tensor {name!r} of {self.model_dir!r} is stored as {dtype}: a quantized "
+                                 "checkpoint; manta loads unquantized float32, bfloat16 and float16 weights only")
+
     def close(self) -> None:
         self._handles.clear()
 
@@ -92,6 +106,7 @@ def load_model(
     model = cls(model_config, tp, device, dtype)
     reader = CheckpointReader(model_config.model_dir)
     try:
+        reader.refuse_quantized_tensors()
         with torch.no_grad():
             loaded = model.load_weights(reader)
     finally:

@@ -122,6 +122,7 @@ class ModelConfig:
                 f"unsupported architecture {arch!r} in {model_dir!r}; "
                 f"supported: {', '.join(supported_architectures())}"
             )
+        _refuse_quantized(hf_config, model_dir)
         num_heads = int(_first_attr(hf_config, "num_attention_heads", "decoder_attention_heads", "n_head"))
         hidden = int(_first_attr(hf_config, "hidden_size", "d_model", "n_embd"))
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
@@ -253,3 +254,20 @@ def _matryoshka(hf_config: Any) -> tuple[int, ...] | None:
     if dims:
         return tuple(sorted(int(d) for d in dims))
     return () if getattr(hf_config, "is_matryoshka", False) else None
+
+
+def _refuse_quantized(hf_config: Any, model_dir: str) -> None:
+    """A quantized checkpoint (FP8 block-wise or per-channel, compressed-tensors, GPTQ, AWQ,
+    bitsandbytes, ...) is refused with its method named: loading its tensors as if they were
+    plain weights, without their scales, would serve wrong text without any error."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return
+    qc = qc if isinstance(qc, dict) else getattr(qc, "to_dict", lambda: vars(qc))()
+    method = qc.get("quant_method") or qc.get("format") or "unknown"
+    details = [f"{k} {qc[k]}" for k in ("weight_block_size", "bits", "format", "fmt") if qc.get(k) is not None]
+    raise ValueError(
+        f"{model_dir!r} is a quantized checkpoint (quantization_config: quant_method {method!r}"
+        f"{', ' + ', '.join(details) if details else ''}); manta loads unquantized float32, bfloat16 "
+        "and float16 weights only"
+    )
