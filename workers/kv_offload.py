@@ -42,11 +42,12 @@ import logging
 import threading
 import time
 import weakref
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from workers.host_tier import HostTier, runs
 from workers.kv_messages import LOAD_PENDING, KVLoad, KVOffloadOptions, KVPrefetch, KVSave
 
 logger = logging.getLogger(__name__)
@@ -67,116 +68,6 @@ class _Write:
     rows: list[int]
     stage: torch.Tensor | None
     event: object = None
-
-
-def _runs(rows: list[int]):
-    """(i, j) spans of `rows` whose rows are adjacent (rows[i:j] == range(rows[i], rows[i] + j - i))."""
-    i = 0
-    while i < len(rows):
-        j = i + 1
-        while j < len(rows) and rows[j] == rows[j - 1] + 1:
-            j += 1
-        yield i, j
-        i = j
-
-
-class HostTier:
-    """Page rows of one rank keyed by chain key: data [capacity, page_bytes] uint8.
-
-    A row is `ready` (holds its key's bytes; evictable, LRU order) or taken (being filled by a
-    prefetch or a save: invisible to lookups) or free. Rows being written to the store are
-    pinned: eviction skips them. Every method takes `lock`; the bytes of a row are read or
-    written outside it only while the row is taken or pinned."""
-
-    def __init__(self, capacity_pages: int, page_bytes: int, pin: bool):
-        self.page_bytes = page_bytes
-        self.pinned = pin
-        self.data = torch.empty((capacity_pages, page_bytes), dtype=torch.uint8, pin_memory=pin)
-        self.ready: OrderedDict[str, int] = OrderedDict()
-        self.pins: dict[int, int] = {}
-        self.free = list(range(capacity_pages - 1, -1, -1))
-        self.lock = threading.Lock()
-        self.evictions = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def used_bytes(self) -> int:
-        return (self.capacity - len(self.free)) * self.page_bytes
-
-    def leading(self, keys: list[str]) -> list[int]:
-        """Rows of the leading keys that are ready (refreshed as most recently used), pinned:
-        `unpin` them once their bytes are copied."""
-        rows: list[int] = []
-        with self.lock:
-            for key in keys:
-                row = self.ready.get(key)
-                if row is None:
-                    break
-                self.ready.move_to_end(key)
-                self.pins[row] = self.pins.get(row, 0) + 1
-                rows.append(row)
-        return rows
-
-    def has(self, key: str) -> bool:
-        with self.lock:
-            return key in self.ready
-
-    def take(self, n: int) -> list[int]:
-        """Up to n rows (free ones first, then the least recently used unpinned ready ones)."""
-        with self.lock:
-            rows = [self.free.pop() for _ in range(min(n, len(self.free)))]
-            if len(rows) < n:
-                for key in list(self.ready):
-                    row = self.ready[key]
-                    if self.pins.get(row):
-                        continue
-                    del self.ready[key]
-                    self.evictions += 1
-                    rows.append(row)
-                    if len(rows) == n:
-                        break
-            return rows
-
-    def publish(self, keys: list[str], rows: list[int], pin: bool = False) -> list[int]:
-        """Rows now hold keys; a key already ready keeps its row and the new one is freed.
-        Returns the rows that hold the keys (pinned when `pin`)."""
-        held = []
-        with self.lock:
-            for key, row in zip(keys, rows):
-                if key in self.ready:
-                    self.free.append(row)
-                    row = self.ready[key]
-                else:
-                    self.ready[key] = row
-                if pin:
-                    self.pins[row] = self.pins.get(row, 0) + 1
-                held.append(row)
-        return held
-
-    def pin_ready(self, key: str) -> int | None:
-        """The row of a ready key, pinned (None when the key is not ready)."""
-        with self.lock:
-            row = self.ready.get(key)
-            if row is not None:
-                self.ready.move_to_end(key)
-                self.pins[row] = self.pins.get(row, 0) + 1
-            return row
-
-    def give(self, rows: list[int]) -> None:
-        with self.lock:
-            self.free.extend(rows)
-
-    def unpin(self, rows: list[int]) -> None:
-        with self.lock:
-            for row in rows:
-                left = self.pins.get(row, 0) - 1
-                if left > 0:
-                    self.pins[row] = left
-                else:
-                    self.pins.pop(row, None)
 
 
 @dataclass(eq=False)
@@ -331,7 +222,7 @@ class RankKVOffload:
         gathered.record()
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(gathered)
-            for i, j in _runs(rows):
+            for i, j in runs(rows):
                 self.host.data[rows[i] : rows[i] + j - i].copy_(dev[i:j], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
@@ -401,7 +292,7 @@ class RankKVOffload:
         from kvstore.pages import pool_device, scatter_pages
 
         dev = torch.empty((len(rows), self.page_bytes), dtype=torch.uint8, device=pool_device(self.pool))
-        for i, j in _runs(rows):
+        for i, j in runs(rows):
             dev[i:j].copy_(self.host.data[rows[i] : rows[i] + j - i], non_blocking=True)
         scatter_pages(self.pool, page_ids, dev)
         done = torch.cuda.Event()
