@@ -210,7 +210,7 @@ class KVStoreClient:
                 for t, n in zip(tensors, sizes[-1]):
                     self.staging[off : off + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
                     off += n
-            ok = self._write_staged(sub, sizes) and ok
+            ok = self._write_areas(sub, sizes) and ok
         return ok
 
     @_serialized
@@ -225,7 +225,7 @@ class KVStoreClient:
             sub = chain[start : start + self.staging_pages]
             outs = out_tensors[start : start + len(sub)]
             want = [[t.numel() * t.element_size() for t in ts] for ts in outs]
-            n = self._read_staged(sub, want)
+            n = self._read_areas(sub, want)
             for i in range(n):
                 off = i * self.page_bytes
                 for t, size in zip(outs[i], want[i]):
@@ -274,7 +274,7 @@ class KVStoreClient:
             return 0
         areas = self._areas(rows[: len(chain)])
         self.counters.query_pages += len(chain)
-        n = self._read_staged(chain, [list(key_bytes)] * len(chain), areas)
+        n = self._read_areas(chain, [list(key_bytes)] * len(chain), areas)
         self.counters.pages_read += n
         self.counters.hit_pages += n
         return n
@@ -288,7 +288,7 @@ class KVStoreClient:
             return True
         if not chain or not self._valid(chain):
             return not chain
-        return self._write_staged(chain, [list(key_bytes)] * len(chain), self._areas(rows[: len(chain)]))
+        return self._write_areas(chain, [list(key_bytes)] * len(chain), self._areas(rows[: len(chain)]))
 
     # ---------------- KV pool pages ----------------
     @_serialized
@@ -306,7 +306,7 @@ class KVStoreClient:
         for start in range(0, len(chain), self.staging_pages):
             sub = chain[start : start + self.staging_pages]
             self._gather(pool, page_ids[start : start + len(sub)])
-            ok = self._write_staged(sub, [sizes] * len(sub)) and ok
+            ok = self._write_areas(sub, [sizes] * len(sub)) and ok
         return ok
 
     @_serialized
@@ -321,7 +321,7 @@ class KVStoreClient:
         loaded = 0
         for start in range(0, len(chain), self.staging_pages):
             sub = chain[start : start + self.staging_pages]
-            n = self._read_staged(sub, [sizes] * len(sub))
+            n = self._read_areas(sub, [sizes] * len(sub))
             if n:
                 self._scatter(pool, page_ids[start : start + n])
             loaded += n
@@ -436,7 +436,7 @@ class KVStoreClient:
         """The first n page areas of the calling thread's staging area."""
         return [self._np[i * self.page_bytes : (i + 1) * self.page_bytes] for i in range(n)]
 
-    def _write_staged(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None) -> bool:
+    def _write_areas(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None) -> bool:
         """Send pages from registered memory: page i's keys packed by `sizes[i]` from the start
         of `areas[i]` (default: the staging area, page i at i * page_bytes)."""
         keys = store_keys(chain, self.layout, self.tp_rank)
@@ -482,7 +482,7 @@ class KVStoreClient:
                 self.counters.pages_refused += 1
         return all(p or loc is not None for p, loc in zip(reply.present, reply.locs))
 
-    def _read_staged(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None) -> int:
+    def _read_areas(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None) -> int:
         """Read the leading stored pages into registered memory (page i's keys packed by
         `sizes[i]` from the start of `areas[i]`; default: the staging area, page i at
         i * page_bytes); returns how many arrived intact with the expected key sizes."""

@@ -39,32 +39,6 @@ def pool_device(pool) -> torch.device:
     return pool_buffers(pool)[0][0].device
 
 
-def stage_out(pool, page_ids: Sequence[int], page_bytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """The bytes of pool pages in a new host buffer [n, page_bytes], without waiting for the
-    device: on a GPU the gather and the copy to pinned memory are enqueued on the current stream
-    (so they run after every kernel already enqueued, and before the next step's kernels can
-    overwrite the pages) and the returned event completes when the bytes have landed."""
-    n, device = len(page_ids), pool_device(pool)
-    if device.type != "cuda":
-        host = torch.empty((n, page_bytes), dtype=torch.uint8)
-        gather_pages(pool, page_ids, host)
-        return host, None
-    dev = torch.empty((n, page_bytes), dtype=torch.uint8, device=device)
-    gather_pages(pool, page_ids, dev)
-    host = torch.empty((n, page_bytes), dtype=torch.uint8, pin_memory=True)
-    host.copy_(dev, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return host, done
-
-
-def stage_in(pool, page_ids: Sequence[int], host: torch.Tensor) -> None:
-    """Pool pages page_ids[i] = host[i] without waiting for the device (`host` should be pinned
-    on a GPU; torch keeps a pinned block alive until its copy has run)."""
-    device = pool_device(pool)
-    scatter_pages(pool, page_ids, host.to(device, non_blocking=True) if device.type == "cuda" else host)
-
-
 def pool_page_bytes(pool) -> int:
     """Bytes of one page of `pool` on this rank: the `page_bytes` a client needs."""
     return sum(pool_key_bytes(pool))

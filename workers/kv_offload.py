@@ -60,9 +60,9 @@ LOAD_WAIT_CAP_S = 0.02
 
 @dataclass(eq=False)
 class _Write:
-    """Pages on their way to the store: bytes in `stage` (None on a GPU: copied into `rows`
-    themselves) once `event` completes (None: now), then in host rows `rows` (taken, invisible
-    until published), then written."""
+    """Pages on their way to the store: on the CPU their bytes in `stage`, put into host rows
+    `rows` (taken, invisible until published) by the I/O thread; on a GPU copied into the rows
+    themselves, landed once `event` completes. Then written."""
 
     keys: list[str]
     rows: list[int]
@@ -123,9 +123,11 @@ class RankKVOffload:
         self.page_bytes = self.client.page_bytes
         pages = max(opts.host_cache_bytes // self.page_bytes, opts.chunk_pages)
         self.host = HostTier(pages, self.page_bytes, pin=torch.cuda.is_available())
-        # Pages move straight between the store and the host rows (no staging copy) when the
-        # client's NIXL agent takes the host tier's memory.
-        self.direct = self.client.register_rows(self.host.data)
+        # Pages move straight between the store and the host rows (no staging copy): the
+        # client's NIXL agent takes the host tier's memory, or this rank runs without the store.
+        if not self.client.register_rows(self.host.data):
+            self.client.close()
+            raise RuntimeError("the KV store client could not register the host tier with NIXL")
         self._copying: deque[tuple[object, list[int]]] = deque()  # (copy event, rows pinned until it)
         # On a GPU, pages move between the device pool and the pinned rows by DMA: saves on a
         # side stream, loads on the compute stream (the next forward reads them).
@@ -177,7 +179,7 @@ class RankKVOffload:
             result.kv_prefetched = finished
 
     def _save(self, save: KVSave) -> None:
-        from kvstore.pages import stage_out
+        from kvstore.pages import gather_pages
 
         if save.sync:
             self._save_now(save)
@@ -196,9 +198,10 @@ class RankKVOffload:
         try:
             if self._gpu_rows:
                 write = _Write([k for _, k in todo], rows, None, self._copy_out(pages, rows))
-            else:
-                stage, event = stage_out(self.pool, pages, self.page_bytes)
-                write = _Write([k for _, k in todo], rows, stage, event)
+            else:  # on the CPU: gathered now, put into its rows by the I/O thread
+                stage = torch.empty((len(pages), self.page_bytes), dtype=torch.uint8)
+                gather_pages(self.pool, pages, stage)
+                write = _Write([k for _, k in todo], rows, stage)
         except Exception:
             logger.exception("kv offload: copying %d pages out of the device pool failed", len(todo))
             self.counters["errors"] += 1
@@ -249,7 +252,7 @@ class RankKVOffload:
 
     def _load(self, load: KVLoad) -> int:
         from kvstore.client import agree_on_pages
-        from kvstore.pages import stage_in
+        from kvstore.pages import scatter_pages
 
         job = self.jobs.get(load.rid)
         n_local, rows = 0, []
@@ -267,8 +270,8 @@ class RankKVOffload:
                     self._copy_in(load.page_ids[:n_local], rows)
                     rows = []  # pinned until their copy has run (`_unpin_copied`)
                 elif rows:
-                    stage = torch.index_select(self.host.data, 0, torch.tensor(rows))
-                    stage_in(self.pool, load.page_ids[:n_local], stage)
+                    scatter_pages(self.pool, load.page_ids[:n_local],
+                                  torch.index_select(self.host.data, 0, torch.tensor(rows)))
         except Exception:
             logger.exception("kv offload: loading %d pages failed", len(load.page_ids))
             self.counters["errors"] += 1
@@ -357,14 +360,6 @@ class RankKVOffload:
                     self._cv.notify_all()
         return True
 
-    def _row_views(self, row: int) -> list[torch.Tensor]:
-        """One host row split into the page's store keys (MHA: K, V; MLA: the latent)."""
-        views, off, data = [], 0, self.host.data[row]
-        for n in self.key_bytes:
-            views.append(data[off : off + n])
-            off += n
-        return views
-
     def _write(self, w: _Write) -> None:
         """Land a save's bytes in its host rows, publish them, write them to the store."""
         try:
@@ -377,10 +372,7 @@ class RankKVOffload:
             raise
         held = self.host.publish(w.keys, w.rows, pin=True)  # pinned until the store write is done
         try:
-            if self.direct:
-                self._count_write(self.client.write_rows, w.keys, [self.host.data[r] for r in held], self.key_bytes)
-            else:
-                self._count_write(self.client.batch_set, w.keys, [self._row_views(r) for r in held])
+            self._count_write(self.client.write_rows, w.keys, [self.host.data[r] for r in held], self.key_bytes)
         finally:
             self.host.unpin(held)
 
@@ -422,10 +414,7 @@ class RankKVOffload:
                 self.counters["host_full"] += 1
                 return
             chunk = chunk[: len(rows)]
-            if self.direct:
-                n = self.client.read_rows(chunk, [self.host.data[r] for r in rows], self.key_bytes)
-            else:
-                n = self.client.batch_get(chunk, [self._row_views(r) for r in rows])
+            n = self.client.read_rows(chunk, [self.host.data[r] for r in rows], self.key_bytes)
             self.host.give(rows[n:])
             self.counters["prefetched_pages"] += n
             if not job.add(self.host, self.host.publish(chunk[:n], rows[:n], pin=True)):
