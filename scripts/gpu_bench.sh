@@ -50,8 +50,8 @@ http_bench() {  # http_bench NAME: the workload against the running server; JSON
     > "$OUT/$1_replicas.json"  # each replica's stats: the KV store's load/prefill rates, loads, bypasses
   grep -E "^manta:(kvstore_(hit|query)_pages|replica_output_(messages|steps))" "$OUT/$1_metrics.txt"
   python3 -c "import json,sys; [print(r['name'], {k: v for k, v in ((r.get('stats') or {}).get('kvstore') or {}).items()
-    if k in ('loads', 'hit_pages', 'early_stops', 'bypassed', 'busy', 'probe_timeouts', 'load_tokens_per_s',
-             'prefill_tokens_per_s', 'saved_pages', 'drained_pages')}) for r in json.load(open(sys.argv[1]))['replicas']]" \
+    if k in ('loads', 'hit_pages', 'early_stops', 'bypassed', 'busy', 'probe_timeouts', 'ttft_tokens_per_s_loaded',
+             'ttft_tokens_per_s_computed', 'saved_pages', 'drained_pages')}) for r in json.load(open(sys.argv[1]))['replicas']]" \
     "$OUT/$1_replicas.json" 2>&1 | tail -2
   ps -eo pid,pcpu,rss,args | grep -E "ray::(Replica|RankWorker|KVStore)|cluster.cli serve" | grep -v grep
 }

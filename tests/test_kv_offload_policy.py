@@ -77,8 +77,11 @@ def req(rid, n, first=100, max_tokens=4) -> Request:
     return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def result(plan, loaded=None, prefetched=()) -> StepResult:
-    res = StepResult(plan.step_id, kv_loaded=dict(loaded or {}), kv_prefetched=list(prefetched))
+def result(plan, loaded=None, prefetched=None) -> StepResult:
+    """The ranks' answer to `plan`: every load complete unless `loaded` says otherwise;
+    `prefetched`: rid -> (pages every rank holds, every rank's read ended)."""
+    done = {ld.rid: len(ld.page_ids) for ld in plan.kv_loads}
+    res = StepResult(plan.step_id, kv_loaded={**done, **(loaded or {})}, kv_prefetched=dict(prefetched or {}))
     for r in plan.reqs:
         if r.sample:
             res.sampled_rids.append(r.rid)
@@ -155,7 +158,10 @@ def test_write_back_saves_pages_when_the_radix_cache_evicts_them():
 
 
 @pytest.mark.parametrize("prefetch", ["timeout", "wait_complete", "best_effort"])
-def test_store_prefix_is_prefetched_loaded_and_only_the_rest_computed(prefetch):
+def test_store_prefix_is_prefetched_then_loaded_by_the_plan_that_admits_it(prefetch):
+    """Set aside while the ranks prefetch; once the stop policy says stop, the plan that admits
+    the request also carries its load (what every rank reported holding), and only the rest of
+    the prompt is computed, in that same step."""
     prompt = list(range(100, 141))  # prompt[:-1]: 10 whole pages
     probe = FakeProbe(keys_of(prompt[:40]))
     s, off = make(prefetch=prefetch, probe=probe, prefetch_timeout_s=60.0)
@@ -163,30 +169,33 @@ def test_store_prefix_is_prefetched_loaded_and_only_the_rest_computed(prefetch):
     plan = s.schedule()
     assert plan.mode == ForwardMode.IDLE and not plan.reqs  # set aside while the ranks prefetch
     assert [p.keys for p in plan.kv_prefetch] == [keys_of(prompt[:40])]
-    s.process_result(plan, result(plan))
+    s.process_result(plan, result(plan, prefetched={"r": (7, False)}))  # 7 pages on every rank so far
     s.check_integrity()
-    if prefetch != "best_effort":  # the ranks have not reported the prefetch finished yet
+    held = 7
+    if prefetch != "best_effort":  # these wait for every rank's read to end
         plan = s.schedule()
-        assert not plan.kv_loads and not plan.reqs
-        s.process_result(plan, result(plan, prefetched=["r"]))
+        assert not plan.kv_loads and not plan.reqs and s.radix.protected_pages == 0
+        s.process_result(plan, result(plan, prefetched={"r": (10, True)}))
+        held = 10
+    free_before = s.allocator.num_free
     plan = s.schedule()
     (load,) = plan.kv_loads
-    assert load.keys == keys_of(prompt[:40]) and len(load.page_ids) == 10
-    assert load.wait_s == 0.0 if prefetch == "best_effort" else load.wait_s > 50
-    s.check_integrity()  # the load's pages are accounted as held
-    free_before = s.allocator.num_free
-    s.process_result(plan, result(plan, loaded={"r": 7}))  # a rank had only 7 pages
-    s.check_integrity()
-    assert s.allocator.num_free == free_before + 3 and s.radix.total_cached_pages == 7
-    plan = s.schedule()
     (sr,) = plan.reqs
-    assert sr.prefix_len == 28 and len(sr.input_ids) == 41 - 28  # only the rest is computed
-    assert plan.table_writes[0][1:] == (0, [p * P + i for p in load.page_ids[:7] for i in range(P)])
-    assert off.stats.hit_pages == 7 and off.stats.query_pages == 10 and off.stats.probe_hit_pages == 10
+    assert load.keys == keys_of(prompt[:40])[:held] and len(load.page_ids) == held
+    assert sr.prefix_len == held * P and len(sr.input_ids) == 41 - held * P and sr.sample  # only the rest
+    assert plan.table_writes[0][1:] == (0, [p * P + i for p in load.page_ids for i in range(P)])
+    assert s.allocator.num_free < free_before - held  # the load's pages and the rest's
+    assert off.stats.hit_pages == held and off.stats.query_pages == 10 and off.stats.probe_hit_pages == 10
+    assert off.stats.early_stops == (prefetch == "best_effort")
+    s.check_integrity()
     s.process_result(plan, result(plan))
-    run_until_idle(s)
+    s.check_integrity()
+    plans = run_until_idle(s)
     assert s.requests == {} and s.radix.protected_pages == 0
-    assert s.stats.prefix_hit_tokens == 28
+    assert s.stats.prefix_hit_tokens == held * P and s.radix.total_cached_pages == 10
+    # write_through saves the pages the request computed, never those it loaded from the store
+    saved = [k for p in plans for sv in p.kv_saves for k in sv.keys]
+    assert saved == keys_of(prompt[:40])[held:]
 
 
 def test_timeout_grows_with_the_prompt_and_stops_early():
@@ -197,91 +206,76 @@ def test_timeout_grows_with_the_prompt_and_stops_early():
     plan = s.schedule()
     e = off.loading["r"]
     assert e.deadline - e.started == pytest.approx(0.05 + 10 * 0.01)
-    s.process_result(plan, result(plan))
+    s.process_result(plan, result(plan, prefetched={"r": (3, False)}))
+    assert not s.schedule().reqs  # still within its deadline
     time.sleep(0.16)
-    plan = s.schedule()  # not reported finished, but the deadline passed
-    assert plan.kv_loads and plan.kv_loads[0].wait_s == 0.0 and off.stats.early_stops == 1
-    assert not plan.kv_loads[0].until_done  # past the deadline: what every rank has, no second try
-    s.process_result(plan, result(plan, loaded={"r": 0}))
+    plan = s.schedule()  # not every rank's read ended, but the deadline passed: what they hold
+    assert [len(ld.page_ids) for ld in plan.kv_loads] == [3] and off.stats.early_stops == 1
+    assert [r.prefix_len for r in plan.reqs] == [12]
+    s.process_result(plan, result(plan))
     run_until_idle(s)
-    assert s.stats.prefix_hit_tokens == 0 and s.requests == {}
+    assert s.stats.prefix_hit_tokens == 12 and s.requests == {}
 
 
-@pytest.mark.parametrize("abort", [False, True])
-def test_a_rank_still_prefetching_makes_the_load_come_again(abort):
-    """Rank 0 reported its prefetch finished, another rank's still runs (an MLA rank != 0 reads
-    pages it never wrote): the load is `until_done`, the ranks answer LOAD_PENDING, and the
-    same load (same pages) is ordered again until every rank has all of it; no page is cached
-    or freed in between. An abort between two tries frees everything."""
-    from workers.kv_messages import LOAD_PENDING
-
+def test_nothing_held_is_admitted_without_a_load_and_ends_the_prefetch():
     prompt = list(range(100, 141))
     s, off = make(prefetch="wait_complete", probe=FakeProbe(keys_of(prompt[:40])))
-    s.add_request(Request("r", prompt, SamplingParams(max_tokens=2, ignore_eos=True)))
-    step(s)  # the prefetch
-    step(s, prefetched=["r"])  # rank 0's prefetch is done
-    first = s.schedule()
-    (load,) = first.kv_loads
-    assert load.until_done and len(load.page_ids) == 10
-    for _ in range(3):  # another rank still reads: pending, on every rank
-        s.process_result(first, result(first, loaded={"r": LOAD_PENDING}))
-        s.check_integrity()
-        assert s.radix.total_cached_pages == 0 and off.held_pages() == load.page_ids and not s.waiting
-        first = s.schedule()
-        (again,) = first.kv_loads
-        assert again.page_ids == load.page_ids and again.keys == load.keys and again.until_done
-    if abort:
-        s.process_result(first, result(first, loaded={"r": LOAD_PENDING}))
-        s.abort("r")
-        plan = s.schedule()
-        assert "r" in plan.finished_rids and not plan.kv_loads  # the ranks cancel the prefetch
-        s.process_result(plan, result(plan))
-        assert not s.has_work() and not off.loading and not off.held_pages() and s.radix.protected_pages == 0
-        s.check_integrity()
-        return
-    s.process_result(first, result(first, loaded={"r": 10}))
-    s.check_integrity()
+    s.add_request(Request("r", prompt, SamplingParams(max_tokens=1)))
+    step(s, prefetched={"r": (0, True)})  # a rank found none of it (its store client is down)
     plan = s.schedule()
-    (sr,) = plan.reqs
-    assert sr.prefix_len == 40 and off.stats.hit_pages == 10 and off.stats.loads == 1
+    assert [(ld.rid, ld.page_ids) for ld in plan.kv_loads] == [("r", [])]  # the ranks end the prefetch
+    assert [r.prefix_len for r in plan.reqs] == [0]
     s.process_result(plan, result(plan))
     run_until_idle(s)
-    assert s.requests == {} and s.radix.protected_pages == 0
+    assert s.requests == {} and off.stats.hit_pages == 0 and not off.loading and not off.inflight
 
 
-def test_abort_while_prefetching_releases_everything():
+def test_a_load_that_comes_back_short_fails_its_request_and_caches_only_good_pages():
+    """The ranks agreed on fewer pages than they had reported holding (never expected): the
+    request's KV past them is garbage. It ends with an error, and the radix cache takes only
+    the pages before the gap."""
+    prompt = list(range(100, 141))
+    s, off = make(prefetch="wait_complete", probe=FakeProbe(keys_of(prompt[:40])))
+    s.add_request(Request("r", prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
+    step(s, prefetched={"r": (10, True)})
+    plan = s.schedule()
+    assert len(plan.kv_loads[0].page_ids) == 10
+    (ev,) = s.process_result(plan, result(plan, loaded={"r": 6}))
+    s.check_integrity()
+    assert not ev.token_ids  # its token (read garbage) is not sent: only its end
+    assert ev.req.rid == "r" and ev.req.finish_reason == "error" and "KV store" in ev.req.error
+    assert s.requests == {} and s.radix.total_cached_pages == 6 and s.radix.protected_pages == 0
+    assert off.stats.hit_pages == 6 and not off.from_store
+
+
+@pytest.mark.parametrize("when", ["prefetching", "requeued", "loading"])
+def test_abort_at_any_point_of_a_load_releases_everything(when):
     prompt = list(range(100, 141))
     probe = FakeProbe()
-    s, off = make(probe=probe)
+    s, off = make(probe=probe, prefetch="wait_complete")
     s.add_request(req("warm", 9, first=100))  # 2 cached pages under the lock of the set-aside
     run_until_idle(s)
     probe.keys = set(keys_of(prompt[:40]))
     s.add_request(Request("r", prompt, SamplingParams(max_tokens=1)))
     plan = s.schedule()
     assert plan.kv_prefetch[0].keys == keys_of(prompt[:40])[2:] and s.radix.protected_pages == 2
-    s.process_result(plan, result(plan))
+    s.process_result(plan, result(plan, prefetched={"r": (8, when != "prefetching")}))
+    if when == "requeued":
+        off.requeue_ready()
+        assert list(s.waiting) == [off.loading["r"].req]
+    if when == "loading":
+        plan = s.schedule()
+        assert plan.kv_loads and plan.reqs
     s.abort("r")
     plan = s.schedule()
     assert "r" in plan.finished_rids and not plan.kv_loads  # the ranks cancel the prefetch
     s.process_result(plan, result(plan))
-    assert not s.has_work() and s.radix.protected_pages == 0 and not off.loading
+    plan = s.schedule()
+    if plan is not None:
+        s.process_result(plan, result(plan))
+    assert not s.has_work() and s.radix.protected_pages == 0 and not off.loading and not off.inflight
+    assert not off.from_store
     s.check_integrity()
-
-
-def test_a_load_lost_with_its_step_frees_its_pages():
-    prompt = list(range(100, 141))
-    s, off = make(prefetch="best_effort", probe=FakeProbe(keys_of(prompt[:40])))
-    s.add_request(Request("r", prompt, SamplingParams(max_tokens=1)))
-    step(s)  # the prefetch
-    assert s.schedule().kv_loads  # ... and its step fails: no result comes back
-    assert s.schedule() is None and not off.held_pages()  # the load counts as 0 pages: requeued
-    s.check_integrity()
-    plan = s.schedule()  # and admitted without it
-    assert [r.prefix_len for r in plan.reqs] == [0]
-    s.process_result(plan, result(plan))
-    s.check_integrity()
-    run_until_idle(s)
-    assert s.requests == {} and s.radix.protected_pages == 0
 
 
 def test_failed_probe_pauses_probing():
@@ -337,7 +331,7 @@ def test_store_is_bypassed_when_loaded_requests_get_later_first_tokens(load_ttft
         computed = req(f"c{i}", 41)
         off.note_first_token(computed, 0.05)  # 41 tokens in 50 ms: 820 tokens/s
         loaded = req(f"l{i}", 41)
-        off._loaded_by[loaded.rid] = 40  # as `_finish_load` records it
+        off._loaded_by[loaded.rid] = 40  # as `admitted` records it
         off.note_first_token(loaded, load_ttft_s)
     assert off.counters()["ttft_tokens_per_s_computed"] == pytest.approx(820)
     assert off.counters()["bypassing"] is bypass

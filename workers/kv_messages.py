@@ -28,37 +28,28 @@ class KVSave:
 @dataclass
 class KVPrefetch:
     """Start reading keys (leading pages of one request's prefix, past its radix-cache match)
-    from the store into the host tier, in the background. Cancelled by the request's rid in a
-    plan's `finished_rids`, or consumed by its `KVLoad`."""
+    from the store into the host tier, in the background. Every step until the request's
+    `KVLoad` (or its rid in a plan's `finished_rids`, which cancels it), the ranks report its
+    progress in `StepResult.kv_prefetched[rid]` = (pages every rank holds, pinned; whether
+    every rank's read has ended): the min over ranks, agreed before the step's forward."""
 
     rid: str
     keys: list[str]
-
-
-# `StepResult.kv_loaded[rid]` of a `KVLoad` with `until_done` while some rank's prefetch of the
-# request is still running: no rank used any page; the scheduler orders the load again.
-LOAD_PENDING = -1
 
 
 @dataclass
 class KVLoad:
-    """Copy the leading pages of `keys` that the host tier holds into device pages page_ids,
-    after waiting up to wait_s for the request's prefetch (the stop policy, decided by the
-    scheduler). Every rank answers min over ranks (`kvstore.client.agree_on_pages`) in
-    `StepResult.kv_loaded[rid]`; device pages past that count are garbage.
-
-    `until_done`: the scheduler may still wait for the prefetch (it ordered the load because
-    rank 0's prefetch finished, but the other ranks' may lag: an MLA rank != 0 reads from the
-    store only now). Then a rank whose own prefetch is still running after its short wait makes
-    every rank answer `LOAD_PENDING` (one agreement: all ranks answer the same), its prefetch
-    goes on and the scheduler sends the load again in a later step. Without it (best_effort,
-    or the policy's deadline passed) each rank takes what it has and the ranks agree on the min."""
+    """Copy the host-tier pages of `keys` into device pages page_ids (ahead of this step's
+    forward, which may read them: the load rides in the plan that admits its request) and end
+    the request's prefetch. The scheduler orders no more pages than the ranks reported holding
+    (pinned since), so every rank has them; the ranks still agree on the count (min over
+    ranks, `StepResult.kv_loaded[rid]`), and a count short of page_ids means the pages past it
+    are garbage (the scheduler fails the request rather than let it read them). Empty
+    page_ids: just end the prefetch (nothing worth loading arrived)."""
 
     rid: str
     page_ids: list[int]
     keys: list[str]
-    wait_s: float = 0.0
-    until_done: bool = False
 
 
 @dataclass(frozen=True)

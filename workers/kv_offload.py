@@ -17,18 +17,18 @@ cluster's store actor (`kvstore.store`, reached through this rank's `kvstore.cli
   rows, a chunk at a time, while the rank keeps computing other requests' steps. The host tier
   is registered with the client's NIXL agent, so the store's bytes land in the rows themselves
   (and saves leave from them): no staging copy on either path.
-- load (`KVLoad`): wait up to `wait_s` (at most `LOAD_WAIT_CAP_S`) for the prefetch (the
-  scheduler orders a load once rank 0's prefetch is done or its deadline passed), enqueue the
-  copy of the leading host-resident pages into the device pages straight from their pinned rows
-  (no host-side copy on the step's thread: the rows stay pinned until the copy's event has
-  completed, checked at the next step), and agree with the other ranks on the count (min over
-  ranks). Rank 0's prefetch being done says nothing about the others' (an MLA rank != 0 reads
-  pages it never wrote, and its first read registers with the store): while the scheduler may
-  still wait (`until_done`), a rank whose prefetch still runs contributes `LOAD_PENDING` to the
-  same agreement, every rank answers pending and keeps its prefetch, and the load comes again
-  in a later step — rather than every rank dropping the pages the lagging one had not read yet. Every rank runs the
-  same loads in the same order, so the collective lines up; a rank that fails locally
-  contributes 0 and never skips the collective.
+- progress: every step while prefetches run, the ranks agree (min over ranks, on the CPU
+  group: nothing waits on the GPU) on each prefetch's pages every rank holds (pinned: nothing
+  evicts them before the load) and whether every rank's read has ended; rank 0 reports that
+  in the step's result. The ranks' prefetches lag one another (an MLA rank != 0 reads pages it
+  never wrote; its first read registers with the store): the scheduler only ever loads what
+  all of them hold.
+- load (`KVLoad`, in the plan that admits its request): enqueue the copy of those pages into
+  the device pages straight from their pinned rows, ahead of the forward that reads them (no
+  host-side copy on the step's thread: the rows stay pinned until the copy's event has
+  completed, checked at the next step), end the prefetch, and agree with the other ranks on
+  the count (min over ranks). Every rank runs the same loads in the same order, so the
+  collectives line up; a rank that fails locally contributes 0 and never skips one.
 
 Which pages are saved, and when (write-through, selective, write-back), and when a prefetch
 stops, is decided by the scheduler (`cluster.engine.kv_offload`); this file only carries out orders.
@@ -48,14 +48,9 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.host_tier import HostTier, runs
-from workers.kv_messages import LOAD_PENDING, KVLoad, KVOffloadOptions, KVPrefetch, KVSave
+from workers.kv_messages import KVLoad, KVOffloadOptions, KVPrefetch, KVSave
 
 logger = logging.getLogger(__name__)
-
-# A load never holds the step longer than this for a lagging rank's prefetch (the scheduler
-# already waited for rank 0's): by then an `until_done` load answers pending (and comes again),
-# a final one takes what has arrived (the rest is computed).
-LOAD_WAIT_CAP_S = 0.02
 
 
 @dataclass(eq=False)
@@ -137,7 +132,7 @@ class RankKVOffload:
         self.jobs: dict[str, _Prefetch] = {}
         self._reads: deque[_Prefetch] = deque()
         self._writes: deque[_Write] = deque()
-        self._finished: list[str] = []  # prefetches done since the last report
+        self._progress = False  # a prefetch chunk landed or a prefetch ended since the last step
         self._writing = 0  # saves being written by the I/O threads (their host rows are pinned)
         self._cv = threading.Condition()
         self._stop = False
@@ -156,7 +151,8 @@ class RankKVOffload:
 
     # ---------------- one step ----------------
     def run(self, plan, result) -> None:
-        """Saves, then prefetch starts, then loads (see workers.kv_messages for why)."""
+        """Saves, then prefetch starts, then loads (see workers.kv_messages for why), then the
+        progress of the prefetches still running."""
         self._unpin_copied()
         for rid in plan.finished_rids:
             job = self.jobs.pop(rid, None)
@@ -169,14 +165,16 @@ class RankKVOffload:
         for load in plan.kv_loads:
             result.kv_loaded[load.rid] = self._load(load)
         with self._cv:
-            if not plan.reqs and not plan.kv_loads and not self._finished and any(
+            if not plan.reqs and not plan.kv_loads and not self._progress and any(
                     not j.done.is_set() for j in self.jobs.values()):
                 # Nothing to compute and the scheduler waits on a prefetch: give it a moment
                 # rather than answer at once (the engine loop would spin on empty steps).
                 self._cv.wait(self.opts.idle_wait_s)
-            finished, self._finished = self._finished, []
+            self._progress = False
+        jobs = list(self.jobs.values())
+        progress = report_progress(self.tp, [j.ready for j in jobs], [j.done.is_set() for j in jobs])
         if self.tp.is_first:
-            result.kv_prefetched = finished
+            result.kv_prefetched = dict(zip([j.rid for j in jobs], progress))
 
     def _save(self, save: KVSave) -> None:
         from kvstore.pages import gather_pages
@@ -254,24 +252,16 @@ class RankKVOffload:
         from kvstore.client import agree_on_pages
         from kvstore.pages import scatter_pages
 
-        job = self.jobs.get(load.rid)
         n_local, rows = 0, []
         try:
-            if job is not None and load.wait_s > 0:
-                job.done.wait(min(load.wait_s, LOAD_WAIT_CAP_S))
-            if load.until_done and job is not None and not job.done.is_set():
-                # This rank's prefetch still runs (it lags rank 0's, whose end the scheduler
-                # saw): every rank answers pending, and the load comes again.
-                n_local = LOAD_PENDING
-            else:
-                rows = self.host.leading(load.keys[: len(load.page_ids)])
-                n_local = len(rows)
-                if rows and self._gpu_rows:
-                    self._copy_in(load.page_ids[:n_local], rows)
-                    rows = []  # pinned until their copy has run (`_unpin_copied`)
-                elif rows:
-                    scatter_pages(self.pool, load.page_ids[:n_local],
-                                  torch.index_select(self.host.data, 0, torch.tensor(rows)))
+            rows = self.host.leading(load.keys[: len(load.page_ids)])
+            n_local = len(rows)
+            if rows and self._gpu_rows:
+                self._copy_in(load.page_ids[:n_local], rows)
+                rows = []  # pinned until their copy has run (`_unpin_copied`)
+            elif rows:
+                scatter_pages(self.pool, load.page_ids[:n_local],
+                              torch.index_select(self.host.data, 0, torch.tensor(rows)))
         except Exception:
             logger.exception("kv offload: loading %d pages failed", len(load.page_ids))
             self.counters["errors"] += 1
@@ -279,13 +269,12 @@ class RankKVOffload:
         finally:
             self.host.unpin(rows)
         n = agree_on_pages(self.tp, n_local)  # every rank reaches this, whatever happened above
-        if n == LOAD_PENDING:
-            return n  # the prefetch goes on (its rows stay pinned) until the load comes again
         job = self.jobs.pop(load.rid, None)
         if job is not None:
             job.cancel(self.host)  # the I/O thread stops after its current chunk
-        self.counters["loads"] += 1
-        self.counters["pages_loaded"] += n
+        if load.page_ids:
+            self.counters["loads"] += 1
+            self.counters["pages_loaded"] += n
         return n
 
     def _copy_in(self, page_ids: list[int], rows: list[int]) -> None:
@@ -355,9 +344,7 @@ class RankKVOffload:
                     self._cv.notify_all()  # its rows are free to take
             if job is not None:
                 job.done.set()
-                with self._cv:
-                    self._finished.append(job.rid)
-                    self._cv.notify_all()
+                self._note_progress()
         return True
 
     def _write(self, w: _Write) -> None:
@@ -419,8 +406,14 @@ class RankKVOffload:
             self.counters["prefetched_pages"] += n
             if not job.add(self.host, self.host.publish(chunk[:n], rows[:n], pin=True)):
                 return
+            self._note_progress()
             if n < len(chunk):
                 return  # the store has no more of this prefix (or failed): a miss from here
+
+    def _note_progress(self) -> None:
+        with self._cv:
+            self._progress = True
+            self._cv.notify_all()
 
     # ---------------- metrics, shutdown ----------------
     def stats(self) -> dict:
@@ -449,22 +442,43 @@ class RankKVOffload:
 
 class NullKVOffload:
     """A rank whose offload could not start: it loads nothing but still takes part in every
-    load's agreement (its peers wait on the collective), so the replica just misses."""
+    agreement (its peers wait on the collectives), so the replica just misses: it follows the
+    prefetches the plans start and end as a rank that holds none of their pages."""
 
     def __init__(self, tp):
         self.tp = tp
+        self.jobs: dict[str, None] = {}
 
     def run(self, plan, result) -> None:
         from kvstore.client import agree_on_pages
 
+        for rid in plan.finished_rids:
+            self.jobs.pop(rid, None)
+        for pre in plan.kv_prefetch:
+            self.jobs.pop(pre.rid, None)
+            self.jobs[pre.rid] = None
         for load in plan.kv_loads:
             result.kv_loaded[load.rid] = agree_on_pages(self.tp, 0)
+            self.jobs.pop(load.rid, None)
+        progress = report_progress(self.tp, [0] * len(self.jobs), [True] * len(self.jobs))
+        if self.tp.is_first:
+            result.kv_prefetched = dict(zip(self.jobs, progress))
 
     def stats(self) -> dict:
         return {"tp_rank": self.tp.rank, "errors": 1, "connected": False}
 
     def close(self) -> None:
         pass
+
+
+def report_progress(tp, ready: list[int], ended: list[bool]) -> list[tuple[int, bool]]:
+    """Per prefetch (the same ones, in the same order, on every rank): the pages every rank
+    holds and whether every rank's read has ended — one collective on the CPU group."""
+    if not ready:
+        return []
+    agreed = tp.all_min_ints(list(ready) + [int(e) for e in ended])
+    n = len(ready)
+    return [(agreed[i], bool(agreed[n + i])) for i in range(n)]
 
 
 def make_rank_offload(opts: KVOffloadOptions | None, pool, tp) -> RankKVOffload | NullKVOffload | None:

@@ -93,6 +93,7 @@ class StepResult:
     # Seconds the worker spent in this step (forward + sample), for overhead accounting.
     compute_s: float = 0.0
     # KV store: pages each KVLoad put into the device pool (agreed by all ranks), by rid; and
-    # rids whose prefetch finished on rank 0 since the last step.
+    # each running prefetch's progress, agreed by all ranks: rid -> (pages every rank holds,
+    # whether every rank's read has ended).
     kv_loaded: dict[str, int] = field(default_factory=dict)
-    kv_prefetched: list[str] = field(default_factory=list)
+    kv_prefetched: dict[str, tuple[int, bool]] = field(default_factory=dict)

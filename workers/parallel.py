@@ -18,6 +18,10 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None  # None: the default group (or no group at tp 1)
+    # A gloo group beside an NCCL one, for the ranks' small agreements (which KV store pages
+    # every rank holds): a CPU collective never waits on the GPU's queue, which under
+    # overlapped steps still runs the previous step's forward. None: `group` itself (gloo).
+    cpu_group: dist.ProcessGroup | None = None
 
     @property
     def is_first(self) -> bool:
@@ -39,11 +43,20 @@ class TPGroup:
 
     def all_min_int(self, value: int) -> int:
         """The minimum of an integer over ranks (e.g. how many store pages every rank has)."""
-        if self.size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self._device())
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+        return self.all_min_ints([value])[0]
+
+    def all_min_ints(self, values: list[int]) -> list[int]:
+        """Element-wise minimum of equally long integer lists over ranks, on the CPU group
+        where there is one (no wait on the GPU)."""
+        if self.size == 1 or not values:
+            return list(values)
+        if self.cpu_group is not None:
+            t = torch.tensor(values, dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        else:
+            t = torch.tensor(values, dtype=torch.int64, device=self._device())
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return t.tolist()
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s x on every rank, in place; returns x."""

@@ -69,7 +69,7 @@ class RankWorker:
                 world_size=self.world_size,
                 timeout=datetime.timedelta(seconds=120),
             )
-            tp = TPGroup(self.rank, self.world_size)
+            tp = TPGroup(self.rank, self.world_size, cpu_group=_cpu_group(backend))
         self.runner = ModelRunner(self.opts, tp)
         return {"num_pages": self.runner.num_pages, "model_config": self.runner.model_config,
                 "attention": f"{self.runner.attn_backend.describe()} ({self.opts.kernels.describe()})"}
@@ -109,3 +109,15 @@ class RankWorker:
             self.runner.kv_offload.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _cpu_group(backend: str):
+    """A gloo group of every rank beside an NCCL default group (every rank calls this, in the
+    same order); None under gloo, or where gloo cannot start (agreements then go over NCCL)."""
+    if backend != "nccl":
+        return None
+    try:
+        return dist.new_group(backend="gloo")
+    except Exception:
+        logger.warning("no gloo group beside NCCL: the ranks' KV store agreements wait on the GPU")
+        return None

@@ -19,20 +19,21 @@ Loading a prefix (when the store has a longer prefix than the radix cache):
    request leaves the waiting queue and its keys go out as a `KVPrefetch` (ranks read them from
    the store into their host tier in the background while the replica keeps stepping its other
    requests). Otherwise it is admitted as usual.
-2. `orders()`, every step: a prefetching request stops by the stop policy —
-   best_effort: at the first step after the prefetch started (take what has arrived);
-   wait_complete: when rank 0 reports the prefetch finished (each rank then waits for its own);
-   timeout: when finished or at prefetch_timeout_s + per_page_s × pages (grows with the prompt).
-   Then pages are allocated (evicting the radix cache's LRU pages if needed) and a `KVLoad`
-   copies the host-tier pages into them; the ranks answer n = min over ranks of what they had.
-   Only rank 0 reports its prefetch finished, and the other ranks' may lag behind it (an MLA
-   rank != 0 reads pages it never wrote; its first read registers with the store): while the
-   policy still allows waiting, the load is `until_done` and the ranks answer `LOAD_PENDING`
-   (all of them: it is one agreement) while any rank's prefetch runs; the request keeps its
-   pages and the load is ordered again in a later step.
-3. `on_result`: the first m + n pages go into the radix cache (locked until admission), the
-   other allocated pages are freed, and the request returns to the front of the queue, where
-   `_admit` matches the longer prefix and the prefill computes only the rest.
+2. Every step the ranks report each prefetch's progress, agreed among them: the pages every
+   rank holds (pinned until the load) and whether every rank's read has ended (`on_result`).
+   At the start of each `schedule`, a prefetching request stops by the stop policy and goes
+   back to the front of the waiting queue (`requeue_ready`) —
+   best_effort: at the first report (take what has arrived);
+   wait_complete: when every rank's read has ended;
+   timeout: when they have ended or at prefetch_timeout_s + per_page_s × pages (grows with the
+   prompt), taking what every rank holds by then.
+3. Its admission, in that same plan, carries the load (`extend`): device pages are allocated
+   for the reported pages past its radix match, they join its page table as computed prefix,
+   and a `KVLoad` copies them in ahead of the forward that computes the rest of its prompt.
+   (Before, the load was a step of its own whose result then requeued the request: two more
+   round trips through overlapped steps, ~50 ms at 200 running requests.) The ranks load only
+   what they all reported holding; if their agreed count still comes back short, the request
+   fails with an error (its KV is garbage past it) and only the good pages are cached.
 
 Saving pages (the write policy, when device pages get a copy in the host tier and the store):
 
@@ -72,7 +73,7 @@ from dataclasses import asdict, dataclass, field
 
 from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES
 from kvstore.messages import STORE_NAME
-from workers.kv_messages import LOAD_PENDING, KVLoad, KVPrefetch, KVSave
+from workers.kv_messages import KVLoad, KVPrefetch, KVSave
 
 logger = logging.getLogger(__name__)
 
@@ -126,16 +127,18 @@ class _Loading:
     req: object
     chain: list[str]
     m: int  # radix pages matched (locked) when set aside
-    match_pages: list[int]
     node: object
     s: int  # leading pages every rank's keys were in the store for, when probed (> m)
     started: float
     deadline: float
     executed: bool = False  # the prefetch order has run on the ranks
-    finished: bool = False  # rank 0 reported its prefetch done
-    pages: list[int] = field(default_factory=list)  # allocated for the KVLoad in flight
-    load_step: int = 0  # the step id of the plan carrying that KVLoad
-    pending: bool = False  # its KVLoad answered LOAD_PENDING: order it again (same pages)
+    ready: int = 0  # pages past m that every rank holds, as last reported
+    reported: bool = False  # a progress report has come back
+    finished: bool = False  # every rank's read has ended
+    queued: bool = False  # back in the waiting queue: admitted with its load
+    base: int = 0  # at admission: the radix pages matched then (the load's pages follow them)
+    pages: list[int] = field(default_factory=list)  # at admission: the pages the load fills
+    load_step: int = 0  # the plan that carries the load (and admits the request)
 
 
 class _Rate:
@@ -182,8 +185,10 @@ class SchedulerKVOffload:
         self.saved: set[int] = set()  # tree pages already saved (or loaded from the store)
         self.hits: Counter[int] = Counter()  # write_through_selective: admissions that matched a page
         self.pending_saves: list[tuple[int, str]] = []
-        self.loading: dict[str, _Loading] = {}
-        self.held: dict[str, tuple[object, object]] = {}  # rid -> (req, locked node) until admitted
+        self.loading: dict[str, _Loading] = {}  # set aside or requeued, until admitted
+        self.inflight: dict[str, _Loading] = {}  # admitted with a load whose result has not come
+        self.from_store: set[int] = set()  # loaded pages owned by running requests (not saved again)
+        self._loads: list[KVLoad] = []  # this plan's loads (its admissions')
         self.probed: set[str] = set()  # requests whose store question is settled
         self.probes: dict[str, object] = {}  # rid -> kvstore.probe.PendingProbe
         self.prompt_pages: set[int] = set()  # tree pages that hold prompt tokens (drained first)
@@ -202,11 +207,7 @@ class SchedulerKVOffload:
 
     # ---------------- hooks of the scheduler ----------------
     def has_work(self) -> bool:
-        return bool(self.loading or self.pending_saves or self._prefetch)
-
-    def held_pages(self) -> list[int]:
-        """Pages allocated to loads in flight (neither free, cached nor owned by a request)."""
-        return [p for e in self.loading.values() for p in e.pages]
+        return bool(self.loading or self.pending_saves or self._prefetch or self._loads)
 
     def on_arrival(self, req) -> None:
         """Send the store lookup of a new request's prefix (answered while it waits)."""
@@ -281,15 +282,67 @@ class SchedulerKVOffload:
         self.radix.lock(match.node)
         deadline = now + self.timeout_s + self.per_page_s * found
         chain = self._chain(req, n)
-        self.loading[req.rid] = _Loading(req, chain, m, list(match.pages), match.node, m + found, now, deadline)
+        self.loading[req.rid] = _Loading(req, chain, m, match.node, m + found, now, deadline)
         self._prefetch.append(KVPrefetch(req.rid, chain[m : m + found]))
         return Verdict.SET_ASIDE
 
+    def requeue_ready(self) -> None:
+        """At the start of a schedule: prefetching requests whose stop policy says stop go
+        back to the front of the waiting queue (in the order they were set aside), to be
+        admitted with their loads (`extend`)."""
+        self._sweep()
+        now = time.monotonic()
+        stop = [e for e in self.loading.values() if not e.queued and e.executed and self._should_stop(e, now)]
+        for e in reversed(stop):
+            e.queued = True
+            if not e.finished:
+                self.stats.early_stops += 1
+            self.sched.waiting.appendleft(e.req)
+
+    def extend(self, req, kv) -> None:
+        """`_admit` of a requeued request (its radix match in kv, locked): the pages every rank
+        reported holding past that match become its own computed prefix, filled by a KVLoad in
+        this plan (empty when none is worth loading: it just ends the ranks' prefetch)."""
+        e = self.loading.get(req.rid)
+        if e is None or not e.queued:
+            return
+        base = len(kv.pages)
+        want = max(0, e.m + e.ready - base)  # pages another request cached meanwhile are matched
+        pages: list[int] = []
+        if want:
+            pages = self.allocator.alloc(want)
+            if pages is None:
+                self.radix.evict(want - self.allocator.num_free)
+                pages = self.allocator.alloc(min(want, self.allocator.num_free)) or []
+        e.base, e.pages = base, pages
+        kv.pages += pages
+        kv.num_tokens = (base + len(pages)) * self.P
+        self._loads.append(KVLoad(req.rid, pages, e.chain[base : base + len(pages)]))
+
+    def unextend(self, req) -> None:
+        """`_admit` gave up after `extend` (no room for the first piece): undo it."""
+        e = self.loading.get(req.rid)
+        if e is None or not e.queued:
+            return
+        self._loads = [ld for ld in self._loads if ld.rid != req.rid]
+        self.allocator.free(e.pages)
+        e.pages = []
+
     def admitted(self, req) -> None:
         """`req` was admitted (its radix match is locked by `_admit` now)."""
-        held = self.held.pop(req.rid, None)
-        if held is not None:
-            self.radix.unlock(held[1])
+        e = self.loading.pop(req.rid, None)
+        if e is not None:
+            self.radix.unlock(e.node)
+            if e.queued:
+                e.load_step = self.sched._step_id + 1  # the plan being built
+                self.inflight[req.rid] = e
+                self.from_store.update(e.pages)
+                self.stats.loads += 1
+                self.stats.hit_pages += len(e.pages)
+                self.stats.loaded_tokens += len(e.pages) * self.P
+                self._loaded_by[req.rid] = len(e.pages) * self.P
+            else:  # set aside, yet admitted before its stop (never expected): end its prefetch
+                self._loads.append(KVLoad(req.rid, [], []))
         if self.write_policy in SELECTIVE and req.kv is not None:
             for p in req.kv.pages[: req.kv.num_cached_pages]:
                 self.hits[p] += 1
@@ -300,12 +353,17 @@ class SchedulerKVOffload:
         """`release` put req's full pages into the radix cache; it took pages[kept:n_full].
         token_ids: the request's known tokens (without one still being sampled)."""
         n_full = num_tokens // self.P
+        loaded = self.from_store.intersection(pages)
+        self.from_store -= loaded
         if n_full <= kept:
             return
         chain = self._chain(req, n_full, token_ids=token_ids)
         prompt_full = len(req.prompt_ids) // self.P
         for i in range(kept, n_full):
             self.tree_keys[pages[i]] = chain[i]
+            if pages[i] in loaded:
+                self.saved.add(pages[i])  # it came from the store
+                continue
             if i < prompt_full:
                 self.prompt_pages.add(pages[i])
             if self.write_policy == "write_through":
@@ -330,25 +388,15 @@ class SchedulerKVOffload:
         self.stats.drained_pages += len(save.page_ids)
 
     def orders(self):
-        """This step's KV orders (saves, prefetch starts, loads), or None when there are none
-        and no request waits on the store."""
-        self._sweep()
-        loads: list[KVLoad] = []
-        now = time.monotonic()
-        for e in list(self.loading.values()):
-            if e.pages and not e.pending:
-                continue  # its load is in flight
-            if not e.pages and (not e.executed or not self._should_stop(e, now)):
-                continue
-            load = self._start_load(e, now)
-            if load is not None:
-                e.load_step = self.sched._step_id + 1  # the plan these orders go into
-                loads.append(load)
+        """This step's KV orders (saves, prefetch starts, its admissions' loads), or None when
+        there are none and no request waits on the store."""
         saves = [KVSave([p for p, _ in self.pending_saves], [k for _, k in self.pending_saves])]
         saves = saves if self.pending_saves else []
         self.pending_saves = []
         prefetch, self._prefetch = self._prefetch, []
-        if not (saves or prefetch or loads or self.loading):
+        loads, self._loads = self._loads, []
+        waiting = any(not e.queued for e in self.loading.values())
+        if not (saves or prefetch or loads or waiting):
             return None
         return _Orders(saves, prefetch, loads)
 
@@ -357,18 +405,15 @@ class SchedulerKVOffload:
             e = self.loading.get(pre.rid)
             if e is not None:
                 e.executed = True
-        for rid in result.kv_prefetched:
+        for rid, (ready, ended) in result.kv_prefetched.items():
             e = self.loading.get(rid)
             if e is not None:
-                e.finished = True
+                e.ready, e.finished, e.reported = min(ready, e.s - e.m), ended, True
         for load in plan.kv_loads:
+            e = self.inflight.pop(load.rid, None)
             n = result.kv_loaded.get(load.rid, 0)
-            if n == LOAD_PENDING and load.rid in self.loading:
-                self.loading[load.rid].pending = True  # a rank's prefetch still runs: again later
-                continue
-            e = self.loading.pop(load.rid, None)
-            if e is not None:
-                self._finish_load(e, max(0, min(n, len(e.pages))))
+            if e is not None and n < len(load.page_ids):
+                self._short_load(e, max(n, 0))
 
     # ---------------- internals ----------------
     def _chain(self, req, n_pages: int, token_ids: list[int] | None = None) -> list[str]:
@@ -402,67 +447,27 @@ class SchedulerKVOffload:
 
     def _should_stop(self, e: _Loading, now: float) -> bool:
         if self.prefetch_policy == "best_effort":
-            return True
+            return e.reported
         if self.prefetch_policy == "wait_complete":
             return e.finished or now - e.started > WAIT_COMPLETE_CAP_S
         return e.finished or now >= e.deadline
 
-    def _start_load(self, e: _Loading, now: float) -> KVLoad | None:
-        """The KVLoad of e (its pages allocated now, or kept from a load that answered
-        pending); None when no page could be had (the request is requeued)."""
-        if e.pending:
-            e.pending = False
-        else:
-            want = e.s - e.m
-            pages = self.allocator.alloc(want)
-            if pages is None:
-                self.radix.evict(want - self.allocator.num_free)
-                pages = self.allocator.alloc(min(want, self.allocator.num_free))
-            if not pages:
-                self.loading.pop(e.req.rid)
-                self._finish_load(e, 0)
-                return None
-            e.pages = pages
-            if not e.finished:
-                self.stats.early_stops += 1
-        if self.prefetch_policy == "best_effort":
-            wait = 0.0
-        elif self.prefetch_policy == "wait_complete":
-            wait = max(0.0, e.started + WAIT_COMPLETE_CAP_S - now)
-        else:
-            wait = max(0.0, e.deadline - now)
-        # While the policy still waits, every rank's prefetch must be done before any page is
-        # used (rank 0's finishing, which started this load, says nothing of the others').
-        return KVLoad(e.req.rid, e.pages, e.chain[e.m : e.m + len(e.pages)], wait, until_done=wait > 0)
-
-    def _finish_load(self, e: _Loading, n: int) -> None:
-        """The ranks put n pages into e.pages[:n]: cache them, free the rest, requeue req."""
-        req, m, P = e.req, e.m, self.P
-        node = e.node
-        if n > 0 and not req.finished:
-            tokens = req.prompt_ids[: (m + n) * P]
-            k = self.radix.insert(tokens, e.match_pages + e.pages[:n])
-            dup = min(max(k - m, 0), n)  # pages another request cached meanwhile: ours are spare
-            for p, key in zip(e.pages[dup:n], e.chain[m + dup : m + n]):
-                self.tree_keys[p] = key
-                self.saved.add(p)  # it came from the store
-            self.allocator.free(e.pages[:dup] + e.pages[n:])
-            match = self.radix.match_prefix(tokens)
-            self.radix.lock(match.node)
-            self.radix.unlock(node)
-            node = match.node
-            self.stats.hit_pages += n
-            self.stats.loaded_tokens += n * P
-            self._loaded_by[req.rid] = n * P
-        else:
-            self.allocator.free(e.pages)
-        e.pages = []
-        self.stats.loads += 1
-        if req.finished:
-            self.radix.unlock(node)
+    def _short_load(self, e: _Loading, n: int) -> None:
+        """The ranks agreed on n < the pages a load was ordered with (they had reported
+        holding them all: never expected): the request's KV past them is garbage. It fails;
+        only the pages before that are cached."""
+        req = e.req
+        missing = len(e.pages) - n
+        self.stats.hit_pages -= missing
+        self.stats.loaded_tokens -= missing * self.P
+        self.from_store.difference_update(e.pages[n:])
+        logger.error("KV store: request %s loaded %d of %d pages its ranks reported holding; failing it",
+                     req.rid, n, len(e.pages))
+        if req.finished or req.kv is None:
             return
-        self.held[req.rid] = (req, node)
-        self.sched.waiting.appendleft(req)
+        req.kv.num_tokens = min(req.kv.num_tokens, (e.base + n) * self.P)
+        req.error = "the KV store's pages for this prompt could not be loaded on every rank"
+        self.sched.fail(req)
 
     def _judge(self) -> None:
         """Bypass the store while loading has given later first tokens than computing."""
@@ -475,33 +480,17 @@ class SchedulerKVOffload:
             self.load_rate = _Rate()  # measured afresh when the store is tried again
 
     def _sweep(self) -> None:
-        """Forget requests that finished (aborted) while set aside or held. A load still
-        holding pages here belongs to a step that failed (its result never came back: a
-        successful step's `on_result` ends every load of its plan): it loaded nothing. Under
-        overlapped scheduling the newest plan may still be in flight: its loads wait."""
-        in_flight_step = self.sched._step_id if self.sched.overlap else None
+        """Forget requests that finished (aborted) while set aside or requeued (the ranks
+        cancel their prefetches), and loads whose step's result never came (the step failed:
+        the engine failed its requests)."""
         for rid, e in list(self.loading.items()):
-            if e.pages and e.load_step == in_flight_step and not e.pending:
-                continue
-            if e.pending and e.req.finished:  # between two tries of its load
-                del self.loading[rid]
-                self.allocator.free(e.pages)
-                e.pages = []
-                self.radix.unlock(e.node)
-                self.sched._pending_drop.append(rid)  # the ranks cancel its prefetch
-            elif e.pending:
-                continue  # ordered again by `orders`
-            elif e.pages:
-                del self.loading[rid]
-                self._finish_load(e, 0)
-            elif e.req.finished:
+            if e.req.finished:
                 del self.loading[rid]
                 self.radix.unlock(e.node)
                 self.sched._pending_drop.append(rid)  # the ranks cancel its prefetch
-        for rid, (req, node) in list(self.held.items()):
-            if req.finished:
-                del self.held[rid]
-                self.radix.unlock(node)
+        for rid, e in list(self.inflight.items()):
+            if e.load_step < self.sched._step_id:  # its result came (and removed it) or never will
+                del self.inflight[rid]
         live = self.sched.requests
         for rid in [r for r in self._loaded_by if r not in live]:  # ended before a first token
             del self._loaded_by[rid]

@@ -333,6 +333,8 @@ class Engine:
             req.finish_time = now
             out.finished = True
             out.finish_reason = req.finish_reason.value if req.finish_reason else None
+            if req.finish_reason == FinishReason.ERROR:
+                out.error, out.error_type = req.error or "the replica failed the request", "internal"
             out.ttft_s = (req.first_token_time or now) - req.arrival_time
             out.e2e_s = now - req.arrival_time
             out.queue_s = (req.scheduled_time or now) - req.arrival_time

@@ -40,6 +40,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why the replica failed it (finish_reason ERROR)
     # KV bookkeeping while running (None while waiting).
     kv: RequestKV | None = None
     req_pool_idx: int = -1

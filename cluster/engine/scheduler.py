@@ -174,6 +174,8 @@ class Scheduler:
 
     # ---------------- one step ----------------
     def schedule(self) -> StepPlan | None:
+        if self.kv_offload is not None:  # store prefetches that stop now: admitted in this plan
+            self.kv_offload.requeue_ready()
         budget = self.max_batched_tokens
         plan_reqs: list[ScheduledReq] = []
         new_reqs: list[NewRequest] = []
@@ -321,6 +323,8 @@ class Scheduler:
         kv.num_cached_pages = len(match.pages)
         self.radix.lock(match.node)
         req.kv, req.prefix_node = kv, match.node
+        if self.kv_offload is not None:  # pages loaded from the KV store in this step extend the prefix
+            self.kv_offload.extend(req, kv)
         # Encoder pages first: they take the first columns of the row, before decoder tokens.
         enc_slots = encdec.reserve_encoder(req, self.allocator, self.radix) if enc_len else []
         n = self._piece(req, budget - enc_len)
@@ -328,18 +332,21 @@ class Scheduler:
         if slots is None:
             if enc_slots:
                 encdec.free_encoder(req, self.allocator)
+            if self.kv_offload is not None:
+                self.kv_offload.unextend(req)
             self.radix.unlock(match.node)
             req.kv, req.prefix_node = None, None
             return None
+        prefix = kv.num_tokens - n  # the radix match, and any pages loaded from the store
         if req.num_preemptions == 0:
             req.scheduled_time = time.monotonic()
-            req.cached_tokens = match.num_tokens
-            self.stats.prefix_hit_tokens += match.num_tokens
+            req.cached_tokens = prefix
+            self.stats.prefix_hit_tokens += prefix
             self.stats.prefix_query_tokens += len(req.prompt_ids)
         req.req_pool_idx = self._free_rows.pop()
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        prefix_slots = slots_for(kv.pages, 0, match.num_tokens, self.page_size)
+        prefix_slots = slots_for(kv.pages, 0, prefix, self.page_size)
         # An encoder-decoder request's row starts with its encoder slots (it has no prefix).
         return n, slots, enc_slots or prefix_slots
 
@@ -375,10 +382,10 @@ class Scheduler:
 
     # ---------------- results back ----------------
     def process_result(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
+        if self.kv_offload is not None:  # prefetch progress; a failed load fails its request
+            self.kv_offload.on_result(plan, result)
         events: list[TokenEvent] = [TokenEvent(req, [], []) for req in self._finished_silently]
         self._finished_silently = []
-        if self.kv_offload is not None:  # store loads done: their requests go back to admission
-            self.kv_offload.on_result(plan, result)
         logprobs = result.logprobs or [None] * len(result.sampled_rids)
         for rid, tok, lp in zip(result.sampled_rids, result.next_token_ids, logprobs):
             req = self.requests.get(rid)
@@ -436,6 +443,12 @@ class Scheduler:
         req.finish_reason = reason
         del self.requests[req.rid]
 
+    def fail(self, req: Request) -> None:
+        """End `req` with an error (`req.error` says which); its final output goes out with
+        the next result's events."""
+        self.finish(req, FinishReason.ERROR)
+        self._finished_silently.append(req)
+
     def _preempt(self, req: Request) -> None:
         self._release(req)
         self.running.remove(req)
@@ -471,7 +484,6 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         owned = [p for r in self.running if r.kv for p in r.kv.owned_pages + r.encoder_pages]
-        owned += self.kv_offload.held_pages() if self.kv_offload is not None else []
         self.radix.check_integrity(extra_used=owned)
 
 
