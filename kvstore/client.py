@@ -488,7 +488,10 @@ class KVStoreClient:
         i * page_bytes); returns how many arrived intact with the expected key sizes."""
         keys = store_keys(chain, self.layout, self.tp_rank)
         areas = self._staged(len(chain)) if areas is None else areas
+        t0 = time.perf_counter()
         reply = self._data_call("locate", keys)
+        t1 = time.perf_counter()
+        self.counters.read_locate_s += t1 - t0
         if reply is FAILED:
             return 0
         assert isinstance(reply, LocateReply)
@@ -513,9 +516,12 @@ class KVStoreClient:
                 off += size
         ok = not local or self._xfer("READ", local, remote)
         self.link.send("release", reply.lease)
+        t2 = time.perf_counter()
+        self.counters.read_transfer_s += t2 - t1
         if not ok:
             return 0
         crcs = checksums([area[off : off + loc.size] for loc, (area, off) in zip(locs, where)])
+        self.counters.read_verify_s += time.perf_counter() - t2
         for i, (loc, crc) in enumerate(zip(locs, crcs)):
             if crc != loc.checksum:
                 logger.warning("kv store client: checksum mismatch on %s", loc.key)

@@ -29,6 +29,11 @@ class ClientCounters:
     corrupt: int = 0  # pages whose checksum failed after a read
     write_errors: int = 0  # of `errors`, those of writes (batch_set, save_pages)
     read_errors: int = 0  # of `errors`, those of reads (batch_get, load_pages)
+    # Where a read's time goes, summed over reads: the store's locate (it reads pages only on
+    # file into its RAM first), the NIXL transfer into this client's memory, the checksums.
+    read_locate_s: float = 0.0
+    read_transfer_s: float = 0.0
+    read_verify_s: float = 0.0
 
 
 class StoreLink:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cluster.engine.kv_offload import SchedulerKVOffload
+from cluster.engine.kv_offload import LOAD_PHASES, SchedulerKVOffload
 from cluster.engine.request import Request
 from cluster.engine.scheduler import Scheduler
 from kvstore.keys import chain_keys
@@ -157,6 +157,21 @@ def test_write_back_saves_pages_when_the_radix_cache_evicts_them():
     assert set(first.kv_saves[0].page_ids) & reused
 
 
+def test_pages_the_store_already_holds_are_not_saved_again(monkeypatch):
+    """A request computed although the store holds its prefix (here: the store's loads are all
+    busy) never writes those pages back: only the pages past what its lookup found."""
+    import cluster.engine.kv_offload as ko
+
+    monkeypatch.setattr(ko, "MAX_LOADING", 0)
+    prompt = list(range(100, 141))
+    s, off = make("write_through", probe=FakeProbe(keys_of(prompt[:24])))
+    s.add_request(Request("r", prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+    plans = run_until_idle(s)
+    assert off.stats.busy == 1 and [r.prefix_len for r in plans[0].reqs] == [0]
+    saved = [k for p in plans for sv in p.kv_saves for k in sv.keys]
+    assert saved == keys_of(prompt + [7] * 7)[6:12]  # pages 6..11 (the last has an output token)
+
+
 @pytest.mark.parametrize("prefetch", ["timeout", "wait_complete", "best_effort"])
 def test_store_prefix_is_prefetched_then_loaded_by_the_plan_that_admits_it(prefetch):
     """Set aside while the ranks prefetch; once the stop policy says stop, the plan that admits
@@ -190,12 +205,15 @@ def test_store_prefix_is_prefetched_then_loaded_by_the_plan_that_admits_it(prefe
     s.check_integrity()
     s.process_result(plan, result(plan))
     s.check_integrity()
+    off.note_first_token(s.requests["r"], 0.2)  # as the engine loop reports it
+    phases = off.counters()["load_phase_ms"]  # arrival -> set aside -> stop -> admission -> first token
+    assert list(phases) == list(LOAD_PHASES) and sum(phases.values()) == pytest.approx(200, abs=0.5)
     plans = run_until_idle(s)
     assert s.requests == {} and s.radix.protected_pages == 0
     assert s.stats.prefix_hit_tokens == held * P and s.radix.total_cached_pages == 10
-    # write_through saves the pages the request computed, never those it loaded from the store
-    saved = [k for p in plans for sv in p.kv_saves for k in sv.keys]
-    assert saved == keys_of(prompt[:40])[held:]
+    # write_through saves every page the radix cache takes, but not those the store holds:
+    # neither the loaded ones nor (best_effort) the ones computed past them
+    assert not [k for p in plans for sv in p.kv_saves for k in sv.keys]
 
 
 def test_timeout_grows_with_the_prompt_and_stops_early():
@@ -331,7 +349,7 @@ def test_store_is_bypassed_when_loaded_requests_get_later_first_tokens(load_ttft
         computed = req(f"c{i}", 41)
         off.note_first_token(computed, 0.05)  # 41 tokens in 50 ms: 820 tokens/s
         loaded = req(f"l{i}", 41)
-        off._loaded_by[loaded.rid] = 40  # as `admitted` records it
+        off._loaded_by[loaded.rid] = (40, None)  # as `admitted` records it
         off.note_first_token(loaded, load_ttft_s)
     assert off.counters()["ttft_tokens_per_s_computed"] == pytest.approx(820)
     assert off.counters()["bypassing"] is bypass

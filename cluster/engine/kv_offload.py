@@ -90,6 +90,7 @@ DRAIN_CHUNK_PAGES = 64  # pages per drain order at shutdown
 # Requests loading from the store at once: beyond that the store's pipeline (each rank's I/O
 # threads) is busy and one more would queue behind the others; it is computed instead.
 MAX_LOADING = 4
+LOAD_PHASES = ("to_set_aside", "prefetch", "to_admission", "to_first_token")
 WRITE_BACK = ("write_back", "write_back_selective")  # policies that save on eviction and at shutdown
 SELECTIVE = ("write_through_selective", "write_back_selective")  # policies that save hot pages
 
@@ -139,6 +140,8 @@ class _Loading:
     base: int = 0  # at admission: the radix pages matched then (the load's pages follow them)
     pages: list[int] = field(default_factory=list)  # at admission: the pages the load fills
     load_step: int = 0  # the plan that carries the load (and admits the request)
+    requeued_at: float = 0.0
+    admitted_at: float = 0.0
 
 
 class _Rate:
@@ -193,13 +196,17 @@ class SchedulerKVOffload:
         self.probes: dict[str, object] = {}  # rid -> kvstore.probe.PendingProbe
         self.prompt_pages: set[int] = set()  # tree pages that hold prompt tokens (drained first)
         self.chains: dict[str, list[str]] = {}
+        self.in_store: dict[str, int] = {}  # rid -> leading pages its lookup found in the store (never saved again)
         self._prefetch: list[KVPrefetch] = []
         self._skip_until = 0.0
         self._bypass_until = 0.0
         # Prompt tokens per second of time to first token: requests that loaded from the store;
         # requests that computed their prompt (`note_first_token`).
         self.load_rate, self.compute_rate = _Rate(), _Rate()
-        self._loaded_by: dict[str, int] = {}  # rid -> prompt tokens it loaded (until its first token)
+        self._loaded_by: dict[str, tuple[int, _Loading]] = {}  # rid -> (prompt tokens it loaded, its load)
+        # Where a load's time goes, summed over loads (ms): waiting to be set aside, the
+        # prefetch until its stop, the wait for admission, admission to first token.
+        self.load_phases: dict[str, list[float]] = {k: [0.0, 0] for k in LOAD_PHASES}
         self.stats = KVOffloadStats()
         self.poller = None  # the replica's stats poller (cluster/kv_store_setup.py)
         scheduler.kv_offload = self
@@ -230,10 +237,15 @@ class SchedulerKVOffload:
     def note_first_token(self, req, ttft_s: float) -> None:
         """`req`'s first token came `ttft_s` after its arrival: a sample of the path its prompt
         took (loaded from the store, or computed), which `_judge` compares."""
-        loaded = self._loaded_by.pop(req.rid, 0)
+        loaded, e = self._loaded_by.pop(req.rid, (0, None))
         prompt = req.num_prompt_tokens
         if prompt < self.min_pages * self.P or req.is_embedding or req.num_preemptions:
             return
+        if e is not None:
+            marks = (req.arrival_time, e.started, e.requeued_at, e.admitted_at, req.arrival_time + ttft_s)
+            for name, a, b in zip(LOAD_PHASES, marks, marks[1:]):
+                self.load_phases[name][0] += (b - a) * 1e3
+                self.load_phases[name][1] += 1
         if 2 * loaded >= prompt:
             self.load_rate.add(prompt, ttft_s)
             self._judge()
@@ -267,6 +279,8 @@ class SchedulerKVOffload:
             s, failed = 0, True
         if failed:
             self._skip_until = now + self.backoff_s  # the store is down or slow: stop asking for a while
+        if s:
+            self.in_store[req.rid] = s
         if s and len(self.loading) >= MAX_LOADING:
             self.stats.busy += 1
             return Verdict.ADMIT
@@ -294,7 +308,7 @@ class SchedulerKVOffload:
         now = time.monotonic()
         stop = [e for e in self.loading.values() if not e.queued and e.executed and self._should_stop(e, now)]
         for e in reversed(stop):
-            e.queued = True
+            e.queued, e.requeued_at = True, now
             if not e.finished:
                 self.stats.early_stops += 1
             self.sched.waiting.appendleft(e.req)
@@ -335,12 +349,13 @@ class SchedulerKVOffload:
             self.radix.unlock(e.node)
             if e.queued:
                 e.load_step = self.sched._step_id + 1  # the plan being built
+                e.admitted_at = time.monotonic()
                 self.inflight[req.rid] = e
                 self.from_store.update(e.pages)
                 self.stats.loads += 1
                 self.stats.hit_pages += len(e.pages)
                 self.stats.loaded_tokens += len(e.pages) * self.P
-                self._loaded_by[req.rid] = len(e.pages) * self.P
+                self._loaded_by[req.rid] = (len(e.pages) * self.P, e)
             else:  # set aside, yet admitted before its stop (never expected): end its prefetch
                 self._loads.append(KVLoad(req.rid, [], []))
         if self.write_policy in SELECTIVE and req.kv is not None:
@@ -361,8 +376,8 @@ class SchedulerKVOffload:
         prompt_full = len(req.prompt_ids) // self.P
         for i in range(kept, n_full):
             self.tree_keys[pages[i]] = chain[i]
-            if pages[i] in loaded:
-                self.saved.add(pages[i])  # it came from the store
+            if pages[i] in loaded or i < self.in_store.get(req.rid, 0):
+                self.saved.add(pages[i])  # it came from the store, or the store has it already
                 continue
             if i < prompt_full:
                 self.prompt_pages.add(pages[i])
@@ -497,6 +512,7 @@ class SchedulerKVOffload:
         for rid in [r for r in self.probed if r not in live and r not in self.loading]:
             self.probed.discard(rid)
             self.chains.pop(rid, None)
+            self.in_store.pop(rid, None)
         for rid in [r for r in self.probes if r not in live]:  # finished before admission
             self.probes.pop(rid).abandon()
             self.chains.pop(rid, None)
@@ -514,7 +530,8 @@ class SchedulerKVOffload:
         return {"layout": self.layout, "write_policy": self.write_policy, "prefetch_policy": self.prefetch_policy,
                 **asdict(self.stats), "probe_errors": probe.errors,
                 "ttft_tokens_per_s_loaded": self.load_rate.value, "ttft_tokens_per_s_computed": self.compute_rate.value,
-                "bypassing": time.monotonic() < self._bypass_until}
+                "bypassing": time.monotonic() < self._bypass_until,
+                "load_phase_ms": {k: round(t / n, 1) for k, (t, n) in self.load_phases.items() if n}}
 
 
 class _Orders:
