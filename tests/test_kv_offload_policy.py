@@ -356,4 +356,5 @@ def test_store_is_bypassed_when_loaded_requests_get_later_first_tokens(load_ttft
     s.add_request(Request("r", prompt, SamplingParams(max_tokens=1)))
     plan = s.schedule()
     assert bool(plan.kv_prefetch) is not bypass and off.stats.bypassed == int(bypass)
+    assert off.in_store["r"] == 10  # looked up either way: what the store holds is never saved again
     assert not off._loaded_by  # every sample taken once

@@ -78,6 +78,7 @@ class _Prefetch:
     done: threading.Event = field(default_factory=threading.Event)
     rows: list[int] = field(default_factory=list)  # pinned rows of keys[:ready]
     lock: threading.Lock = field(default_factory=threading.Lock)
+    queued_at: float = field(default_factory=time.monotonic)
 
     def add(self, host: HostTier, rows: list[int]) -> bool:
         """Record pinned rows of the next keys; False (rows unpinned) once cancelled."""
@@ -114,7 +115,7 @@ class RankKVOffload:
         self.client = KVStoreClient(None, opts.layout, tp.rank, tp.size, pool_page_bytes(pool), opts.fingerprint,
                                     staging_pages=opts.chunk_pages, timeout_s=opts.timeout_s,
                                     store_name=opts.store_name, namespace=opts.namespace,
-                                    staging_slots=opts.io_threads + 1)  # + the drain's
+                                    staging_slots=opts.io_threads + 2)  # + the reader's, the drain's
         self.page_bytes = self.client.page_bytes
         pages = max(opts.host_cache_bytes // self.page_bytes, opts.chunk_pages)
         self.host = HostTier(pages, self.page_bytes, pin=torch.cuda.is_available())
@@ -138,12 +139,16 @@ class RankKVOffload:
         self._stop = False
         self.counters = {"pages_saved_host": 0, "pages_loaded": 0, "loads": 0, "host_hit_pages": 0,
                          "prefetched_pages": 0, "host_full": 0, "write_failures": 0, "errors": 0,
-                         "dropped_pages": 0, "drained_pages": 0}
+                         "dropped_pages": 0, "drained_pages": 0,
+                         # prefetches: seconds queued for an I/O thread, then reading, summed
+                         "prefetch_jobs": 0, "prefetch_wait_s": 0.0, "prefetch_read_s": 0.0}
         # Several requests' prefetches (and saves) move at once: each thread holds one of the
-        # client's staging areas for its transfer, and the checksums run outside the GIL.
-        self._threads = [threading.Thread(target=RankKVOffload._io_main, args=(weakref.ref(self),),
-                                          name=f"kv-offload-r{tp.rank}-{i}", daemon=True)
-                         for i in range(opts.io_threads)]
+        # client's staging areas for its transfer, and the checksums run outside the GIL. One
+        # more thread only reads: a prefetch (a request waits on it) never queues behind saves
+        # that took every other thread.
+        self._threads = [threading.Thread(target=RankKVOffload._io_main, args=(weakref.ref(self), i == 0),
+                                          name=f"kv-offload-r{tp.rank}-{'read' if i == 0 else i}", daemon=True)
+                         for i in range(opts.io_threads + 1)]
         for t in self._threads:
             t.start()
         logger.info("KV store client on rank %d: layout %s, %d-byte pages, host tier %d pages (%.1f MiB)",
@@ -301,25 +306,25 @@ class RankKVOffload:
 
     # ---------------- the I/O thread ----------------
     @staticmethod
-    def _io_main(ref) -> None:
-        """The I/O thread. It holds the offload only weakly between rounds, so an engine that is
+    def _io_main(ref, reader: bool) -> None:
+        """An I/O thread. It holds the offload only weakly between rounds, so an engine that is
         dropped (its pool, host tier and client with it) ends the thread too."""
         while True:
             offload = ref()
-            if offload is None or not offload._io_round():
+            if offload is None or not offload._io_round(reader):
                 return
             del offload
 
-    def _io_round(self) -> bool:
-        """One read or write (reads first: a request waits on them); False at shutdown. Runs
-        on each of the I/O threads."""
+    def _io_round(self, reader: bool = False) -> bool:
+        """One read or write (reads first: a request waits on them; the reader thread only
+        reads); False at shutdown. Runs on each of the I/O threads."""
         with self._cv:
-            if not self._stop and not self._reads and not self._writes:
+            if not self._stop and not self._reads and (reader or not self._writes):
                 self._cv.wait(1.0)
             if self._stop:
                 return False
             job = self._reads.popleft() if self._reads else None
-            write = self._writes.popleft() if job is None and self._writes else None
+            write = self._writes.popleft() if job is None and self._writes and not reader else None
             self._writing += write is not None
         import ray
 
@@ -387,6 +392,15 @@ class RankKVOffload:
                 self._cv.wait(0.01)
 
     def _prefetch(self, job: _Prefetch) -> None:
+        start = time.monotonic()
+        self.counters["prefetch_jobs"] += 1
+        self.counters["prefetch_wait_s"] += start - job.queued_at
+        try:
+            self._prefetch_pages(job)
+        finally:
+            self.counters["prefetch_read_s"] += time.monotonic() - start
+
+    def _prefetch_pages(self, job: _Prefetch) -> None:
         keys = job.keys
         while job.ready < len(keys) and not job.cancelled:
             row = self.host.pin_ready(keys[job.ready])

@@ -90,7 +90,7 @@ DRAIN_CHUNK_PAGES = 64  # pages per drain order at shutdown
 # Requests loading from the store at once: beyond that the store's pipeline (each rank's I/O
 # threads) is busy and one more would queue behind the others; it is computed instead.
 MAX_LOADING = 4
-LOAD_PHASES = ("to_set_aside", "prefetch", "to_admission", "to_first_token")
+LOAD_PHASES = ("to_set_aside", "prefetch", "to_admission", "to_load_result", "to_first_token")
 WRITE_BACK = ("write_back", "write_back_selective")  # policies that save on eviction and at shutdown
 SELECTIVE = ("write_through_selective", "write_back_selective")  # policies that save hot pages
 
@@ -118,7 +118,7 @@ class KVOffloadStats:
     early_stops: int = 0  # prefetches stopped before they finished (best_effort, timeout)
     probe_skips: int = 0  # requests not probed while probing pauses after a store error
     probe_timeouts: int = 0  # lookups not answered within PROBE_WAIT_S
-    bypassed: int = 0  # requests not probed while the store is slower than recompute
+    bypassed: int = 0  # requests computed while the store is slower than recompute (still probed)
     busy: int = 0  # requests computed because MAX_LOADING others were loading
     drained_pages: int = 0  # pages ordered saved at shutdown
 
@@ -142,6 +142,7 @@ class _Loading:
     load_step: int = 0  # the plan that carries the load (and admits the request)
     requeued_at: float = 0.0
     admitted_at: float = 0.0
+    loaded_at: float = 0.0  # the result of the plan that carried the load came back
 
 
 class _Rate:
@@ -205,7 +206,8 @@ class SchedulerKVOffload:
         self.load_rate, self.compute_rate = _Rate(), _Rate()
         self._loaded_by: dict[str, tuple[int, _Loading]] = {}  # rid -> (prompt tokens it loaded, its load)
         # Where a load's time goes, summed over loads (ms): waiting to be set aside, the
-        # prefetch until its stop, the wait for admission, admission to first token.
+        # prefetch until its stop, the wait for admission, the step that loads and admits it
+        # (until its result), then to the first token.
         self.load_phases: dict[str, list[float]] = {k: [0.0, 0] for k in LOAD_PHASES}
         self.stats = KVOffloadStats()
         self.poller = None  # the replica's stats poller (cluster/kv_store_setup.py)
@@ -224,9 +226,6 @@ class SchedulerKVOffload:
         if n < self.min_pages:
             return
         now = time.monotonic()
-        if now < self._bypass_until:
-            self.stats.bypassed += 1
-            return
         if now < self._skip_until:
             self.stats.probe_skips += 1
             return
@@ -242,7 +241,8 @@ class SchedulerKVOffload:
         if prompt < self.min_pages * self.P or req.is_embedding or req.num_preemptions:
             return
         if e is not None:
-            marks = (req.arrival_time, e.started, e.requeued_at, e.admitted_at, req.arrival_time + ttft_s)
+            marks = (req.arrival_time, e.started, e.requeued_at, e.admitted_at, e.loaded_at or e.admitted_at,
+                     req.arrival_time + ttft_s)
             for name, a, b in zip(LOAD_PHASES, marks, marks[1:]):
                 self.load_phases[name][0] += (b - a) * 1e3
                 self.load_phases[name][1] += 1
@@ -266,9 +266,15 @@ class SchedulerKVOffload:
         del self.probes[req.rid]
         self.probed.add(req.rid)
         errors = self.probe.counters.errors
+        # While the store is bypassed its answers still say which pages it holds (those are
+        # never saved again), but no request waits for one.
+        bypass = now < self._bypass_until
         if pending.done():
             s = pending.pages()
             failed = self.probe.counters.errors > errors
+        elif bypass:
+            pending.abandon()
+            s, failed = 0, False
         elif now - pending.started < PROBE_WAIT_S:
             self.probes[req.rid] = pending
             self.probed.discard(req.rid)
@@ -281,6 +287,9 @@ class SchedulerKVOffload:
             self._skip_until = now + self.backoff_s  # the store is down or slow: stop asking for a while
         if s:
             self.in_store[req.rid] = s
+        if bypass:
+            self.stats.bypassed += 1
+            return Verdict.ADMIT
         if s and len(self.loading) >= MAX_LOADING:
             self.stats.busy += 1
             return Verdict.ADMIT
@@ -427,6 +436,8 @@ class SchedulerKVOffload:
         for load in plan.kv_loads:
             e = self.inflight.pop(load.rid, None)
             n = result.kv_loaded.get(load.rid, 0)
+            if e is not None:
+                e.loaded_at = time.monotonic()
             if e is not None and n < len(load.page_ids):
                 self._short_load(e, max(n, 0))
 
