@@ -52,7 +52,7 @@ http_bench() {  # http_bench NAME: the workload against the running server; JSON
   python3 -c "import json,sys; [print(r['name'], {k: v for k, v in ((r.get('stats') or {}).get('kvstore') or {}).items()
     if k in ('loads', 'hit_pages', 'early_stops', 'bypassed', 'busy', 'probe_timeouts', 'ttft_tokens_per_s_loaded',
              'ttft_tokens_per_s_computed', 'saved_pages', 'drained_pages', 'load_phase_ms')},
-    [{k: v for k, v in rk.items() if k.startswith(('read_', 'offload_prefetch_')) or k in ('pages_read', 'pages_present', 'offload_prefetched_pages')}
+    [{k: v for k, v in rk.items() if k.startswith(('read_', 'offload_prefetch_', 'offload_load_')) or k in ('pages_read', 'pages_present', 'offload_prefetched_pages')}
      for rk in ((r.get('stats') or {}).get('kvstore') or {}).get('ranks', [])]) for r in json.load(open(sys.argv[1]))['replicas']]" \
     "$OUT/$1_replicas.json" 2>&1 | tail -2
   ps -eo pid,pcpu,rss,args | grep -E "ray::(Replica|RankWorker|KVStore)|cluster.cli serve" | grep -v grep

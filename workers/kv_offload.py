@@ -141,7 +141,8 @@ class RankKVOffload:
                          "prefetched_pages": 0, "host_full": 0, "write_failures": 0, "errors": 0,
                          "dropped_pages": 0, "drained_pages": 0,
                          # prefetches: seconds queued for an I/O thread, then reading, summed
-                         "prefetch_jobs": 0, "prefetch_wait_s": 0.0, "prefetch_read_s": 0.0}
+                         "prefetch_jobs": 0, "prefetch_wait_s": 0.0, "prefetch_read_s": 0.0,
+                         "load_s": 0.0, "load_max_s": 0.0}
         # Several requests' prefetches (and saves) move at once: each thread holds one of the
         # client's staging areas for its transfer, and the checksums run outside the GIL. One
         # more thread only reads: a prefetch (a request waits on it) never queues behind saves
@@ -167,8 +168,13 @@ class RankKVOffload:
             self._save(save)
         for pre in plan.kv_prefetch:
             self._start_prefetch(pre)
-        for load in plan.kv_loads:
-            result.kv_loaded[load.rid] = self._load(load)
+        if plan.kv_loads:
+            t0 = time.monotonic()
+            for load in plan.kv_loads:
+                result.kv_loaded[load.rid] = self._load(load)
+            spent = time.monotonic() - t0
+            self.counters["load_s"] += spent  # on the step's thread: launches only, never a wait
+            self.counters["load_max_s"] = max(self.counters["load_max_s"], spent)
         with self._cv:
             if not plan.reqs and not plan.kv_loads and not self._progress and any(
                     not j.done.is_set() for j in self.jobs.values()):
