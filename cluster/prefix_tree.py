@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from cluster.engine.block_hash import chain_hashes
+
 
 class PrefixTree:
     """Prefix memory of at most `max_tokens` tokens, in blocks of `block` tokens (a prompt's
@@ -35,11 +37,7 @@ class PrefixTree:
         return len(self._lru) * self.block
 
     def _chain(self, tokens: list[int]) -> list[int]:
-        out, h, b = [], 0, self.block
-        for i in range(0, len(tokens) - len(tokens) % b, b):
-            h = hash((h, *tokens[i : i + b]))
-            out.append(h)
-        return out
+        return chain_hashes(tokens, self.block)
 
     def match(self, tokens: list[int]) -> int:
         """Length of the longest remembered prefix of `tokens` (whole blocks)."""

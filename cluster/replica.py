@@ -220,6 +220,11 @@ class Replica:
             "kvstore": kv_store_stats(eng),  # None without a KV store (cluster/kv_store_setup.py)
         }
 
+    def kv_events(self, epoch: str | None, seq: int) -> dict | None:
+        """The prefix cache's events since `seq` of `epoch` (the router's KV index); None
+        while the engine is down."""
+        return self.engine.kv_events(epoch, seq) if self.engine is not None else None
+
     def info(self) -> dict:
         return {"name": self.name, "tp_size": self.config.tp_size, "group": self.group.describe(),
                 "attention": self.group.attention, "model": self.config.model,

@@ -1,10 +1,12 @@
 """The router: spreads requests over replica actors and keeps serving when one fails.
 
 Policies: `round_robin`; `least_load` (the router's own in-flight count plus the replica's
-waiting queue, then KV usage); `cache_aware` (each replica's approximate prefix tree of recent
-prompts: go to the best match when its match rate reaches `cache_threshold`, unless the load
-gap exceeds both `balance_abs_threshold` and `balance_rel_threshold` × the lightest load, in
-which case least load wins).
+waiting queue, then KV usage); `cache_aware` (the prefix of the prompt each replica has cached:
+go to the best match when its match rate reaches `cache_threshold`, unless the load gap exceeds
+both `balance_abs_threshold` and `balance_rel_threshold` × the lightest load, in which case
+least load wins). What a replica has cached comes from its KV events (`cluster/kv_index.py`,
+pulled with the stats) while they are fresh, else from the router's approximate prefix memory
+of what it sent there (`cluster/prefix_tree.py`), which never learns of evictions.
 
 Health: a poller fetches every replica's stats each `stats_interval_s`; a replica that fails
 to answer, reports itself unhealthy, or fails a request before its first token is skipped
@@ -30,6 +32,7 @@ import ray
 
 from cluster.engine.client import HealthStatus, NoReplicaAvailable
 from cluster.engine.request import RequestOutput
+from cluster.kv_index import KVIndex
 from cluster.prefix_tree import PrefixTree
 from cluster.replica_client import ReplicaClient, ReplicaGone
 from workers.request_errors import QueueFull, RequestError
@@ -52,6 +55,10 @@ class RouterOptions:
     max_attempts: int = 3
     # Requests the router holds at once over all replicas; 0: unbounded (QueueFull beyond).
     max_inflight: int = 0
+    # cache_aware: route on the replicas' KV events (their real prefix caches) while an index
+    # was updated within this many seconds; past it, on the approximate prefix memory.
+    kv_events: bool = True
+    kv_events_max_age_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -71,6 +78,7 @@ class ReplicaHandle:
     inflight: int = 0
     stats: dict = field(default_factory=dict)
     tree: PrefixTree = field(default_factory=PrefixTree)
+    kv_index: KVIndex = field(default_factory=KVIndex)  # its prefix cache, from its KV events
     client: ReplicaClient | None = None  # the serving path to the actor (set by add_replica)
 
     @property
@@ -130,9 +138,21 @@ class Router:
                       and heaviest.load > self.options.balance_rel_threshold * lightest.load)
         if imbalanced or not tokens:
             return lightest
-        best = max(cands, key=lambda h: (h.tree.match(tokens), -h.load))
-        rate = best.tree.match(tokens) / len(tokens)
-        return best if rate >= self.options.cache_threshold else lightest
+        cached = {h.name: self.cached_prefix(h, tokens) for h in cands}
+        best = max(cands, key=lambda h: (cached[h.name][0], -h.load))
+        hit, source = cached[best.name]
+        if hit < self.options.cache_threshold * len(tokens):
+            return lightest
+        if self.metrics is not None:
+            self.metrics.record_prefix_route(best.name, source, hit)
+        return best
+
+    def cached_prefix(self, h: ReplicaHandle, tokens: list[int]) -> tuple[int, str]:
+        """(tokens of `tokens`' prefix replica h has cached, where that came from: "events"
+        while its KV index is fresh, else "tree", the approximate memory)."""
+        if self.options.kv_events and h.kv_index.lag_s() <= self.options.kv_events_max_age_s:
+            return h.kv_index.match(tokens), "events"
+        return h.tree.match(tokens), "tree"
 
     # ---------------- serving ----------------
     def _tokens(self, prompt: str | list[int]) -> list[int]:
@@ -237,6 +257,8 @@ class Router:
     async def poll_once(self) -> None:
         handles = list(self.replicas.values())
         refs = [h.actor.stats.remote() for h in handles]
+        if self.options.policy == "cache_aware" and self.options.kv_events:
+            await asyncio.gather(*(self._pull_kv_events(h) for h in handles))
 
         async def one(h: ReplicaHandle, ref) -> None:
             try:
@@ -256,6 +278,21 @@ class Router:
                 self.metrics.update_replica_stats(h.name, stats)
 
         await asyncio.gather(*(one(h, r) for h, r in zip(handles, refs)))
+
+    async def _pull_kv_events(self, h: ReplicaHandle) -> None:
+        """Bring h's KV index up to date (one call, whatever the number of events); a replica
+        that does not answer keeps its index, which goes stale (routing falls back)."""
+        idx = h.kv_index
+        try:
+            reply = await asyncio.wait_for(h.actor.kv_events.remote(idx.epoch, idx.seq),
+                                           timeout=self.options.stats_timeout_s)
+        except Exception as exc:
+            logger.debug("router: KV events of %s: %s", h.name, exc)
+            return
+        if reply is not None:
+            idx.apply(reply)
+        if self.metrics is not None:
+            self.metrics.set_kv_index(h.name, len(idx.hashes) * idx.block, idx.lag_s())
 
     async def start(self) -> None:
         if self._poller is None:

@@ -21,6 +21,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--cache-threshold", type=float, default=0.5)
     p.add_argument("--balance-abs-threshold", type=int, default=16)
     p.add_argument("--balance-rel-threshold", type=float, default=1.5)
+    p.add_argument("--no-router-kv-events", dest="router_kv_events", action="store_false",
+                   help="cache_aware routes on its approximate memory of what it sent where, not on the "
+                        "replicas' KV events (what their prefix caches really hold)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="join this Ray cluster ('auto' on a ray up head)")
@@ -67,6 +70,7 @@ def cluster_options_from_args(args: argparse.Namespace):
         router=RouterOptions(policy=args.router_policy, cache_threshold=args.cache_threshold,
                              balance_abs_threshold=args.balance_abs_threshold,
                              balance_rel_threshold=args.balance_rel_threshold,
+                             kv_events=args.router_kv_events,
                              max_inflight=router_max_inflight(args)),
         address=args.address,
         placement_strategy=args.placement_strategy,

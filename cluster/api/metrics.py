@@ -162,6 +162,20 @@ class ServerMetrics:
             "replica that could not serve them and why (unavailable, queue_full, replica_failed).",
             ["replica", "reason"], registry=r,
         )
+        self.router_prefix_hit_tokens = Counter(
+            "manta:router_prefix_hit_tokens", "Prompt tokens cache_aware routing found cached on the replica it "
+            "chose, by where it learned that: events (the replica's KV events) or tree (the router's "
+            "approximate memory, used while events lag).",
+            ["replica", "source"], registry=r,
+        )
+        self.router_kv_index_tokens = Gauge(
+            "manta:router_kv_index_tokens", "Tokens of prefix the router's KV-event index says the replica has "
+            "cached on its GPU.", ["replica"], registry=r,
+        )
+        self.router_kv_event_lag = Gauge(
+            "manta:router_kv_event_lag_seconds", "Seconds since the router's index of the replica's cache was last "
+            "brought up to date from its KV events.", ["replica"], registry=r,
+        )
         self.request_errors = Counter(
             "manta:request_errors", "HTTP error responses, by status code.", ["code"], registry=r
         )
@@ -239,6 +253,13 @@ class ServerMetrics:
     def record_route(self, policy: str, replica: str) -> None:
         self.router_requests.labels(policy, replica).inc()
 
+    def record_prefix_route(self, replica: str, source: str, tokens: int) -> None:
+        self.router_prefix_hit_tokens.labels(replica, source).inc(tokens)
+
+    def set_kv_index(self, replica: str, tokens: int, lag_s: float) -> None:
+        self.router_kv_index_tokens.labels(replica).set(tokens)
+        self.router_kv_event_lag.labels(replica).set(lag_s if lag_s != float("inf") else -1)
+
     def record_retry(self, replica: str, reason: str) -> None:
         self.router_retries.labels(replica, reason).inc()
 
@@ -279,6 +300,8 @@ class ServerMetrics:
             self.queue_time.labels(replica, stage)
         if policy is not None:
             self.router_requests.labels(policy, replica)
+        for source in ("events", "tree"):
+            self.router_prefix_hit_tokens.labels(replica, source)
 
     def remove_replica(self, replica: str) -> None:
         """Drop a departed replica's state series (gauges, polled counters, route counts).
@@ -288,6 +311,8 @@ class ServerMetrics:
             g.remove_by_labels({"replica": replica})
         self.router_requests.remove_by_labels({"replica": replica})
         self.router_retries.remove_by_labels({"replica": replica})
+        for m in (self.router_prefix_hit_tokens, self.router_kv_index_tokens, self.router_kv_event_lag):
+            m.remove_by_labels({"replica": replica})
         self._prefix.remove(replica)
         self._messages.remove(replica)
         self._kvstore.remove(replica)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer, DetokState
+from cluster.engine.kv_events import KVEventLog
 from cluster.engine.kv_store_link import attach_kv_offload, kv_offload_options
 from cluster.engine.request import FinishReason, Request, RequestOutput
 from cluster.engine.scheduler import RequestRejected, TokenEvent
@@ -160,6 +161,7 @@ class Engine:
         self._discard = False
         self._tracked: dict[str, _Tracked] = {}
         self._lock = threading.Lock()
+        self._kv_events: KVEventLog | None = None
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -235,6 +237,15 @@ class Engine:
             "spec_accepted_tokens": sch.stats.spec_accepted_tokens,
             "spec_verify_requests": sch.stats.spec_verify_requests,
         }
+
+    def kv_events(self, epoch: str | None, seq: int) -> dict:
+        """What the prefix cache took and dropped since `seq` (`cluster/engine/kv_events.py`;
+        the log starts at the first call)."""
+        if self._kv_events is None:
+            with self._lock:
+                if self._kv_events is None:
+                    self._kv_events = KVEventLog(self.scheduler.radix)
+        return self._kv_events.since(epoch, seq)
 
     def has_work(self) -> bool:
         with self._lock:

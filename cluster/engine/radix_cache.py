@@ -93,6 +93,11 @@ class RadixCache:
         # Called as on_evict(leaf, n) before `evict` frees the last n pages of leaf (while leaf
         # still holds them); the KV store's write-back hooks in here (cluster/engine/kv_offload.py).
         self.on_evict: Callable[[TreeNode, int], None] | None = None
+        # Listeners of what the tree holds (cluster/engine/kv_events.py): on_insert(token_ids,
+        # pages, k) after `insert` took pages[k:] of token_ids' pages; evict_listeners as on_evict.
+        self.insert_listeners: list[Callable[[list[int], list[int], int], None]] = []
+        self.evict_listeners: list[Callable[[TreeNode, int], None]] = []
+        self.reset_listeners: list[Callable[[], None]] = []  # the whole tree was dropped
         self.reset_tree()
 
     # -- public API ---------------------------------------------------------------------------
@@ -184,6 +189,8 @@ class RadixCache:
                 leaf.last_access = now
                 node.children[first] = leaf
                 self._evictable += len(leaf.pages)
+                for listener in self.insert_listeners:
+                    listener(token_ids, pages, pos // P)
                 return pos // P
             k = self._matched_pages(child.key, token_ids, pos, n)
             if k < len(child.pages):
@@ -234,6 +241,8 @@ class RadixCache:
             take = min(len(leaf.pages), num_pages - freed)
             if self.on_evict is not None:
                 self.on_evict(leaf, take)
+            for listener in self.evict_listeners:
+                listener(leaf, take)
             if take < len(leaf.pages):
                 tail = leaf.pages[-take:]
                 del leaf.pages[-take:]
@@ -311,12 +320,22 @@ class RadixCache:
         self.root = TreeNode((), [], None, next(self._ids))
         self._evictable = 0
         self._protected = 0
+        for listener in getattr(self, "reset_listeners", ()):
+            listener()
 
     # -- internals ----------------------------------------------------------------------------
 
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def path_tokens(self, node: TreeNode) -> list[int]:
+        """The tokens from the root through the end of `node`'s key."""
+        keys = []
+        while node is not self.root and node is not None:
+            keys.append(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return [t for key in reversed(keys) for t in key]
 
     def _nodes(self) -> Iterator[TreeNode]:
         """Every node but the root."""

@@ -1,0 +1,178 @@
+"""KV events (issue 24): a replica's prefix cache published as chained block hashes, the
+router's index of them, and cache_aware routing on what the caches really hold — with a real
+scheduler and radix cache (every page count exact), then through real Ray replicas."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cluster.engine.block_hash import chain_hashes
+from cluster.engine.kv_events import KVEventLog
+from cluster.engine.request import Request
+from cluster.engine.scheduler import Scheduler
+from cluster.kv_index import KVIndex
+from cluster.router import Router, RouterOptions
+from workers.messages import StepResult
+from workers.sampling_params import SamplingParams
+
+P = 4
+
+
+def cached_hashes(radix) -> set[int]:
+    """What the radix cache holds, hashed from its own tree (the oracle)."""
+    out: set[int] = set()
+    stack = list(radix.root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        out.update(chain_hashes(radix.path_tokens(node), P)[-len(node.pages):])
+    return out
+
+
+def make(num_pages=17):
+    return Scheduler(num_pages=num_pages, page_size=P, max_running_requests=4, max_num_batched_tokens=64,
+                     chunked_prefill_size=64, max_context_len=256, eos_token_ids=(2,))
+
+
+def run(s, rid, tokens, max_tokens=3):
+    s.add_request(Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    while s.has_work():
+        plan = s.schedule()
+        res = StepResult(plan.step_id)
+        for r in plan.reqs:
+            if r.sample:
+                res.sampled_rids.append(r.rid)
+                res.next_token_ids.append(7)
+                res.logprobs.append(None)
+        s.process_result(plan, res)
+
+
+def test_the_index_follows_the_radix_cache_through_inserts_evictions_and_resets():
+    s = make()
+    run(s, "warm", range(100, 121))  # cached before the log starts: in its first snapshot
+    log = KVEventLog(s.radix)
+    idx = KVIndex()
+    idx.apply(log.since(None, 0))
+    assert "snapshot" in log.since(None, 0) and idx.hashes == cached_hashes(s.radix) and idx.hashes
+    shared = list(range(500, 520))
+    for i, tail in enumerate([[1, 2, 3, 4, 5], [9, 9, 9, 9, 9, 9, 9, 9], list(range(300, 330)), [4] * 13]):
+        run(s, f"r{i}", shared + tail)  # 16 usable pages: later ones evict earlier ones
+        reply = log.since(idx.epoch, idx.seq)
+        assert "events" in reply  # caught up with deltas, not a snapshot
+        idx.apply(reply)
+        assert idx.hashes == cached_hashes(s.radix)
+    assert "removed" in {kind for _, kind, _ in log._events}  # evictions happened
+    # A prompt's match in the index is what the radix cache would match.
+    prompt = shared + [4] * 13
+    assert idx.match(prompt) == s.radix.match_prefix(prompt).num_tokens > 0
+    # Dropping the whole tree starts a new epoch: the reader gets an empty snapshot.
+    s.radix.reset()
+    idx.apply(log.since(idx.epoch, idx.seq))
+    assert idx.hashes == set() and idx.match(prompt) == 0
+
+
+def test_a_reader_behind_the_retained_events_gets_a_snapshot():
+    s = make(num_pages=65)
+    log = KVEventLog(s.radix, max_events=2)
+    idx = KVIndex()
+    idx.apply(log.since(None, 0))
+    for i in range(4):
+        run(s, f"r{i}", range(1000 * i, 1000 * i + 9))
+    reply = log.since(idx.epoch, idx.seq)
+    assert "snapshot" in reply  # 4 batches happened, 2 retained
+    idx.apply(reply)
+    assert idx.hashes == cached_hashes(s.radix) and len(idx.hashes) == 8
+
+
+class _Actor:
+    pass
+
+
+def router_with(policy="cache_aware", **kw) -> Router:
+    r = Router(RouterOptions(policy=policy, **kw), None, tokenizer=None, model_name="m",
+               max_context_len=4096, vocab_size=32000)
+    for name in ("a", "b"):
+        r.add_replica(name, _Actor())
+    return r
+
+
+def test_cache_aware_routes_on_fresh_events_and_falls_back_to_its_memory_when_they_lag():
+    prompt = list(range(64))
+    r = router_with()
+    a, b = r.replicas["a"], r.replicas["b"]
+    a.tree.insert(prompt)  # the router sent it to a once ...
+    for h, cached in ((a, []), (b, prompt)):  # ... but a evicted it, and b has it cached
+        h.kv_index.apply({"epoch": "e", "seq": 1, "block": 16, "snapshot": chain_hashes(cached, 16)})
+    assert r.cached_prefix(a, prompt) == (0, "events") and r.cached_prefix(b, prompt) == (64, "events")
+    assert r.choose(prompt).name == "b"
+    for h in (a, b):
+        h.kv_index.updated = time.monotonic() - 10  # the events stopped coming
+    assert r.cached_prefix(a, prompt) == (64, "tree") and r.choose(prompt).name == "a"
+    off = router_with(kv_events=False)
+    off.replicas["a"].tree.insert(prompt)
+    off.replicas["b"].kv_index.apply({"epoch": "e", "seq": 1, "block": 16, "snapshot": chain_hashes(prompt, 16)})
+    assert off.choose(prompt).name == "a"  # --no-router-kv-events: the memory alone
+
+
+@pytest.mark.parametrize("block", [16, 4])
+def test_index_match_uses_the_replicas_page_size(block):
+    prompt = list(range(40))
+    idx = KVIndex()
+    idx.apply({"epoch": "e", "seq": 3, "block": block, "snapshot": chain_hashes(prompt[:32], block)})
+    assert idx.match(prompt) == 32 and idx.match(prompt[:20] + [0] * 20) == 20 - 20 % block
+
+
+@pytest.mark.slow
+def test_router_learns_each_replicas_cache_from_its_events_through_ray(tmp_path_factory):
+    """Two real replicas on Ray: the replica that served a prompt reports its pages, the other
+    reports none, the router's index says so within a stats poll, a repeat of the prompt goes
+    to the replica that holds it, and the routed hit is counted by source."""
+    import asyncio
+
+    import ray
+
+    from cluster.api.metrics import ServerMetrics
+    from cluster.engine.config import EngineConfig
+    from cluster.launch import ClusterOptions, ServingCluster
+    from tests.fixtures import tiny_model_dir
+    from tests.test_engine import greedy
+
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, namespace="manta-kv-events")
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    metrics = ServerMetrics()
+    cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d), page_size=4), replicas=2,
+                                            router=RouterOptions(stats_interval_s=0.2)), metrics)
+    router = cluster.start()
+    prompt = list(range(10, 70))  # 60 tokens: 14 whole pages before the last token
+
+    async def generate(tokens):
+        return [out async for out in router.generate_stream(tokens, greedy(2))]
+
+    async def scenario():
+        await router.start()
+        first = (await generate(prompt))[-1]
+        served = router.replicas[first.replica]
+        other = next(h for h in router.replicas.values() if h is not served)
+        deadline = time.monotonic() + 10
+        while router.cached_prefix(served, prompt)[0] < 56 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        seen = router.cached_prefix(served, prompt), router.cached_prefix(other, prompt)
+        again = (await generate(prompt))[-1]
+        await router.poll_once()
+        return first, seen, again, metrics.render().decode()
+
+    try:
+        first, (on_served, on_other), again, exported = asyncio.run(scenario())
+    finally:
+        asyncio.run(router.aclose())
+        cluster.shutdown()
+        ray.shutdown()
+    assert first.finish_reason == "length" and again.finish_reason == "length"
+    assert on_served[0] >= 56 and on_served[1] == "events"
+    assert on_other == (0, "events")  # the other replica's events say it holds none of it
+    assert again.replica == first.replica and again.cached_tokens >= 56
+    hit = f'manta:router_prefix_hit_tokens_total{{replica="{first.replica}",source="events"}}'
+    assert hit in exported and float(exported.split(hit)[1].split()[0]) >= 56
+    assert "manta:router_kv_event_lag_seconds" in exported
