@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from cluster.engine.kv_offload import LOAD_PHASES, SchedulerKVOffload
+from cluster.engine.kv_offload import SchedulerKVOffload
+from cluster.engine.kv_store_judge import LOAD_PHASES
 from cluster.engine.request import Request
 from cluster.engine.scheduler import Scheduler
 from kvstore.keys import chain_keys
@@ -349,7 +350,7 @@ def test_store_is_bypassed_when_loaded_requests_get_later_first_tokens(load_ttft
         computed = req(f"c{i}", 41)
         off.note_first_token(computed, 0.05)  # 41 tokens in 50 ms: 820 tokens/s
         loaded = req(f"l{i}", 41)
-        off._loaded_by[loaded.rid] = (40, None)  # as `admitted` records it
+        off.judge.loaded(loaded.rid, 40)  # as `admitted` records it
         off.note_first_token(loaded, load_ttft_s)
     assert off.counters()["ttft_tokens_per_s_computed"] == pytest.approx(820)
     assert off.counters()["bypassing"] is bypass
@@ -357,4 +358,4 @@ def test_store_is_bypassed_when_loaded_requests_get_later_first_tokens(load_ttft
     plan = s.schedule()
     assert bool(plan.kv_prefetch) is not bypass and off.stats.bypassed == int(bypass)
     assert off.in_store["r"] == 10  # looked up either way: what the store holds is never saved again
-    assert not off._loaded_by  # every sample taken once
+    assert not off.judge._loaded  # every sample taken once

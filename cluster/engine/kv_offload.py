@@ -54,14 +54,8 @@ Saving pages (the write policy, when device pages get a copy in the host tier an
 The store down, slow or full never stops serving or holds a step: the probe is read without
 waiting, the ranks drop saves their host tier has no room for, a failed or slow probe pauses
 probing for `backoff_s`, and a load that finds nothing admits the request with its radix
-match only. A store slower than recompute is bypassed. What a load must beat is the first token a user
-would otherwise get, so both paths are judged by their requests' time to first token per
-prompt token (measured as the replica runs, arrival to first token: queueing included):
-requests that loaded most of their prompt against requests that computed it. When loading
-has been the slower path, requests are not set aside for `BYPASS_S`, then the store is tried
-again. (A throughput comparison — the store's bandwidth against the GPU's prefill rate —
-bypassed a store that halved TTFT under load: an H100 prefills an 8B model's tokens faster
-than the store moves their 128 KiB each, but a loaded request skips the queue for prefill.)
+match only. A store slower than recompute is bypassed (`cluster/engine/kv_store_judge.py`
+judges by time to first token, what users see).
 """
 
 from __future__ import annotations
@@ -72,6 +66,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES
+from cluster.engine.kv_store_judge import StoreJudge
 from kvstore.messages import STORE_NAME
 from workers.kv_messages import KVLoad, KVPrefetch, KVSave
 
@@ -84,13 +79,10 @@ MIN_LOAD_TOKENS = 16  # a store load costs two extra steps: skip shorter ones
 MIN_PAGE_TOKENS = 16
 WAIT_COMPLETE_CAP_S = 60.0  # wait_complete still gives up after this long
 PROBE_WAIT_S = 0.1  # a store lookup not answered by then is a miss (and probing pauses)
-BYPASS_S = 30.0  # a store slower than recompute is not used for this long, then tried again
-RATE_SAMPLES = 3  # first tokens measured on each path before the store may be bypassed
 DRAIN_CHUNK_PAGES = 64  # pages per drain order at shutdown
 # Requests loading from the store at once: beyond that the store's pipeline (each rank's I/O
 # threads) is busy and one more would queue behind the others; it is computed instead.
 MAX_LOADING = 4
-LOAD_PHASES = ("to_set_aside", "prefetch", "to_admission", "to_load_result", "to_first_token")
 WRITE_BACK = ("write_back", "write_back_selective")  # policies that save on eviction and at shutdown
 SELECTIVE = ("write_through_selective", "write_back_selective")  # policies that save hot pages
 
@@ -145,20 +137,6 @@ class _Loading:
     loaded_at: float = 0.0  # the result of the plan that carried the load came back
 
 
-class _Rate:
-    """Tokens per second, averaged (exponentially) over the last few measurements."""
-
-    def __init__(self) -> None:
-        self.value, self.samples = 0.0, 0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
-            return
-        rate = tokens / seconds
-        self.value = rate if self.samples == 0 else 0.7 * self.value + 0.3 * rate
-        self.samples += 1
-
-
 class SchedulerKVOffload:
     """Attached to one `Scheduler` (sets `scheduler.kv_offload`). Every method runs under the
     engine's lock; none waits on the store (lookups are sent by `on_arrival` and read by
@@ -200,15 +178,7 @@ class SchedulerKVOffload:
         self.in_store: dict[str, int] = {}  # rid -> leading pages its lookup found in the store (never saved again)
         self._prefetch: list[KVPrefetch] = []
         self._skip_until = 0.0
-        self._bypass_until = 0.0
-        # Prompt tokens per second of time to first token: requests that loaded from the store;
-        # requests that computed their prompt (`note_first_token`).
-        self.load_rate, self.compute_rate = _Rate(), _Rate()
-        self._loaded_by: dict[str, tuple[int, _Loading]] = {}  # rid -> (prompt tokens it loaded, its load)
-        # Where a load's time goes, summed over loads (ms): waiting to be set aside, the
-        # prefetch until its stop, the wait for admission, the step that loads and admits it
-        # (until its result), then to the first token.
-        self.load_phases: dict[str, list[float]] = {k: [0.0, 0] for k in LOAD_PHASES}
+        self.judge = StoreJudge(self.min_pages * self.P)  # store or recompute, by time to first token
         self.stats = KVOffloadStats()
         self.poller = None  # the replica's stats poller (cluster/kv_store_setup.py)
         scheduler.kv_offload = self
@@ -234,23 +204,8 @@ class SchedulerKVOffload:
         self.probes[req.rid] = self.probe.start(self._chain(req, n))
 
     def note_first_token(self, req, ttft_s: float) -> None:
-        """`req`'s first token came `ttft_s` after its arrival: a sample of the path its prompt
-        took (loaded from the store, or computed), which `_judge` compares."""
-        loaded, e = self._loaded_by.pop(req.rid, (0, None))
-        prompt = req.num_prompt_tokens
-        if prompt < self.min_pages * self.P or req.is_embedding or req.num_preemptions:
-            return
-        if e is not None:
-            marks = (req.arrival_time, e.started, e.requeued_at, e.admitted_at, e.loaded_at or e.admitted_at,
-                     req.arrival_time + ttft_s)
-            for name, a, b in zip(LOAD_PHASES, marks, marks[1:]):
-                self.load_phases[name][0] += (b - a) * 1e3
-                self.load_phases[name][1] += 1
-        if 2 * loaded >= prompt:
-            self.load_rate.add(prompt, ttft_s)
-            self._judge()
-        elif req.cached_tokens * 2 < prompt:
-            self.compute_rate.add(prompt, ttft_s)
+        """`req`'s first token came `ttft_s` after its arrival (the engine loop says)."""
+        self.judge.first_token(req, ttft_s)
 
     def set_aside(self, req) -> str:
         """A `Verdict` for admitting `req` now. SET_ASIDE: it left admission to have its prefix
@@ -268,7 +223,7 @@ class SchedulerKVOffload:
         errors = self.probe.counters.errors
         # While the store is bypassed its answers still say which pages it holds (those are
         # never saved again), but no request waits for one.
-        bypass = now < self._bypass_until
+        bypass = self.judge.bypassing(now)
         if pending.done():
             s = pending.pages()
             failed = self.probe.counters.errors > errors
@@ -364,7 +319,7 @@ class SchedulerKVOffload:
                 self.stats.loads += 1
                 self.stats.hit_pages += len(e.pages)
                 self.stats.loaded_tokens += len(e.pages) * self.P
-                self._loaded_by[req.rid] = (len(e.pages) * self.P, e)
+                self.judge.loaded(req.rid, len(e.pages) * self.P, e)
             else:  # set aside, yet admitted before its stop (never expected): end its prefetch
                 self._loads.append(KVLoad(req.rid, [], []))
         if self.write_policy in SELECTIVE and req.kv is not None:
@@ -495,16 +450,6 @@ class SchedulerKVOffload:
         req.error = "the KV store's pages for this prompt could not be loaded on every rank"
         self.sched.fail(req)
 
-    def _judge(self) -> None:
-        """Bypass the store while loading has given later first tokens than computing."""
-        if (self.load_rate.samples >= RATE_SAMPLES and self.compute_rate.samples >= RATE_SAMPLES
-                and self.load_rate.value < self.compute_rate.value):
-            logger.warning("KV store: requests that load their prompt get their first token at %.0f prompt "
-                           "tokens/s, those that compute it at %.0f: not using the store for %.0f s",
-                           self.load_rate.value, self.compute_rate.value, BYPASS_S)
-            self._bypass_until = time.monotonic() + BYPASS_S
-            self.load_rate = _Rate()  # measured afresh when the store is tried again
-
     def _sweep(self) -> None:
         """Forget requests that finished (aborted) while set aside or requeued (the ranks
         cancel their prefetches), and loads whose step's result never came (the step failed:
@@ -518,8 +463,7 @@ class SchedulerKVOffload:
             if e.load_step < self.sched._step_id:  # its result came (and removed it) or never will
                 del self.inflight[rid]
         live = self.sched.requests
-        for rid in [r for r in self._loaded_by if r not in live]:  # ended before a first token
-            del self._loaded_by[rid]
+        self.judge.forget(live)
         for rid in [r for r in self.probed if r not in live and r not in self.loading]:
             self.probed.discard(rid)
             self.chains.pop(rid, None)
@@ -540,9 +484,7 @@ class SchedulerKVOffload:
         probe = self.probe.counters
         return {"layout": self.layout, "write_policy": self.write_policy, "prefetch_policy": self.prefetch_policy,
                 **asdict(self.stats), "probe_errors": probe.errors,
-                "ttft_tokens_per_s_loaded": self.load_rate.value, "ttft_tokens_per_s_computed": self.compute_rate.value,
-                "bypassing": time.monotonic() < self._bypass_until,
-                "load_phase_ms": {k: round(t / n, 1) for k, (t, n) in self.load_phases.items() if n}}
+                **self.judge.counters()}
 
 
 class _Orders:
