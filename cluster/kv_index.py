@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from cluster.engine.block_hash import chain_hashes
+from cluster.engine.block_hash import cached_prefix_tokens
 from cluster.engine.kv_events import REMOVED, STORED
 
 
@@ -42,9 +42,4 @@ class KVIndex:
 
     def match(self, tokens: list[int]) -> int:
         """Tokens of the longest prefix of `tokens` whose blocks the replica has cached."""
-        n = 0
-        for h in chain_hashes(tokens, self.block) if self.block else ():
-            if h not in self.hashes:
-                break
-            n += self.block
-        return n
+        return cached_prefix_tokens(tokens, self.block, self.hashes) if self.block else 0

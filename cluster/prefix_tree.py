@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from cluster.engine.block_hash import chain_hashes
+from cluster.engine.block_hash import cached_prefix_tokens, chain_hashes
 
 
 class PrefixTree:
@@ -36,24 +36,16 @@ class PrefixTree:
         """Tokens remembered."""
         return len(self._lru) * self.block
 
-    def _chain(self, tokens: list[int]) -> list[int]:
-        return chain_hashes(tokens, self.block)
-
     def match(self, tokens: list[int]) -> int:
         """Length of the longest remembered prefix of `tokens` (whole blocks)."""
-        n = 0
-        for h in self._chain(tokens):
-            if h not in self._lru:
-                break
-            n += self.block
-        return n
+        return cached_prefix_tokens(tokens, self.block, self._lru)
 
     def insert(self, tokens: list[int]) -> None:
         """Remember `tokens`' prefix blocks as just used; evict the least recently used blocks
         beyond the budget. A prefix is refreshed after its longer continuations, so eviction
         takes the tails of prompts before the prefixes they share."""
         lru = self._lru
-        for h in reversed(self._chain(tokens)):
+        for h in reversed(chain_hashes(tokens, self.block)):
             lru[h] = None
             lru.move_to_end(h)
         while len(lru) > self.max_blocks:

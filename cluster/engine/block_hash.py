@@ -15,3 +15,14 @@ def chain_hashes(tokens: list[int] | tuple[int, ...], block: int, parent: int = 
         h = hash((h, *tokens[i : i + block]))
         out.append(h)
     return out
+
+
+def cached_prefix_tokens(tokens: list[int], block: int, held) -> int:
+    """Tokens of the longest prefix of `tokens` whose block hashes are all in `held` (any
+    container of hashes: a set, a dict, an LRU)."""
+    n = 0
+    for h in chain_hashes(tokens, block):
+        if h not in held:
+            break
+        n += block
+    return n

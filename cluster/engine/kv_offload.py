@@ -124,9 +124,8 @@ class _Loading:
     s: int  # leading pages every rank's keys were in the store for, when probed (> m)
     started: float
     deadline: float
-    executed: bool = False  # the prefetch order has run on the ranks
     ready: int = 0  # pages past m that every rank holds, as last reported
-    reported: bool = False  # a progress report has come back
+    reported: bool = False  # a progress report has come back (the ranks run the prefetch)
     finished: bool = False  # every rank's read has ended
     queued: bool = False  # back in the waiting queue: admitted with its load
     base: int = 0  # at admission: the radix pages matched then (the load's pages follow them)
@@ -270,7 +269,7 @@ class SchedulerKVOffload:
         admitted with their loads (`extend`)."""
         self._sweep()
         now = time.monotonic()
-        stop = [e for e in self.loading.values() if not e.queued and e.executed and self._should_stop(e, now)]
+        stop = [e for e in self.loading.values() if not e.queued and e.reported and self._should_stop(e, now)]
         for e in reversed(stop):
             e.queued, e.requeued_at = True, now
             if not e.finished:
@@ -380,10 +379,6 @@ class SchedulerKVOffload:
         return _Orders(saves, prefetch, loads)
 
     def on_result(self, plan, result) -> None:
-        for pre in plan.kv_prefetch:
-            e = self.loading.get(pre.rid)
-            if e is not None:
-                e.executed = True
         for rid, (ready, ended) in result.kv_prefetched.items():
             e = self.loading.get(rid)
             if e is not None:
@@ -428,7 +423,7 @@ class SchedulerKVOffload:
 
     def _should_stop(self, e: _Loading, now: float) -> bool:
         if self.prefetch_policy == "best_effort":
-            return e.reported
+            return True  # what the first report said the ranks hold
         if self.prefetch_policy == "wait_complete":
             return e.finished or now - e.started > WAIT_COMPLETE_CAP_S
         return e.finished or now >= e.deadline
