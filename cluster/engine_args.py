@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
+    p.add_argument("--mixed-prefill-tokens", type=int, default=EngineConfig.mixed_prefill_tokens,
+                   help="most prompt tokens a step computes while requests are decoding, so that their next "
+                        "tokens never wait on a burst of prompts (0: only --max-num-batched-tokens bounds them)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--attention-backend", default="flash", choices=["flash", "reference", "mla"],
                    help="flash: MHA/GQA and MLA models (kernels chosen at start-up); reference: the torch "
@@ -69,7 +72,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_ARG_NAMES = (
     "tokenizer", "served_model_name", "device", "dtype", "tp_size", "page_size", "kv_cache_tokens",
     "mem_fraction", "gpus_per_rank", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
-    "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len", "max_waiting",
+    "mixed_prefill_tokens", "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len",
+    "max_waiting",
     "disable_cuda_graph", "disable_overlap_schedule", "speculative_draft_model", "speculative_num_tokens",
 )
 

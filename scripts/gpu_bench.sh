@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs quoted in BENCHMARKS.md, on a device with torch + triton + transformers
-# (no install: run from the repository root). Stages: build tests sweep gemv profile l8 l8ab l8serial l8serve dsv2 spec specid
+# (no install: run from the repository root). Stages: build tests sweep gemv profile l8 l8ab l8serial l8serve l8mix
+# l8mixprof dsv2 spec specid
 # l8tp2 dsv2tp2 compiles, and the product path through `manta serve` (Ray, router, HTTP, KV store; needs Ray, NIXL
 # and FastAPI on PYTHONPATH: ../shared/gpu/README.md): l8http (store on: a cold run, then the server restarted and the
 # same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2, two GPUs).
-# (default: all but l8serial, the two-GPU l8tp2 dsv2tp2 and the l8http* stages). Each writes JSON to ${OUT:-/tmp/out};
+# (default: build tests profile l8 l8serve dsv2 spec). Each writes JSON to ${OUT:-/tmp/out};
 # models are built once under /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -87,6 +88,14 @@ for s in $stages; do
     l8serial) build /tmp/l8 --preset llama-3.1-8b
         $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --disable-overlap-schedule \
           --out "$OUT/l8_latency_no_overlap.json" ;;
+    l8mixprof) build /tmp/l8 --preset llama-3.1-8b  # MIXED steps: 192 decodes + one new prompt of N tokens
+        for n in ${MIX_PROFILE:-256 512 1024}; do
+          python3 scripts/profile_decode.py /tmp/l8 192 --input-len 1024 --prefill "$n" --steps 20 \
+            --out "$OUT/l8_profile_mixed_p$n.json" 2>&1 | grep -v Warning | head -16; done ;;
+    l8mix) build /tmp/l8 --preset llama-3.1-8b  # the serve workload by prompt tokens allowed beside decodes
+        for m in ${MIX:-0 512 768 1024}; do echo "--- mixed-prefill-tokens $m"
+          $M bench serve --model /tmp/l8 $F --mixed-prefill-tokens "$m" --num-prompts 200 --input-len 1024 \
+            --output-len 1024 --request-rate 16 --out "$OUT/l8_serve_mix$m.json" 2>&1 | grep -v "INFO\|Warning"; done ;;
     l8serve) build /tmp/l8 --preset llama-3.1-8b
         $M bench serve --model /tmp/l8 $F --num-prompts 200 --input-len 1024 --output-len 1024 \
           --request-rate 16 --out "$OUT/l8_serve.json" ;;

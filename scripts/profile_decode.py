@@ -2,7 +2,13 @@
 and the GPU's kernels over a window of steady-state steps (busy time, the gaps between
 kernels, the kernels by total time).
 
-    python3 scripts/profile_decode.py MODEL_DIR [BATCH] [--out FILE.json]
+    python3 scripts/profile_decode.py MODEL_DIR [BATCH] [--prefill N] [--out FILE.json]
+
+--prefill N profiles MIXED steps instead: before each profiled step a new N-token prompt
+(max_tokens 1) joins the BATCH decoding requests, so every step computes N prompt tokens beside
+the decodes, eagerly. The GPU's busy time against the step's wall time says whether such a step
+is bound by the device (kernels) or by the host (launches, preparation): piecewise graphs only
+pay for the latter.
 
 Under programmatic dependent launch (`attention/pdl.py`, on by default on Hopper) a
 kernel starts before its predecessor ends, so per-kernel times overlap and add up to more than
@@ -70,21 +76,39 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("batch", type=int, nargs="?", default=1)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--input-len", type=int, default=512, help="the decoding requests' prompt length")
+    ap.add_argument("--prefill", type=int, default=0, help="a new prompt of this many tokens in every step")
     ap.add_argument("--out")
     a = ap.parse_args()
-    engine = Engine(EngineConfig(model=a.model, device="cuda", page_size=16, max_context_len=4096, mem_fraction=0.5))
+    engine = Engine(EngineConfig(model=a.model, device="cuda", page_size=16, max_context_len=4096, mem_fraction=0.5,
+                                 chunked_prefill_size=max(2048, a.prefill), mixed_prefill_tokens=0))
     runner = engine.workers.runner
-    prompts = [[5 + (i * 7 + j) % 800 for j in range(512)] for i in range(a.batch)]
-    params = SamplingParams(max_tokens=a.steps + 40, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + (i * 7 + j) % 800 for j in range(a.input_len)] for i in range(a.batch)]
+    params = SamplingParams(max_tokens=a.steps + 60, temperature=0.0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params, lambda out: None)
-    for _ in range(20):  # prefill and warm-up
+    once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    fresh = iter(range(1, 1 << 30))
+    vocab = engine.model_config.vocab_size
+
+    def step() -> None:
+        if a.prefill:  # a prompt no earlier one shares a page with (no prefix-cache hit)
+            k = next(fresh)
+            engine.add_request([(k * 131 + j * 17) % (vocab - 5) + 5 for j in range(a.prefill)], once, lambda out: None)
         engine.step()
+
+    sched = engine.scheduler
+    while sched.waiting or any(not r.output_ids for r in sched.running):  # the batch's prefill
+        engine.step()
+    for _ in range(10):  # warm-up
+        engine.step()
+    for _ in range(10):
+        step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(a.steps):
-            engine.step()
+            step()
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3
     iv = kernel_intervals(prof)
@@ -108,13 +132,14 @@ def main() -> None:
         graph_ms = s.elapsed_time(e) / 20
     n = a.steps
     report = {
-        "batch": a.batch, "steps": n, "wall_ms_per_step": wall_ms / n,
+        "batch": a.batch, "prefill": a.prefill, "steps": n, "wall_ms_per_step": wall_ms / n,
         "gpu_span_ms_per_step": span_us / 1e3 / n, "gpu_busy_ms_per_step": busy_us / 1e3 / n,
         "gpu_kernels_per_step": len(iv) / n, "graph_replay_alone_ms": graph_ms,
         "layer": layer_breakdown(iv),
         "kernels": sorted(([k, c / n, t / 1e3 / n] for k, (c, t) in by_name.items()), key=lambda x: -x[2])[:30],
     }
-    print(f"batch {a.batch}: step (profiled) {wall_ms / n:.3f} ms; GPU busy {busy_us / 1e3 / n:.3f} ms of "
+    print(f"batch {a.batch}{f' + a {a.prefill}-token prompt' if a.prefill else ''}: step (profiled) "
+          f"{wall_ms / n:.3f} ms; GPU busy {busy_us / 1e3 / n:.3f} ms of "
           f"{span_us / 1e3 / n:.3f} ms span per step, {len(iv) / n:.0f} kernels/copies per step; "
           f"graph replay alone {graph_ms if graph_ms is None else round(graph_ms, 3)} ms")
     print(f"{'kernel':90s} {'per step':>8s} {'ms/step':>8s}")

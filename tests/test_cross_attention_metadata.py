@@ -196,6 +196,15 @@ def test_encoder_pages_reserved_before_decoder_and_counted_in_budget():
     assert s.allocator.num_free == s.allocator.num_total
 
 
+def test_an_encoder_longer_than_the_prompt_cap_still_gets_a_step():
+    s = scheduler(mixed_prefill_tokens=4)
+    s.add_request(encdec("a", 10, max_tokens=8))
+    step(s)
+    s.add_request(encdec("b", 13))  # its encoder runs whole: more than the 4 tokens beside a's decode
+    plan = step(s)
+    assert [r.rid for r in plan.reqs] == ["a", "b"] and plan.reqs[1].encoder_len == 13
+
+
 def test_preempted_request_frees_and_recomputes_its_encoder():
     s = scheduler(num_pages=9, max_num_batched_tokens=64)  # 8 pages of 4 tokens
     s.add_request(encdec("a", 9, max_tokens=6))  # 3 encoder pages + decoder pages

@@ -75,6 +75,34 @@ def test_mixed_batch_and_budget():
     assert [(r.rid, len(r.input_ids)) for r in plan.reqs] == [("a", 1), ("b", 14)]
 
 
+def test_prompt_tokens_beside_decodes_are_capped_continued_chunks_first():
+    s = make_scheduler(max_num_batched_tokens=64, mixed_prefill_tokens=10)
+    s.add_request(req("a", 8, max_tokens=20))
+    s.add_request(req("b", 30, max_tokens=20, first=200))
+    plan, _ = run_step(s)  # nothing decodes yet: the whole budget (one chunk each)
+    assert [(r.rid, len(r.input_ids)) for r in plan.reqs] == [("a", 8), ("b", 16)]
+    s.add_request(req("c", 12, max_tokens=20, first=300))
+    plan, _ = run_step(s)  # a decodes: b's next chunk takes the 10 prompt tokens, c waits
+    assert plan.mode == ForwardMode.MIXED
+    assert [(r.rid, len(r.input_ids)) for r in plan.reqs] == [("a", 1), ("b", 10)]
+    plan, _ = run_step(s)  # b's last 4, then c gets the rest of the room
+    assert [(r.rid, len(r.input_ids)) for r in plan.reqs] == [("a", 1), ("b", 4), ("c", 6)]
+    plan, _ = run_step(s)
+    assert [(r.rid, len(r.input_ids)) for r in plan.reqs] == [("a", 1), ("b", 1), ("c", 6)]
+    assert plan.reqs[2].sample
+    plan, _ = run_step(s)
+    assert plan.mode == ForwardMode.DECODE and len(plan.reqs) == 3
+
+
+def test_prompt_cap_leaves_unchunked_prompts_whole():
+    s = make_scheduler(chunked_prefill_size=-1, mixed_prefill_tokens=4)
+    s.add_request(req("a", 8, max_tokens=20))
+    run_step(s)
+    s.add_request(req("b", 30, max_tokens=20, first=200))
+    plan, _ = run_step(s)  # chunking off: a prompt cannot wait for a step that never comes
+    assert [(r.rid, len(r.input_ids)) for r in plan.reqs] == [("a", 1), ("b", 30)]
+
+
 def test_finish_on_length_eos_and_stop_token():
     s = make_scheduler()
     s.add_request(req("len", 5, max_tokens=2))

@@ -258,7 +258,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _print_table(f"serve: {args.num_prompts} x ({args.input_len} in, {args.output_len} out) at "
                      f"{args.request_rate} req/s ({'HTTP ' + args.url if args.url else 'in-process engine'})",
                      [(k, v) for k, v in res.items() if k != "steps"]
-                     + [(f"{k}: steps / mean ms / s", f"{v['steps']} / {v['mean_ms']:.2f} / {v['total_s']:.2f}")
+                     + [(f"{k}: steps / mean ms / p99 ms / s",
+                          f"{v['steps']} / {v['mean_ms']:.2f} / {v['p99_ms']:.2f} / {v['total_s']:.2f}")
                         for k, v in res.get("steps", {}).items()])
     elif args.mode == "latency":
         engine = Engine(config)

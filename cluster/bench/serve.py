@@ -83,10 +83,12 @@ def summarize_steps(trace: list[tuple[float, float, str, int, int]]) -> dict:
         if mode == "DECODE":
             key = f"DECODE batch {'<=32' if reqs <= 32 else '33-128' if reqs <= 128 else '>128'}"
         else:
-            key = f"{mode} {'<=512' if tokens - reqs <= 512 else '>512'} prefill tokens"
+            prompt = tokens - reqs  # about: each decode row is one token
+            bound = next((b for b in (256, 512, 1024, 2048) if prompt <= b), None)
+            key = f"{mode} {f'<={bound}' if bound else '>2048'} prefill tokens"
         groups.setdefault(key, []).append(t - max(t_prev, start))
-    return {k: {"steps": len(v), "mean_ms": 1e3 * statistics.mean(v), "total_s": sum(v)}
-            for k, v in sorted(groups.items())}
+    return {k: {"steps": len(v), "mean_ms": 1e3 * statistics.mean(v), "p99_ms": 1e3 * _pct(v, 0.99),
+                "total_s": sum(v)} for k, v in sorted(groups.items())}
 
 
 async def _arrivals(n: int, rate: float, seed: int):

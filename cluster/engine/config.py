@@ -44,6 +44,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     # Longest prefill piece per request per step; -1 disables chunking (whole prompt at once).
     chunked_prefill_size: int = 2048
+    # Most prompt tokens a step computes while requests are decoding (stall-free mixing:
+    # cluster/engine/scheduler.py); 0: only max_num_batched_tokens bounds them.
+    mixed_prefill_tokens: int = 768
     disable_radix_cache: bool = False
     attention_backend: str = "flash"
     is_embedding: bool = False
@@ -92,6 +95,8 @@ class EngineConfig:
             bad("chunked_prefill_size", "must be -1 (off) or >= 1")
         if self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", "must be >= 1")
+        if self.mixed_prefill_tokens < 0:
+            bad("mixed_prefill_tokens", "must be >= 0 (0: no cap beside decodes)")
         if self.max_running_requests < 1:
             bad("max_running_requests", "must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2 * self.page_size:

@@ -8,6 +8,13 @@ into what budget and KV memory remain. A request whose piece reaches the end of 
 sampled. Prefill chunks and decodes share one batch (MIXED); a batch of only one-token pieces
 is DECODE, one without any is EXTEND.
 
+Stall-free mixing: while requests are decoding, a step computes at most
+`mixed_prefill_tokens` prompt tokens (continued chunks first, then admissions), so that every
+decoding request's next token waits for a step whose length is bounded, not for whatever burst
+of prompts arrived (a step with 8 x 1,024 new prompt tokens beside 200 decodes runs ~200 ms on
+an H200, and each of the 200 streams sees that gap). With nothing decoding the whole budget
+goes to prefill. docs/architecture.md says how the default was measured.
+
 Guarantees:
 - KV pages are reserved before a plan leaves the scheduler; a plan never refers to a page
   another request owns.
@@ -96,11 +103,14 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         disable_radix_cache: bool = False,
         max_waiting: int = 0,
+        mixed_prefill_tokens: int = 0,
     ):
         self.page_size = page_size
         self.max_running = max_running_requests
         self.max_batched_tokens = max_num_batched_tokens
         self.chunk_size = chunked_prefill_size if chunked_prefill_size > 0 else None
+        # Prompt tokens a step computes beside decoding requests (0: no cap but the budget).
+        self.mixed_prefill_tokens = mixed_prefill_tokens if mixed_prefill_tokens > 0 else max_num_batched_tokens
         self.max_context_len = max_context_len
         self.eos_token_ids = set(eos_token_ids)
         self.max_waiting = max_waiting
@@ -181,6 +191,10 @@ class Scheduler:
         new_reqs: list[NewRequest] = []
         table_writes: list[tuple[int, int, list[int]]] = []
         share, counts, starved = self._fairness()
+        # Prompt tokens this step may compute (stall-free mixing: see the module docstring); a
+        # prompt that cannot be chunked takes what the budget holds.
+        capped = self.chunk_size is not None and any(self._decoding(r) for r in self.running)
+        prefill = room = self.mixed_prefill_tokens if capped else budget
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -188,8 +202,9 @@ class Scheduler:
             if req.pending and self._ends_by_length(req, len(req.output_ids)):
                 i += 1  # its last token is in flight: nothing more to compute
                 continue
-            n = self._piece(req, budget)
-            if n == 0:  # overlapped: an embedding's last piece is in flight; its result ends it
+            decoding = self._decoding(req)
+            n = self._piece(req, budget if decoding else min(budget, prefill))
+            if n == 0:  # overlapped: an embedding's last piece is in flight, or no prefill room left
                 i += 1
                 continue
             slots = self._reserve_or_preempt(req, n)
@@ -197,10 +212,13 @@ class Scheduler:
                 continue
             plan_reqs.append(self._scheduled(req, n, slots))
             budget -= n
+            if not decoding:
+                prefill -= n
             i += 1
 
         skip = 0  # waiting requests passed over this step (store lookup in flight, token in flight, over share)
-        while len(self.waiting) > skip and budget > 0 and len(self.running) < self.max_running and self._free_rows:
+        while len(self.waiting) > skip and min(budget, prefill) > 0 and len(self.running) < self.max_running \
+                and self._free_rows:
             req = self.waiting[skip]
             if req.pending:
                 skip += 1  # preempted with a token in flight: re-admit once it is known
@@ -219,7 +237,10 @@ class Scheduler:
                     continue
             if self.chunk_size is None and req.num_tokens > budget and plan_reqs:
                 break  # whole-prompt prefill must wait for a step with room
-            admitted = self._admit(req, budget)
+            # An encoder runs whole in its admitting step: one longer than the prefill room
+            # takes the step's budget while no other prompt tokens are in it.
+            enc_len = encdec.encoder_len(req)
+            admitted = self._admit(req, budget if enc_len >= prefill and prefill == room else min(budget, prefill))
             if admitted is None:
                 break
             del self.waiting[skip]
@@ -236,7 +257,8 @@ class Scheduler:
                            encoder_ids=req.encoder_ids)
             )
             plan_reqs.append(self._scheduled(req, n, slots))
-            budget -= n + encdec.encoder_len(req)  # the encoder runs whole in this step
+            budget -= n + enc_len  # the encoder runs whole in this step
+            prefill -= n + enc_len
 
         kv_orders = self.kv_offload.orders() if self.kv_offload is not None else None
         dropped, self._pending_drop = self._pending_drop, []
@@ -283,6 +305,10 @@ class Scheduler:
                 counts[over] -= 1
                 self.stats.fair_preemptions += 1
         return share, counts, starved
+
+    def _decoding(self, req: Request) -> bool:
+        """Everything but the last sampled token is cached: the request's next piece is a decode."""
+        return bool(req.output_ids) and req.num_computed == req.num_tokens - 1
 
     def _piece(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed, budget)

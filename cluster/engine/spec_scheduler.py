@@ -55,10 +55,6 @@ class SpecScheduler(Scheduler):
         self.draft_lens: dict[str, int] = {}
 
     # ---------------- planning ----------------
-    def _decoding(self, req: Request) -> bool:
-        """Everything but the last sampled token is cached: the request is ready for a round."""
-        return bool(req.output_ids) and req.num_computed == req.num_tokens - 1
-
     def _prefill_pending(self) -> bool:
         if any(not self._decoding(r) for r in self.running):
             return True
