@@ -12,6 +12,9 @@ What is left to choose is what a user or a benchmark needs:
   baseline a benchmark compares against).
 - `pdl` (`MANTA_PDL=0`): programmatic dependent launch of the decode kernels
   (`attention.pdl`); off for per-kernel times in a profile.
+- `mixed_split` (`MANTA_MIXED_SPLIT=0`): a MIXED step runs its decode rows through their CUDA
+  graph and its prompt pieces as a second, eager forward (`workers.pipeline`); off, the whole
+  step runs as one eager forward (the baseline).
 - `gemv_configs` (`MANTA_GEMV_CONFIGS="NxK:block_n,block_k,split_k,num_warps;..."`): launches to
   try for given product shapes (tuning).
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
@@ -34,11 +37,13 @@ GemvLaunch = tuple[int, int, int, int]  # block_n, block_k, split_k, num_warps
 class KernelOptions:
     one_row_gemv: bool = True
     pdl: bool = True
+    mixed_split: bool = True
     gemv_configs: tuple[tuple[str, GemvLaunch], ...] = ()  # ("NxK", launch)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:
         return cls(one_row_gemv=environ.get("MANTA_GEMV") != "0", pdl=environ.get("MANTA_PDL") != "0",
+                   mixed_split=environ.get("MANTA_MIXED_SPLIT") != "0",
                    gemv_configs=parse_gemv_configs(environ.get("MANTA_GEMV_CONFIGS", "")))
 
     def gemv_launch(self, n: int, k: int) -> GemvLaunch | None:
@@ -46,7 +51,8 @@ class KernelOptions:
         return next((launch for s, launch in self.gemv_configs if s == shape), None)
 
     def describe(self) -> str:
-        parts = [f"one-row GEMV {'on' if self.one_row_gemv else 'off'}", f"PDL {'on' if self.pdl else 'off'}"]
+        parts = [f"one-row GEMV {'on' if self.one_row_gemv else 'off'}", f"PDL {'on' if self.pdl else 'off'}",
+                 f"MIXED split {'on' if self.mixed_split else 'off'}"]
         if self.gemv_configs:
             parts.append("GEMV launches " + "; ".join(f"{s}:{','.join(map(str, c))}" for s, c in self.gemv_configs))
         return ", ".join(parts)

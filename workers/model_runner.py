@@ -7,6 +7,7 @@ which tokens go where was decided by the replica's scheduler.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -251,7 +252,11 @@ class ModelRunner:
             self._ready.append(self.drafter.verify(plan, t0, result))
             return
         fb = hidden = logits = None
-        if plan.mode != ForwardMode.IDLE and plan.reqs:
+        split = self._split_mixed(plan)
+        if split is not None:  # decode rows through their graph, prompt pieces eagerly
+            fb, logits = self.pipeline.forward_mixed(*split)
+            plan = dataclasses.replace(plan, reqs=split[0].reqs + split[1].reqs)  # the joined batch's row order
+        elif plan.mode != ForwardMode.IDLE and plan.reqs:
             fb = self.pipeline.inputs.from_plan(plan, is_embedding=any(r.rid in self.pooling_states for r in plan.reqs))
             hidden, logits = self.pipeline.forward(fb)
             if self.drafter is not None:  # the draft computes the same tokens into its own pool
@@ -261,6 +266,15 @@ class ModelRunner:
                           else _InFlight(plan, result, t0))
         if share_tokens and self._inflight.sampled and self._inflight.deferred is None:
             self._share_tokens()
+
+    def _split_mixed(self, plan: StepPlan):
+        """`ModelPipeline.split_mixed`, for a plan whose every row is sampled or not from its
+        last token alone: no draft model to follow it, no embedding, no prompt logprobs."""
+        if (self.drafter is not None or self.pooling_states
+                or any(s.params.prompt_logprobs is not None for s in (self.states.get(r.rid) for r in plan.reqs)
+                       if s is not None)):
+            return None
+        return self.pipeline.split_mixed(plan)
 
     def _share_tokens(self) -> None:
         if self.tp.size > 1:
@@ -323,7 +337,8 @@ class ModelRunner:
         same way (from the plan's sampling parameters)."""
         if self.pooling_states:
             self._pool(plan, hidden, result)
-        self._prompt_logprobs(plan, hidden, result)
+        if hidden is not None:  # (a split MIXED step has no prompt logprobs to compute)
+            self._prompt_logprobs(plan, hidden, result)
         sample_idx = [i for i, r in enumerate(plan.reqs) if r.sample and r.rid in self.states]
         inflight = _InFlight(plan, result, t0, sampled=bool(sample_idx))
         if sample_idx:

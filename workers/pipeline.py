@@ -6,6 +6,15 @@ executor choice, made here once: a decode batch that fits a captured graph repla
 (`workers.cuda_graph`), a speculative round's ragged batch replays the decode graphs as one row
 per token when its tokens fit, everything else runs eagerly over the same buffers.
 
+A MIXED step (prompt pieces beside decodes) runs as two forwards (`forward_mixed`): its
+one-token rows replay the decode graph of their batch size, then its prompt pieces run eagerly
+as an EXTEND batch. Profiled on an H100 (BENCHMARKS.md, "MIXED steps as a decode graph and a
+prefill"), one eager forward of 192 decodes + a 1,024-token prompt kept the GPU busy 42 ms of a
+60 ms span: the host, launching ~700 kernels and the decode rows' attention metadata, was the
+bottleneck, while the graph of those 192 decodes alone replays in 16.7 ms. Split, the prompt's
+launches overlap the graph's execution on the device; the price is one more pass over the
+weights (~5 ms of an 8B model's bf16 weights on an H100), paid only when prompts arrive.
+
 The target model is one instance (`workers.model_runner.ModelRunner.pipeline`); the draft model
 of speculative decoding is a second instance over the same request table
 (`workers.spec_runner.DraftRunner.pipeline`).
@@ -13,10 +22,13 @@ of speculative decoding is a second instance over the same request table
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
+
+from attention import kernel_options
 from workers.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from workers.forward_batch import ForwardBatch, ForwardMode
 from workers.input_batch import InputBatch
@@ -24,6 +36,7 @@ from workers.input_batch import InputBatch
 if TYPE_CHECKING:
     from attention.base import AttentionBackend
     from workers.memory_pool import KVPool, ReqToTokenPool
+    from workers.messages import StepPlan
 
 # Ragged modes that may run through the decode graphs as one row per token.
 _AS_DECODE_ROWS = (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)
@@ -62,6 +75,42 @@ class ModelPipeline:
                 return g.replay(self.inputs.decode_rows(fb))
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb.input_ids, fb.positions, fb), None
+
+    def split_mixed(self, plan: StepPlan) -> tuple[StepPlan, StepPlan] | None:
+        """A MIXED plan as (its one-token rows as a DECODE plan, its prompt pieces as an EXTEND
+        plan) when the one-token rows fit a decode graph; None: run it as one batch. A one-token
+        piece attends to its prefix and itself, as a decode does, whether or not it is sampled."""
+        g = self.graphs
+        if (g is None or self.is_encoder_decoder or not plan.mode.is_mixed()
+                or not kernel_options.current().mixed_split):
+            return None
+        rows = [r for r in plan.reqs if len(r.input_ids) == 1]
+        if not rows or len(rows) > g.max_bs or len(rows) == len(plan.reqs):
+            return None
+        prompts = [r for r in plan.reqs if len(r.input_ids) > 1]
+        return (dataclasses.replace(plan, mode=ForwardMode.DECODE, reqs=rows),
+                dataclasses.replace(plan, mode=ForwardMode.EXTEND, reqs=prompts))
+
+    def forward_mixed(self, decodes: StepPlan, prompts: StepPlan) -> tuple[ForwardBatch, torch.Tensor]:
+        """`split_mixed`'s two plans, the graph first (its launch is one call: the prompt's
+        batch is built and launched while the device runs it): (a batch of one row per request,
+        decode rows then prompt pieces, that `logits` reads as a decode batch; its logits)."""
+        fb_d = self.inputs.from_plan(decodes)
+        _, logits_d = self.forward(fb_d)
+        fb_p = self.inputs.from_plan(prompts)
+        hidden_p, _ = self.forward(fb_p)
+        assert fb_p.logits_indices is not None
+        logits = torch.cat([logits_d, self.model.compute_logits(hidden_p[fb_p.logits_indices])])
+        last = fb_p.logits_indices  # each prompt piece's last token stands for its request
+        seq_lens_cpu = torch.cat([fb_d.seq_lens_cpu, fb_p.seq_lens_cpu])
+        joined = self.inputs.decode(
+            input_ids=torch.cat([fb_d.input_ids, fb_p.input_ids[last]]),
+            positions=torch.cat([fb_d.positions, fb_p.positions[last]]),
+            rows=torch.cat([fb_d.req_pool_indices, fb_p.req_pool_indices]),
+            seq_lens=torch.cat([fb_d.seq_lens, fb_p.seq_lens]), seq_lens_cpu=seq_lens_cpu.tolist(),
+            slots=torch.cat([fb_d.out_cache_loc, fb_p.out_cache_loc[last]]))
+        joined.logits_indices = torch.arange(joined.batch_size, device=logits.device)
+        return joined, logits
 
     def logits(self, fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor | None,
                rows: torch.Tensor | None = None) -> torch.Tensor:
