@@ -45,8 +45,10 @@ class EngineConfig:
     # Longest prefill piece per request per step; -1 disables chunking (whole prompt at once).
     chunked_prefill_size: int = 2048
     # Most prompt tokens a step computes while requests are decoding (stall-free mixing:
-    # cluster/engine/scheduler.py); 0: only max_num_batched_tokens bounds them.
-    mixed_prefill_tokens: int = 768
+    # cluster/engine/scheduler.py); 0: only max_num_batched_tokens bounds them. Off by default:
+    # measured, a cap shortens the tail of the gaps between tokens at a cost in throughput
+    # (BENCHMARKS.md, "MIXED steps as a decode graph and a prefill").
+    mixed_prefill_tokens: int = 0
     disable_radix_cache: bool = False
     attention_backend: str = "flash"
     is_embedding: bool = False
