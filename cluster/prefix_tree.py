@@ -13,6 +13,7 @@ full (200k nodes), stalling every stream the server was sending.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 from cluster.engine.block_hash import cached_prefix_tokens, chain_hashes
@@ -25,7 +26,8 @@ class PrefixTree:
     def __init__(self, max_tokens: int = 200_000, block: int = 16):
         self.block = block
         self.max_blocks = max(1, max_tokens // block)
-        self._lru: OrderedDict[int, None] = OrderedDict()  # chained block hash, least recent first
+        # Chained block hash -> when it was last routed (monotonic s), least recent first.
+        self._lru: OrderedDict[int, float] = OrderedDict()
 
     @property
     def max_tokens(self) -> int:
@@ -40,13 +42,24 @@ class PrefixTree:
         """Length of the longest remembered prefix of `tokens` (whole blocks)."""
         return cached_prefix_tokens(tokens, self.block, self._lru)
 
-    def insert(self, tokens: list[int]) -> None:
-        """Remember `tokens`' prefix blocks as just used; evict the least recently used blocks
-        beyond the budget. A prefix is refreshed after its longer continuations, so eviction
-        takes the tails of prompts before the prefixes they share."""
-        lru = self._lru
+    def match_since(self, tokens: list[int], since: float) -> int:
+        """Like `match`, counting only blocks routed at or after `since` (monotonic s): what a
+        replica's KV events may not show yet, its prefill still running or not yet pulled."""
+        n = 0
+        for h in chain_hashes(tokens, self.block):
+            t = self._lru.get(h)
+            if t is None or t < since:
+                break
+            n += self.block
+        return n
+
+    def insert(self, tokens: list[int], at: float | None = None) -> None:
+        """Remember `tokens`' prefix blocks as used now (or at monotonic time `at`); evict the
+        least recently used blocks beyond the budget. A prefix is refreshed after its longer
+        continuations, so eviction takes the tails of prompts before the prefixes they share."""
+        lru, now = self._lru, time.monotonic() if at is None else at
         for h in reversed(chain_hashes(tokens, self.block)):
-            lru[h] = None
+            lru[h] = now
             lru.move_to_end(h)
         while len(lru) > self.max_blocks:
             lru.popitem(last=False)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -149,9 +150,12 @@ class Router:
 
     def cached_prefix(self, h: ReplicaHandle, tokens: list[int]) -> tuple[int, str]:
         """(tokens of `tokens`' prefix replica h has cached, where that came from: "events"
-        while its KV index is fresh, else "tree", the approximate memory)."""
-        if self.options.kv_events and h.kv_index.lag_s() <= self.options.kv_events_max_age_s:
-            return h.kv_index.match(tokens), "events"
+        while its KV index is fresh, else "tree", the approximate memory). On events, what was
+        routed to h within the freshness window counts too: a conversation's next turn often
+        arrives before the pages of its last one are in an event the router has pulled."""
+        max_age = self.options.kv_events_max_age_s
+        if self.options.kv_events and h.kv_index.lag_s() <= max_age:
+            return max(h.kv_index.match(tokens), h.tree.match_since(tokens, time.monotonic() - max_age)), "events"
         return h.tree.match(tokens), "tree"
 
     # ---------------- serving ----------------

@@ -102,7 +102,7 @@ def test_cache_aware_routes_on_fresh_events_and_falls_back_to_its_memory_when_th
     prompt = list(range(64))
     r = router_with()
     a, b = r.replicas["a"], r.replicas["b"]
-    a.tree.insert(prompt)  # the router sent it to a once ...
+    a.tree.insert(prompt, at=time.monotonic() - 10)  # the router sent it to a a while ago ...
     for h, cached in ((a, []), (b, prompt)):  # ... but a evicted it, and b has it cached
         h.kv_index.apply({"epoch": "e", "seq": 1, "block": 16, "snapshot": chain_hashes(cached, 16)})
     assert r.cached_prefix(a, prompt) == (0, "events") and r.cached_prefix(b, prompt) == (64, "events")
@@ -114,6 +114,22 @@ def test_cache_aware_routes_on_fresh_events_and_falls_back_to_its_memory_when_th
     off.replicas["a"].tree.insert(prompt)
     off.replicas["b"].kv_index.apply({"epoch": "e", "seq": 1, "block": 16, "snapshot": chain_hashes(prompt, 16)})
     assert off.choose(prompt).name == "a"  # --no-router-kv-events: the memory alone
+
+
+def test_what_was_just_routed_counts_until_the_events_can_show_it():
+    """A conversation's next turn may come before the pages of its last one are in an event the
+    router has pulled: within the freshness window the router's own record of what it sent
+    counts beside the index; after it, the index alone."""
+    history, turn = list(range(64)), list(range(64)) + [7] * 32
+    r = router_with()
+    a, b = r.replicas["a"], r.replicas["b"]
+    for h in (a, b):
+        h.kv_index.apply({"epoch": "e", "seq": 1, "block": 16, "snapshot": []})
+    a.tree.insert(history)
+    assert r.cached_prefix(a, turn) == (64, "events") and r.cached_prefix(b, turn) == (0, "events")
+    assert r.choose(turn).name == "a"
+    a.tree.insert(history, at=time.monotonic() - r.options.kv_events_max_age_s - 1)
+    assert r.cached_prefix(a, turn) == (0, "events")  # long enough: the events would show it
 
 
 @pytest.mark.parametrize("block", [16, 4])

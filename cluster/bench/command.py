@@ -307,6 +307,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      [(f"store {k}", v) for k, v in res["store"].items() if k.endswith("MBps")]
                      + [(f"ttft_ms {k}", v) for k, v in res["ttft"]["ttft_ms"].items()]
                      + [("speedup store vs cold", res["ttft"]["speedup_store_vs_cold"])])
+    elif args.mode == "routing":  # the router's policies on multi-turn conversations: cluster/bench/routing.py
+        from cluster.bench.routing import Workload, bench_routing
+
+        work = Workload(conversations=args.conversations, turns=args.turns, system_prompts=args.system_prompts,
+                        system_len=args.system_len, user_len=args.user_len, output_len=args.output_len,
+                        concurrency=args.concurrency)
+        res = bench_routing(config, args.replicas, args.policies.split(","), work)
+        payload["result"] = {"workload": dataclasses.asdict(work), "policies": res}
+        _print_table(f"routing: {args.replicas} replicas, {work.conversations} conversations x {work.turns} turns, "
+                     f"{work.system_prompts} system prompts of {work.system_len} tokens",
+                     [(f"{p} {k}", v) for p, row in res.items() for k, v in row.items()
+                      if k in ("requests", "errors", "hit_rate", "ttft_ms_p50", "ttft_ms_p90")])
     _write(args.out, payload)
     return 0
 
@@ -315,7 +327,8 @@ def add_bench_parser(sub) -> None:
     from cluster.engine_args import add_engine_args
 
     p = sub.add_parser("bench", help="benchmarks: offline throughput, decode latency, Ray overhead")
-    p.add_argument("mode", choices=["offline", "latency", "overhead", "serve", "embed", "spec", "soak", "kvstore"])
+    p.add_argument("mode", choices=["offline", "latency", "overhead", "serve", "embed", "spec", "soak", "kvstore",
+                                    "routing"])
     add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
@@ -336,6 +349,15 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--identity-tail-only", action="store_true",
                    help="spec: run only the identity-tail pair (skip baseline, agree and disagree: on a GPU each "
                         "loads another copy of the model)")
+    p.add_argument("--replicas", type=int, default=2, help="routing: replicas of each policy's cluster")
+    p.add_argument("--policies", default="round_robin,tree,events",
+                   help="routing: comma-separated, of round_robin, tree (cache_aware on the router's memory), "
+                        "events (cache_aware on the replicas' KV events)")
+    p.add_argument("--conversations", type=int, default=32, help="routing: conversations")
+    p.add_argument("--turns", type=int, default=6, help="routing: turns per conversation")
+    p.add_argument("--system-prompts", type=int, default=4, help="routing: system prompts the conversations share")
+    p.add_argument("--system-len", type=int, default=256, help="routing: tokens per system prompt")
+    p.add_argument("--user-len", type=int, default=32, help="routing: tokens per user message")
     from cluster.bench.soak import add_soak_args
 
     add_soak_args(p)

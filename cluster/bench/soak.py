@@ -425,7 +425,8 @@ def print_report(res: dict) -> None:
 
 def add_soak_args(p) -> None:
     p.add_argument("--duration", type=float, default=600.0, help="soak: seconds of traffic after warm-up")
-    p.add_argument("--concurrency", type=int, default=8, help="soak: closed-loop clients")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="soak: closed-loop clients; routing: conversations at once")
     p.add_argument("--warmup", type=float, default=10.0, help="soak: seconds of traffic before measuring")
     p.add_argument("--serve-arg", action="append", default=[], dest="serve_args",
                    help="soak: an argument for the `manta serve` it starts (repeat; e.g. --serve-arg=--replicas=2)")
