@@ -172,6 +172,7 @@ class ServerMetrics:
             "manta:router_kv_index_tokens", "Tokens of prefix the router's KV-event index says the replica has "
             "cached on its GPU.", ["replica"], registry=r,
         )
+        self._kv_indexed: set[str] = set()  # replicas whose index series exist
         self.router_kv_event_lag = Gauge(
             "manta:router_kv_event_lag_seconds", "Seconds since the router's index of the replica's cache was last "
             "brought up to date from its KV events.", ["replica"], registry=r,
@@ -302,6 +303,10 @@ class ServerMetrics:
             self.router_requests.labels(policy, replica)
         for source in ("events", "tree"):
             self.router_prefix_hit_tokens.labels(replica, source)
+        if replica not in self._kv_indexed:  # no index yet: lag -1, as for one never pulled
+            self._kv_indexed.add(replica)
+            self.router_kv_index_tokens.labels(replica)
+            self.router_kv_event_lag.labels(replica).set(-1)
 
     def remove_replica(self, replica: str) -> None:
         """Drop a departed replica's state series (gauges, polled counters, route counts).
@@ -313,6 +318,7 @@ class ServerMetrics:
         self.router_retries.remove_by_labels({"replica": replica})
         for m in (self.router_prefix_hit_tokens, self.router_kv_index_tokens, self.router_kv_event_lag):
             m.remove_by_labels({"replica": replica})
+        self._kv_indexed.discard(replica)
         self._prefix.remove(replica)
         self._messages.remove(replica)
         self._kvstore.remove(replica)

@@ -182,6 +182,16 @@ def build() -> dash_b.Dashboard:
         "replica that could not serve them and why (unavailable, queue_full, replica_failed).",
         [(_rate("manta:router_retries_total", by="replica, reason"), "{{replica}} ({{reason}})")], "reqps",
         width=12, stack=True))
+    n.panel(timeseries(
+        "Routed prefix hits", "Prompt tokens per second that cache_aware routing found cached on the replica it "
+        "chose, by replica and by where it learned it: events (the replicas' KV events) or tree (the router's "
+        "memory of what it sent where, used while the events lag).",
+        [(_rate("manta:router_prefix_hit_tokens_total", by="replica, source"), "{{replica}} ({{source}})")],
+        "short", width=12, stack=True))
+    n.panel(timeseries(
+        "KV-event lag", "Seconds since the router's index of each replica's cache was last brought up to date "
+        "from its KV events (past 2 s the router routes on its memory instead; -1: never).",
+        [(f"max by (replica) (manta:router_kv_event_lag_seconds{{{REPLICA}}})", "{{replica}}")], "s", width=12))
     n.panel(health_stat())
     n.panel(timeseries(
         "Replica restarts", "Times each replica rebuilt its TP group after losing a rank.",
