@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-
 from attention import kernel_options
 from workers.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from workers.forward_batch import ForwardBatch, ForwardMode

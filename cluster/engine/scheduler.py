@@ -8,14 +8,9 @@ into what budget and KV memory remain. A request whose piece reaches the end of 
 sampled. Prefill chunks and decodes share one batch (MIXED); a batch of only one-token pieces
 is DECODE, one without any is EXTEND.
 
-Stall-free mixing (`mixed_prefill_tokens` > 0): while requests are decoding, a step computes
-at most that many prompt tokens (continued chunks first, then admissions), so every decoding
-request's next token waits for a step of bounded length, not for whatever burst of prompts
-arrived (a step with several 1,024-token prompts beside 200 decodes runs 70-150 ms on an H100,
-and each of the 200 streams sees that gap). With nothing decoding the whole budget goes to
-prefill. Off by default: each MIXED step still costs more than its tokens (BENCHMARKS.md,
-"MIXED steps as a decode graph and a prefill": a cap of 1,024 took the gaps' p99 from 99 to 75
-ms and 7% of the throughput).
+With `mixed_prefill_tokens` > 0, a step computes at most that many prompt tokens while requests
+decode (continued chunks first): each stream's next token then waits for a step of bounded
+length, not for a burst of prompts. Off by default: it costs throughput (BENCHMARKS.md).
 
 Guarantees:
 - KV pages are reserved before a plan leaves the scheduler; a plan never refers to a page
