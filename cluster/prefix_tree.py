@@ -26,8 +26,7 @@ class PrefixTree:
     def __init__(self, max_tokens: int = 200_000, block: int = 16):
         self.block = block
         self.max_blocks = max(1, max_tokens // block)
-        # Chained block hash -> when it was last routed (monotonic s), least recent first.
-        self._lru: OrderedDict[int, float] = OrderedDict()
+        self._lru: OrderedDict[int, None] = OrderedDict()  # chained block hash, least recent first
 
     @property
     def max_tokens(self) -> int:
@@ -42,24 +41,46 @@ class PrefixTree:
         """Length of the longest remembered prefix of `tokens` (whole blocks)."""
         return cached_prefix_tokens(tokens, self.block, self._lru)
 
-    def match_since(self, tokens: list[int], since: float) -> int:
-        """Like `match`, counting only blocks routed at or after `since` (monotonic s): what a
-        replica's KV events may not show yet, its prefill still running or not yet pulled."""
-        n = 0
-        for h in chain_hashes(tokens, self.block):
-            t = self._lru.get(h)
-            if t is None or t < since:
-                break
-            n += self.block
-        return n
-
-    def insert(self, tokens: list[int], at: float | None = None) -> None:
-        """Remember `tokens`' prefix blocks as used now (or at monotonic time `at`); evict the
-        least recently used blocks beyond the budget. A prefix is refreshed after its longer
-        continuations, so eviction takes the tails of prompts before the prefixes they share."""
-        lru, now = self._lru, time.monotonic() if at is None else at
+    def insert(self, tokens: list[int]) -> None:
+        """Remember `tokens`' prefix blocks as just used; evict the least recently used blocks
+        beyond the budget. A prefix is refreshed after its longer continuations, so eviction
+        takes the tails of prompts before the prefixes they share."""
+        lru = self._lru
         for h in reversed(chain_hashes(tokens, self.block)):
-            lru[h] = now
+            lru[h] = None
             lru.move_to_end(h)
         while len(lru) > self.max_blocks:
             lru.popitem(last=False)
+
+
+class RecentRoutes:
+    """The prefixes routed to a replica in the last `window_s` seconds, whatever their size:
+    what its KV events may not show yet (the prefill still running, or its event not pulled).
+    Bounded by time, not by a token budget, so a busy router's recent routing is never pushed
+    out by its own volume."""
+
+    def __init__(self, window_s: float, block: int = 16):
+        self.window_s = window_s
+        self.block = block
+        self._at: OrderedDict[int, float] = OrderedDict()  # chained block hash -> routed at, oldest first
+
+    def insert(self, tokens: list[int], at: float | None = None) -> None:
+        """Record `tokens`' prefix blocks as routed now (or at monotonic time `at`)."""
+        now = time.monotonic() if at is None else at
+        for h in chain_hashes(tokens, self.block):
+            self._at[h] = now
+            self._at.move_to_end(h)
+        cutoff = time.monotonic() - self.window_s
+        while self._at and next(iter(self._at.values())) < cutoff:
+            self._at.popitem(last=False)
+
+    def match(self, tokens: list[int]) -> int:
+        """Tokens of `tokens`' longest prefix routed within the window (whole blocks)."""
+        cutoff = time.monotonic() - self.window_s
+        n = 0
+        for h in chain_hashes(tokens, self.block):
+            t = self._at.get(h)
+            if t is None or t < cutoff:
+                break
+            n += self.block
+        return n

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ import ray
 from cluster.engine.client import HealthStatus, NoReplicaAvailable
 from cluster.engine.request import RequestOutput
 from cluster.kv_index import KVIndex
-from cluster.prefix_tree import PrefixTree
+from cluster.prefix_tree import PrefixTree, RecentRoutes
 from cluster.replica_client import ReplicaClient, ReplicaGone
 from workers.request_errors import QueueFull, RequestError
 from workers.sampling_params import SamplingParams
@@ -79,6 +78,7 @@ class ReplicaHandle:
     inflight: int = 0
     stats: dict = field(default_factory=dict)
     tree: PrefixTree = field(default_factory=PrefixTree)
+    recent: RecentRoutes = field(default_factory=lambda: RecentRoutes(2.0))  # routed lately: events may lag
     kv_index: KVIndex = field(default_factory=KVIndex)  # its prefix cache, from its KV events
     client: ReplicaClient | None = None  # the serving path to the actor (set by add_replica)
 
@@ -108,6 +108,7 @@ class Router:
     # ---------------- membership ----------------
     def add_replica(self, name: str, actor) -> None:
         self.replicas[name] = ReplicaHandle(name, actor, tree=PrefixTree(self.options.tree_max_tokens),
+                                            recent=RecentRoutes(self.options.kv_events_max_age_s),
                                             client=ReplicaClient(name, actor))
         if self.metrics is not None:
             self.metrics.init_replica(name, self.options.policy)
@@ -155,7 +156,7 @@ class Router:
         arrives before the pages of its last one are in an event the router has pulled."""
         max_age = self.options.kv_events_max_age_s
         if self.options.kv_events and h.kv_index.lag_s() <= max_age:
-            return max(h.kv_index.match(tokens), h.tree.match_since(tokens, time.monotonic() - max_age)), "events"
+            return max(h.kv_index.match(tokens), h.recent.match(tokens)), "events"
         return h.tree.match(tokens), "tree"
 
     # ---------------- serving ----------------
@@ -183,6 +184,8 @@ class Router:
                 if self.metrics is not None:
                     self.metrics.record_route(self.options.policy, handle.name)
                 handle.tree.insert(tokens)
+                if self.options.kv_events:
+                    handle.recent.insert(tokens)
                 first_seen = False
                 handle.inflight += 1
                 finished = False

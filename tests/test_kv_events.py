@@ -102,7 +102,7 @@ def test_cache_aware_routes_on_fresh_events_and_falls_back_to_its_memory_when_th
     prompt = list(range(64))
     r = router_with()
     a, b = r.replicas["a"], r.replicas["b"]
-    a.tree.insert(prompt, at=time.monotonic() - 10)  # the router sent it to a a while ago ...
+    a.tree.insert(prompt)  # the router sent it to a a while ago ...
     for h, cached in ((a, []), (b, prompt)):  # ... but a evicted it, and b has it cached
         h.kv_index.apply({"epoch": "e", "seq": 1, "block": 16, "snapshot": chain_hashes(cached, 16)})
     assert r.cached_prefix(a, prompt) == (0, "events") and r.cached_prefix(b, prompt) == (64, "events")
@@ -125,11 +125,19 @@ def test_what_was_just_routed_counts_until_the_events_can_show_it():
     a, b = r.replicas["a"], r.replicas["b"]
     for h in (a, b):
         h.kv_index.apply({"epoch": "e", "seq": 1, "block": 16, "snapshot": []})
-    a.tree.insert(history)
+    a.recent.insert(history)
     assert r.cached_prefix(a, turn) == (64, "events") and r.cached_prefix(b, turn) == (0, "events")
     assert r.choose(turn).name == "a"
-    a.tree.insert(history, at=time.monotonic() - r.options.kv_events_max_age_s - 1)
+    a.recent.insert(history, at=time.monotonic() - r.options.kv_events_max_age_s - 1)
     assert r.cached_prefix(a, turn) == (0, "events")  # long enough: the events would show it
+    # The window is bounded by time, not by the memory's token budget.
+    small = router_with(tree_max_tokens=16)
+    h = small.replicas["a"]
+    h.kv_index.apply({"epoch": "e", "seq": 1, "block": 16, "snapshot": []})
+    for p in (history, list(range(100, 300))):  # what routing a request records
+        h.tree.insert(p)
+        h.recent.insert(p)
+    assert h.tree.match(turn) == 0 and small.cached_prefix(h, turn) == (64, "events")
 
 
 @pytest.mark.parametrize("block", [16, 4])
