@@ -17,9 +17,11 @@ from workers.layers import one_row
 
 
 def test_environment_is_read_once_into_a_frozen_object(monkeypatch):
-    env = {"MANTA_GEMV": "0", "MANTA_PDL": "0", "MANTA_GEMV_CONFIGS": "4096x4096:64,128,2,4;14336x4096:32,256,1,8"}
+    env = {"MANTA_GEMV": "0", "MANTA_PDL": "0", "MANTA_MIXED_SPLIT": "0",
+           "MANTA_GEMV_CONFIGS": "4096x4096:64,128,2,4;14336x4096:32,256,1,8"}
     opts = KernelOptions.from_env(env)
-    assert (opts.one_row_gemv, opts.pdl) == (False, False)
+    assert (opts.one_row_gemv, opts.pdl, opts.mixed_split) == (False, False, False)
+    assert "MIXED split off" in opts.describe()
     assert opts.gemv_launch(4096, 4096) == (64, 128, 2, 4) and opts.gemv_launch(14336, 4096) == (32, 256, 1, 8)
     assert opts.gemv_launch(4096, 14336) is None
     assert "PDL off" in opts.describe() and "14336x4096:32,256,1,8" in opts.describe()
