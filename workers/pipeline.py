@@ -95,7 +95,9 @@ class ModelPipeline:
         batch is built and launched while the device runs it): (a batch of one row per request,
         decode rows then prompt pieces, that `logits` reads as a decode batch; its logits)."""
         fb_d = self.inputs.from_plan(decodes)
-        _, logits_d = self.forward(fb_d)
+        hidden_d, logits_d = self.forward(fb_d)
+        if logits_d is None:  # (ran eagerly: never expected, a staged decode fits its graph)
+            logits_d = self.model.compute_logits(hidden_d)
         fb_p = self.inputs.from_plan(prompts)
         hidden_p, _ = self.forward(fb_p)
         assert fb_p.logits_indices is not None
