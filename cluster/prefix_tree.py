@@ -65,22 +65,20 @@ class RecentRoutes:
         self._at: OrderedDict[int, float] = OrderedDict()  # chained block hash -> routed at, oldest first
 
     def insert(self, tokens: list[int], at: float | None = None) -> None:
-        """Record `tokens`' prefix blocks as routed now (or at monotonic time `at`)."""
+        """Record `tokens`' prefix blocks as routed now (or at monotonic time `at`, no earlier
+        than the records before it: they expire oldest first)."""
         now = time.monotonic() if at is None else at
         for h in chain_hashes(tokens, self.block):
             self._at[h] = now
             self._at.move_to_end(h)
-        cutoff = time.monotonic() - self.window_s
-        while self._at and next(iter(self._at.values())) < cutoff:
-            self._at.popitem(last=False)
+        self._expire()
 
     def match(self, tokens: list[int]) -> int:
         """Tokens of `tokens`' longest prefix routed within the window (whole blocks)."""
+        self._expire()
+        return cached_prefix_tokens(tokens, self.block, self._at)
+
+    def _expire(self) -> None:
         cutoff = time.monotonic() - self.window_s
-        n = 0
-        for h in chain_hashes(tokens, self.block):
-            t = self._at.get(h)
-            if t is None or t < cutoff:
-                break
-            n += self.block
-        return n
+        while self._at and next(iter(self._at.values())) < cutoff:
+            self._at.popitem(last=False)

@@ -13,6 +13,7 @@ from cluster.engine.kv_events import KVEventLog
 from cluster.engine.request import Request
 from cluster.engine.scheduler import Scheduler
 from cluster.kv_index import KVIndex
+from cluster.prefix_tree import RecentRoutes
 from cluster.router import Router, RouterOptions
 from workers.messages import StepResult
 from workers.sampling_params import SamplingParams
@@ -128,6 +129,7 @@ def test_what_was_just_routed_counts_until_the_events_can_show_it():
     a.recent.insert(history)
     assert r.cached_prefix(a, turn) == (64, "events") and r.cached_prefix(b, turn) == (0, "events")
     assert r.choose(turn).name == "a"
+    a.recent = RecentRoutes(r.options.kv_events_max_age_s)  # the same routing, a window ago
     a.recent.insert(history, at=time.monotonic() - r.options.kv_events_max_age_s - 1)
     assert r.cached_prefix(a, turn) == (0, "events")  # long enough: the events would show it
     # The window is bounded by time, not by the memory's token budget.

@@ -21,6 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from cluster.bench.serve import percentile
 from cluster.engine.config import EngineConfig
 
 POLICIES = ("round_robin", "tree", "events")
@@ -65,19 +66,15 @@ class PolicyResult:
 
     def summary(self) -> dict:
         ok = [t for t in self.turns if t.error is None and t.ttft_s is not None]
-        ttfts = sorted(t.ttft_s for t in ok)
+        ttfts = [t.ttft_s for t in ok]
         prompt = sum(t.prompt_tokens for t in ok)
-
-        def pct(q: float) -> float:
-            return 1e3 * ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
-
         by_replica: dict[str, int] = {}
         for t in ok:
             by_replica[t.replica] = by_replica.get(t.replica, 0) + 1
         return {"requests": len(self.turns), "errors": len(self.turns) - len(ok),
                 "prompt_tokens": prompt, "cached_tokens": sum(t.cached_tokens for t in ok),
                 "hit_rate": sum(t.cached_tokens for t in ok) / prompt if prompt else 0.0,
-                "ttft_ms_p50": pct(0.5), "ttft_ms_p90": pct(0.9),
+                "ttft_ms_p50": 1e3 * percentile(ttfts, 0.5), "ttft_ms_p90": 1e3 * percentile(ttfts, 0.9),
                 "ttft_ms_mean": 1e3 * statistics.mean(ttfts) if ttfts else float("nan"),
                 "requests_by_replica": by_replica, "seconds": self.seconds}
 

@@ -43,7 +43,7 @@ class RequestTiming:
         return (self.token_times[-1] - self.token_times[0]) / (self.tokens - 1)
 
 
-def _pct(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
@@ -68,8 +68,8 @@ def summarize(timings: list[RequestTiming], wall: float) -> dict:
            "request_rate_achieved": len(ok) / wall}
     for name, xs in (("ttft_ms", ttfts), ("tpot_ms", tpots), ("itl_ms", itl), ("chunk_gap_ms", gaps)):
         res[f"{name}_mean"] = 1e3 * statistics.mean(xs) if xs else float("nan")
-        res[f"{name}_p50"] = 1e3 * _pct(xs, 0.5)
-        res[f"{name}_p99"] = 1e3 * _pct(xs, 0.99)
+        res[f"{name}_p50"] = 1e3 * percentile(xs, 0.5)
+        res[f"{name}_p99"] = 1e3 * percentile(xs, 0.99)
     return res
 
 
@@ -87,7 +87,7 @@ def summarize_steps(trace: list[tuple[float, float, str, int, int]]) -> dict:
             bound = next((b for b in (256, 512, 1024, 2048) if prompt <= b), None)
             key = f"{mode} {f'<={bound}' if bound else '>2048'} prefill tokens"
         groups.setdefault(key, []).append(t - max(t_prev, start))
-    return {k: {"steps": len(v), "mean_ms": 1e3 * statistics.mean(v), "p99_ms": 1e3 * _pct(v, 0.99),
+    return {k: {"steps": len(v), "mean_ms": 1e3 * statistics.mean(v), "p99_ms": 1e3 * percentile(v, 0.99),
                 "total_s": sum(v)} for k, v in sorted(groups.items())}
 
 

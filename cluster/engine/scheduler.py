@@ -190,7 +190,8 @@ class Scheduler:
         share, counts, starved = self._fairness()
         # Prompt tokens this step may compute (stall-free mixing: see the module docstring); a
         # prompt that cannot be chunked takes what the budget holds.
-        capped = self.chunk_size is not None and any(self._decoding(r) for r in self.running)
+        capped = (self.mixed_prefill_tokens < budget and self.chunk_size is not None
+                  and any(self._decoding(r) for r in self.running))
         prefill = room = self.mixed_prefill_tokens if capped else budget
 
         i = 0
