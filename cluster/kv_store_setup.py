@@ -71,6 +71,9 @@ def add_kv_store_args(p) -> None:
                    help="timeout policy: seconds, plus --kv-prefetch-timeout-per-page for each page")
     g.add_argument("--kv-prefetch-timeout-per-page", type=float, default=0.002,
                    dest="kv_prefetch_timeout_per_page_s")
+    g.add_argument("--pd-transfer-timeout", type=float, default=10.0, dest="pd_transfer_timeout_s",
+                   help="disaggregated serving: seconds a decode replica waits for a prompt's pages from its "
+                        "prefill replica before it computes the rest itself")
 
 
 def kv_store_config_from_args(args) -> dict:
@@ -86,7 +89,7 @@ def kv_store_config_from_args(args) -> dict:
     return {"kv_store": root, "kv_store_host_gb": args.kv_store_host_gb, "kv_store_disk_gb": args.kv_store_disk_gb,
             "kv_host_cache_gb": args.kv_host_cache_gb, "kv_write_policy": args.kv_write_policy,
             "kv_prefetch_policy": args.kv_prefetch_policy, "kv_prefetch_timeout_s": args.kv_prefetch_timeout_s,
-            "kv_drain_timeout_s": args.kv_drain_timeout_s,
+            "kv_drain_timeout_s": args.kv_drain_timeout_s, "pd_transfer_timeout_s": args.pd_transfer_timeout_s,
             "kv_prefetch_timeout_per_page_s": args.kv_prefetch_timeout_per_page_s}
 
 

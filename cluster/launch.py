@@ -2,12 +2,15 @@
 
 `ServingCluster.start()` joins (or starts) Ray, creates `replicas` replica actors — each
 places its TP ranks with a placement group — waits until they are ready, logs where every
-rank landed, and builds the router. `shutdown()` kills every actor it created, so an
+rank landed, and builds the router. A disaggregated deployment adds `prefill_replicas` and
+`decode_replicas` (each side its own TP size): the router prefills a request on the one, and
+the other reads the prompt's KV pages from it over NIXL and decodes (`cluster/engine/kv_handoff.py`). `shutdown()` kills every actor it created, so an
 interrupted `manta serve` leaves no orphans.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -29,7 +32,11 @@ _REPLICA_ACTOR = re.compile(r"manta-replica-\d+")  # replica actors' names (rank
 @dataclass(frozen=True)
 class ClusterOptions:
     engine: EngineConfig
-    replicas: int = 1
+    replicas: int = 1  # mixed replicas (prefill and decode on each)
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+    prefill_tp: int | None = None  # None: engine.tp_size
+    decode_tp: int | None = None
     router: RouterOptions = field(default_factory=RouterOptions)
     address: str | None = None  # None: start a local Ray instance (the embedded default)
     placement_strategy: str = "PACK"
@@ -38,8 +45,28 @@ class ClusterOptions:
     namespace: str = "manta"
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
+        if self.replicas < 0 or self.prefill_replicas < 0 or self.decode_replicas < 0:
+            raise ValueError("replica counts must be >= 0")
+        if self.replicas + self.prefill_replicas + self.decode_replicas < 1:
             raise ValueError("replicas must be >= 1")
+        if bool(self.prefill_replicas) != bool(self.decode_replicas):
+            raise ValueError("--prefill-replicas and --decode-replicas go together (both >= 1)")
+        if self.prefill_replicas:
+            from cluster.engine.kv_offload import MIN_PAGE_TOKENS
+
+            if self.engine.kv_store is None:
+                raise ValueError("prefill/decode disaggregation moves pages through the ranks' KV store "
+                                 "clients: it needs the KV store (drop --no-kv-store)")
+            if self.engine.page_size < MIN_PAGE_TOKENS:
+                raise ValueError(f"prefill/decode disaggregation needs --page-size >= {MIN_PAGE_TOKENS}")
+
+    def engine_for(self, role: str) -> EngineConfig:
+        """The engine config of a replica of `role` ("mixed", "prefill", "decode")."""
+        tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
+        return dataclasses.replace(self.engine, tp_size=tp) if tp else self.engine
+
+    def roles(self) -> list[str]:
+        return ["mixed"] * self.replicas + ["prefill"] * self.prefill_replicas + ["decode"] * self.decode_replicas
 
 
 class ServingCluster:
@@ -61,7 +88,7 @@ class ServingCluster:
             if opts.address:
                 ray.init(address=opts.address, namespace=opts.namespace, log_to_driver=True)
             else:
-                need = opts.replicas * opts.engine.tp_size * opts.cpus_per_rank
+                need = sum(opts.engine_for(r).tp_size for r in opts.roles()) * opts.cpus_per_rank
                 gpus = None if opts.engine.device == "cuda" else 0
                 ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), num_gpus=gpus,
                          namespace=opts.namespace, include_dashboard=False)
@@ -70,8 +97,8 @@ class ServingCluster:
         # The shared KV store before any replica: their ranks look it up by name at start.
         store, created = ensure_kv_store(opts.engine)
         self.kv_store = store if created else None
-        names = [self._new_name() for _ in range(opts.replicas)]
-        handles = {n: self._spawn(n) for n in names}
+        roles = {self._new_name(): role for role in opts.roles()}
+        handles = {n: self._spawn(n, role) for n, role in roles.items()}
         infos = {n: ray.get(h.info.remote()) for n, h in handles.items()}  # waits for readiness
         for n, info in infos.items():
             _log_replica(n, info, opts.placement_strategy, opts.nic)
@@ -86,7 +113,7 @@ class ServingCluster:
                              matryoshka_dimensions=first.get("matryoshka_dimensions"),
                              embedding_size=first.get("embedding_size"))
         for n, h in handles.items():
-            self.router.add_replica(n, h)
+            self.router.add_replica(n, h, infos[n])
         self.infos = infos
         return self.router
 
@@ -100,10 +127,10 @@ class ServingCluster:
         ranks hold the group's resources)."""
         return {"name": f"manta-{name}", "num_cpus": 0, "max_concurrency": REPLICA_THREADS}
 
-    def _spawn(self, name: str):
+    def _spawn(self, name: str, role: str = "mixed"):
         opts = self.options
         actor = ray.remote(Replica).options(**self._actor_options(name)).remote(
-            opts.engine, name, opts.placement_strategy, opts.nic, opts.cpus_per_rank
+            opts.engine_for(role), name, opts.placement_strategy, opts.nic, opts.cpus_per_rank, role
         )
         self.actors[name] = actor
         return actor
@@ -164,12 +191,13 @@ class ServingCluster:
         logger.warning("KV store: it had died; started again on %s", self.options.engine.kv_store)
         return True
 
-    def start_replica(self, ready_timeout_s: float | None = None) -> tuple[str, object]:
-        """Spawn one more replica actor and wait until it is ready (blocking: run it off the
-        event loop). The caller puts it into rotation (`router.add_replica`) on its own loop.
-        Raises if it does not come up (nothing of it is left behind then)."""
+    def start_replica(self, ready_timeout_s: float | None = None, role: str = "mixed") -> tuple[str, object]:
+        """Spawn one more replica actor of `role` and wait until it is ready (blocking: run it
+        off the event loop). The caller puts it into rotation (`router.add_replica` with
+        `self.infos[name]`) on its own loop. Raises if it does not come up (nothing of it is
+        left behind then)."""
         name = self._new_name()
-        actor = self._spawn(name)
+        actor = self._spawn(name, role)
         try:
             info = ray.get(actor.info.remote(), timeout=ready_timeout_s)
         except Exception:
@@ -228,7 +256,7 @@ class ServingCluster:
                              matryoshka_dimensions=first.get("matryoshka_dimensions"),
                              embedding_size=first.get("embedding_size"))
         for name, (actor, info) in found.items():
-            router.add_replica(name, actor)
+            router.add_replica(name, actor, info)
             self.actors[name], self.infos[name] = actor, info
             self._next = max(self._next, int(name.rsplit("-", 1)[1]) + 1)
         self.router = router

@@ -54,6 +54,12 @@ class Admission:
     params: SamplingParams
     is_embedding: bool = False
     group: str | None = None  # requests that share the scheduler's fair share (one HTTP request's n)
+    # Prefill/decode disaggregation (cluster/engine/kv_handoff.py): a prefill replica keeps the
+    # prompt's pages for a decode replica (`hand_off`); a decode replica continues after
+    # `resume_ids` (the first token, streamed by the prefill side), reading pages from `kv_source`.
+    hand_off: bool = False
+    resume_ids: list[int] | None = None
+    kv_source: object = None
 
 
 # A client that has not polled for this long is gone (its router closed or died): its requests
@@ -68,9 +74,10 @@ class Replica:
     blocks one thread while `submit` and `stats` run on others)."""
 
     def __init__(self, config: EngineConfig, name: str, placement_strategy: str = "PACK",
-                 nic: str | None = None, cpus_per_rank: float = 1.0):
+                 nic: str | None = None, cpus_per_rank: float = 1.0, role: str = "mixed"):
         self.config = config
         self.name = name
+        self.role = role  # "mixed", or "prefill" / "decode" in a disaggregated deployment
         self._group_args = dict(placement_strategy=placement_strategy, nic=nic, cpus_per_rank=cpus_per_rank)
         self.healthy = False
         self.unhealthy_reason: str | None = "starting"
@@ -148,7 +155,8 @@ class Replica:
                 self._owner[adm.rid] = client
             try:
                 engine.add_request(adm.prompt_ids, adm.params, None, rid=adm.rid, is_embedding=adm.is_embedding,
-                                   group=adm.group)
+                                   group=adm.group, resume_ids=adm.resume_ids, kv_source=adm.kv_source,
+                                   hand_off=adm.hand_off)
             except (RequestError, ValueError) as exc:
                 with self._cv:
                     self._owner.pop(adm.rid, None)
@@ -226,7 +234,8 @@ class Replica:
         return self.engine.kv_events(epoch, seq) if self.engine is not None else None
 
     def info(self) -> dict:
-        return {"name": self.name, "tp_size": self.config.tp_size, "group": self.group.describe(),
+        return {"name": self.name, "role": self.role, "kv_source": self.kv_source(),
+                "tp_size": self.config.tp_size, "group": self.group.describe(),
                 "attention": self.group.attention, "model": self.config.model,
                 "kv_pages": self.group.num_pages, "page_size": self.config.page_size,
                 "max_context_len": self.engine.max_context_len if self.engine else 0,
@@ -234,6 +243,21 @@ class Replica:
                 "is_encoder_decoder": bool(self.engine and self.engine.model_config.is_encoder_decoder),
                 "matryoshka_dimensions": self.engine.model_config.matryoshka_dimensions if self.engine else None,
                 "embedding_size": self.engine.model_config.hidden_size if self.engine else None}
+
+    def kv_source(self):
+        """Where decode replicas read the prompts this replica hands off (a KVSource), or None
+        when its pages cannot be lent (no KV store on it: no host tier, no NIXL agent)."""
+        from cluster.engine.kv_store_link import replica_identity
+        from workers.kv_messages import KVSource
+
+        ident = replica_identity(self.config)
+        if ident is None or self.engine is None or self.engine.kv_offload is None:
+            return None
+        import ray
+
+        return KVSource(self.name, tuple(f"manta-{self.name}-rank{i}" for i in range(self.config.tp_size)),
+                        ray.get_runtime_context().namespace, self.config.tp_size, ident[1], ident[0],
+                        self.config.page_size, timeout_s=self.config.pd_transfer_timeout_s)
 
     def ping(self) -> bool:
         return True

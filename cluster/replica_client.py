@@ -80,12 +80,12 @@ class ReplicaClient:
         self.poll_calls = 0
 
     def open(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-             is_embedding: bool = False, group: str | None = None) -> RequestStream:
+             is_embedding: bool = False, group: str | None = None, **admission) -> RequestStream:
         """Queue a request for the next `submit`; its outputs (or its admission error, as a
         finished output with `error_type` set) arrive on the returned stream."""
         stream = RequestStream(self, rid)
         self.streams[rid] = stream
-        self._adds.append(Admission(rid, prompt_ids, params, is_embedding, group))
+        self._adds.append(Admission(rid, prompt_ids, params, is_embedding, group, **admission))
         self._kick()
         if self._poll_task is None:
             self._poll_task = asyncio.ensure_future(self._poll_loop())

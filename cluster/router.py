@@ -33,6 +33,7 @@ import ray
 from cluster.engine.client import HealthStatus, NoReplicaAvailable
 from cluster.engine.request import RequestOutput
 from cluster.kv_index import KVIndex
+from cluster.pd_route import disaggregated_stream
 from cluster.prefix_tree import PrefixTree, RecentRoutes
 from cluster.replica_client import ReplicaClient, ReplicaGone
 from workers.request_errors import QueueFull, RequestError
@@ -81,6 +82,8 @@ class ReplicaHandle:
     recent: RecentRoutes = field(default_factory=lambda: RecentRoutes(2.0))  # routed lately: events may lag
     kv_index: KVIndex = field(default_factory=KVIndex)  # its prefix cache, from its KV events
     client: ReplicaClient | None = None  # the serving path to the actor (set by add_replica)
+    role: str = "mixed"  # "prefill" / "decode" in a disaggregated deployment
+    kv_source: Any = None  # a prefill replica's: where decode replicas read what it hands off
 
     @property
     def load(self) -> int:
@@ -106,10 +109,13 @@ class Router:
         self._inflight = 0
 
     # ---------------- membership ----------------
-    def add_replica(self, name: str, actor) -> None:
+    def add_replica(self, name: str, actor, info: dict | None = None) -> None:
+        """Put a replica into rotation; `info` (its `info()`) says its role (default mixed)."""
+        info = info or {}
         self.replicas[name] = ReplicaHandle(name, actor, tree=PrefixTree(self.options.tree_max_tokens),
                                             recent=RecentRoutes(self.options.kv_events_max_age_s),
-                                            client=ReplicaClient(name, actor))
+                                            client=ReplicaClient(name, actor), role=info.get("role", "mixed"),
+                                            kv_source=info.get("kv_source"))
         if self.metrics is not None:
             self.metrics.init_replica(name, self.options.policy)
         logger.info("router: replica %s added", name)
@@ -120,12 +126,15 @@ class Router:
             self.metrics.remove_replica(name)
         return handle
 
-    def _candidates(self, exclude: set[str]) -> list[ReplicaHandle]:
-        return [h for h in self.replicas.values() if h.healthy and not h.draining and h.name not in exclude]
+    def _candidates(self, exclude: set[str], roles: tuple[str, ...] | None = None) -> list[ReplicaHandle]:
+        return [h for h in self.replicas.values() if h.healthy and not h.draining and h.name not in exclude
+                and (roles is None or h.role in roles)]
 
     # ---------------- policy ----------------
-    def choose(self, tokens: list[int], exclude: set[str] = frozenset()) -> ReplicaHandle | None:
-        cands = self._candidates(set(exclude))
+    def choose(self, tokens: list[int], exclude: set[str] = frozenset(),
+               roles: tuple[str, ...] | None = None) -> ReplicaHandle | None:
+        """The replica (of one of `roles`; None: any) that serves a request of `tokens` next."""
+        cands = self._candidates(set(exclude), roles)
         if not cands:
             return None
         policy = self.options.policy
@@ -172,60 +181,78 @@ class Router:
         rid = rid or f"req-{uuid.uuid4().hex}"
         if self.options.max_inflight and self._inflight >= self.options.max_inflight:
             raise QueueFull(f"{self._inflight} requests in flight (router max {self.options.max_inflight})")
-        tried: set[str] = set()
-        saw_full = False
         self._inflight += 1
         try:
-            for _attempt in range(self.options.max_attempts):
-                handle = self.choose(tokens, tried)
-                if handle is None:
-                    break
-                tried.add(handle.name)
-                if self.metrics is not None:
-                    self.metrics.record_route(self.options.policy, handle.name)
-                handle.tree.insert(tokens)
-                if self.options.kv_events:
-                    handle.recent.insert(tokens)
-                first_seen = False
-                handle.inflight += 1
-                finished = False
-                assert handle.client is not None
-                stream = handle.client.open(rid, tokens, params, is_embedding, group)
-                try:
-                    async for out in stream:
-                        if out.error_type is not None and not first_seen:
-                            why = self._admission_failed(handle, out)
-                            saw_full |= why == "queue_full"
-                            self._record_retry(handle, why)
-                            finished = True  # the replica has forgotten it: nothing to abort
-                            break
-                        first_seen = True
-                        finished = out.finished
-                        out.replica = handle.name
-                        yield out
-                    if finished and first_seen:
-                        return
-                    if first_seen:  # the stream ended without a final output
-                        yield self._failed(rid, handle.name, "the replica closed the stream")
-                        return
-                except ReplicaGone as exc:
-                    finished = True  # the replica is gone with the request
-                    self._mark_unhealthy(handle, str(exc))
-                    handle.dead |= isinstance(exc.cause, ray.exceptions.ActorDiedError)
-                    if first_seen:
-                        yield self._failed(rid, handle.name, f"replica {handle.name} failed: {type(exc.cause).__name__}")
-                        return
-                    self._record_retry(handle, "replica_failed")
-                    continue  # nothing sent yet: retry elsewhere
-                finally:
-                    handle.inflight -= 1
-                    if not finished:
-                        await stream.aclose()  # aborts it on the replica, in the next submit
-            if saw_full:
-                raise QueueFull("every replica's waiting queue is full")
-            raise NoReplicaAvailable("no healthy replica can serve the request")
+            if not is_embedding and self._disaggregated():
+                stream = disaggregated_stream(self, rid, tokens, params, group)
+            else:  # mixed replicas first; without any, a prefill or decode replica serves it whole
+                roles = ("mixed",) if any(h.role == "mixed" for h in self.replicas.values()) else None
+                stream = self.attempts(rid, tokens, params, is_embedding, group, roles)
+            async for out in stream:
+                yield out
         finally:
             self._inflight -= 1
+
+    def _disaggregated(self) -> bool:
+        """Prefill and decode replicas are in rotation: generation goes through both."""
+        return any(h.role == "prefill" and h.kv_source is not None for h in self._candidates(set())) and any(
+            h.role == "decode" for h in self._candidates(set()))
+
+    async def attempts(self, rid: str, tokens: list[int], params: SamplingParams, is_embedding: bool = False,
+                       group: str | None = None, roles: tuple[str, ...] | None = None,
+                       **admission) -> AsyncIterator[RequestOutput]:
+        """Serve a request on one replica of `roles`, retried on another while it fails before
+        its first output; `admission`: the disaggregation fields of `cluster.replica.Admission`."""
+        tried: set[str] = set()
+        saw_full = False
+        for _attempt in range(self.options.max_attempts):
+            handle = self.choose(tokens, tried, roles)
+            if handle is None:
+                break
+            tried.add(handle.name)
+            if self.metrics is not None:
+                self.metrics.record_route(self.options.policy, handle.name)
+            handle.tree.insert(tokens)
+            if self.options.kv_events:
+                handle.recent.insert(tokens)
+            first_seen = False
+            handle.inflight += 1
+            finished = False
+            assert handle.client is not None
+            stream = handle.client.open(rid, tokens, params, is_embedding, group, **admission)
+            try:
+                async for out in stream:
+                    if out.error_type is not None and not first_seen:
+                        why = self._admission_failed(handle, out)
+                        saw_full |= why == "queue_full"
+                        self._record_retry(handle, why)
+                        finished = True  # the replica has forgotten it: nothing to abort
+                        break
+                    first_seen = True
+                    finished = out.finished
+                    out.replica = handle.name
+                    yield out
+                if finished and first_seen:
+                    return
+                if first_seen:  # the stream ended without a final output
+                    yield self._failed(rid, handle.name, "the replica closed the stream")
+                    return
+            except ReplicaGone as exc:
+                finished = True  # the replica is gone with the request
+                self._mark_unhealthy(handle, str(exc))
+                handle.dead |= isinstance(exc.cause, ray.exceptions.ActorDiedError)
+                if first_seen:
+                    yield self._failed(rid, handle.name, f"replica {handle.name} failed: {type(exc.cause).__name__}")
+                    return
+                self._record_retry(handle, "replica_failed")
+                continue  # nothing sent yet: retry elsewhere
+            finally:
+                handle.inflight -= 1
+                if not finished:
+                    await stream.aclose()  # aborts it on the replica, in the next submit
+        if saw_full:
+            raise QueueFull("every replica's waiting queue is full")
+        raise NoReplicaAvailable("no healthy replica can serve the request")
 
     def _admission_failed(self, handle: ReplicaHandle, out: RequestOutput) -> str:
         """Raise for errors of the request itself; otherwise return why to retry elsewhere."""

@@ -16,7 +16,15 @@ def add_serve_parser(sub) -> None:
 
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API from a Ray cluster")
     add_engine_args(p)
-    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=None,
+                   help="mixed replicas, each prefilling and decoding its requests (default 1; 0 with "
+                        "--prefill-replicas/--decode-replicas)")
+    p.add_argument("--prefill-replicas", type=int, default=0,
+                   help="disaggregated serving: replicas that prefill prompts and hand their KV pages to ...")
+    p.add_argument("--decode-replicas", type=int, default=0,
+                   help="... replicas that read them over NIXL and decode (docs/deploy.md, section 12)")
+    p.add_argument("--prefill-tp", type=int, default=None, help="TP size of prefill replicas (default --tp)")
+    p.add_argument("--decode-tp", type=int, default=None, help="TP size of decode replicas (default --tp)")
     p.add_argument("--router-policy", default="cache_aware", choices=["round_robin", "least_load", "cache_aware"])
     p.add_argument("--cache-threshold", type=float, default=0.5)
     p.add_argument("--balance-abs-threshold", type=int, default=16)
@@ -50,12 +58,20 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=cmd_serve, kv_store_embedded=True, page_size=16)
 
 
+def replica_count(args: argparse.Namespace) -> int:
+    """Mixed replicas: given, else 1 (0 in a disaggregated deployment)."""
+    if args.replicas is not None:
+        return args.replicas
+    return 0 if args.prefill_replicas or args.decode_replicas else 1
+
+
 def router_max_inflight(args: argparse.Namespace) -> int:
     """The router's bound (0: none): given, or what the replicas' own queues can hold."""
     if args.router_max_inflight is not None:
         return args.router_max_inflight
     if args.max_waiting > 0:
-        return args.replicas * (args.max_running_requests + args.max_waiting)
+        replicas = replica_count(args) + args.prefill_replicas + args.decode_replicas
+        return replicas * (args.max_running_requests + args.max_waiting)
     return 0
 
 
@@ -66,7 +82,11 @@ def cluster_options_from_args(args: argparse.Namespace):
 
     return ClusterOptions(
         engine=engine_config_from_args(args),
-        replicas=args.replicas,
+        replicas=replica_count(args),
+        prefill_replicas=args.prefill_replicas,
+        decode_replicas=args.decode_replicas,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
         router=RouterOptions(policy=args.router_policy, cache_threshold=args.cache_threshold,
                              balance_abs_threshold=args.balance_abs_threshold,
                              balance_rel_threshold=args.balance_rel_threshold,

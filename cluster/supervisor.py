@@ -60,6 +60,7 @@ class ReplicaSupervisor:
         self._task: asyncio.Task | None = None
         self._starting: asyncio.Task | None = None
         self._store_check: asyncio.Task | None = None
+        self._roles: list[str] = []  # roles of the replicas still to replace, oldest first
 
     async def start(self) -> None:
         if self._task is None:
@@ -88,6 +89,7 @@ class ReplicaSupervisor:
             if handle.dead:
                 router.remove_replica(name)
                 self.cluster.forget_replica(name)
+                self._roles.append(handle.role)  # a prefill or decode replica is replaced by its like
                 self.stats.replaced += 1
                 self.stats.missing += 1
                 self.stats.log(f"replica {name} died ({handle.reason}); starting a replacement")
@@ -106,7 +108,8 @@ class ReplicaSupervisor:
         backoff = self.backoff_s
         while self.stats.missing:
             try:
-                name, actor = await asyncio.to_thread(self.cluster.start_replica, self.ready_timeout_s)
+                role = self._roles[0] if self._roles else "mixed"
+                name, actor = await asyncio.to_thread(self.cluster.start_replica, self.ready_timeout_s, role)
             except Exception as exc:
                 self.stats.failed_starts += 1
                 self.stats.log(f"a replacement replica did not start ({type(exc).__name__}: {exc}); "
@@ -114,7 +117,10 @@ class ReplicaSupervisor:
                 await asyncio.sleep(backoff)
                 backoff = min(60.0, backoff * 2)
                 continue
-            self.cluster.router.add_replica(name, actor)  # on the loop: the router is not thread-safe
+            # on the loop: the router is not thread-safe
+            self.cluster.router.add_replica(name, actor, self.cluster.infos.get(name))
+            if self._roles:
+                self._roles.pop(0)
             self.stats.missing -= 1
             self.stats.started += 1
             self.stats.log(f"replacement {name} is serving")

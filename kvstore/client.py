@@ -120,6 +120,36 @@ def agree_on_pages(tp_group, found: int) -> int:
     return tp_group.all_min_int(found)
 
 
+def nixl_transfer(agent, op: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]],
+                  remote_agent: str, timeout_s: float) -> bool:
+    """One NIXL transfer between registered host memory here (`local`: (address, bytes, 0))
+    and `remote_agent`'s (`remote`), READ or WRITE; True when it completed within `timeout_s`.
+    The handle is released whatever happens, which ends a transfer still in flight."""
+    deadline = time.monotonic() + timeout_s
+    handle, state = None, "ERR"
+    try:
+        handle = agent.initialize_xfer(op, agent.get_xfer_descs(np.array(local, np.uint64), "DRAM"),
+                                       agent.get_xfer_descs(np.array(remote, np.uint64), "DRAM"), remote_agent)
+        state = agent.transfer(handle)
+        spins = 0
+        while state == "PROC" and time.monotonic() < deadline:
+            spins += 1
+            if spins > 20:
+                # Past a few polls, sleep between them: a polling thread holds the GIL,
+                # which the rank's step thread needs to launch its forward.
+                time.sleep(0.0001)
+            state = agent.check_xfer_state(handle)
+    except Exception as exc:
+        logger.warning("NIXL %s to %s failed: %s", op, remote_agent, exc)
+    finally:
+        if handle is not None:
+            try:
+                agent.release_xfer_handle(handle)
+            except Exception:
+                pass
+    return state == "DONE"
+
+
 class KVStoreClient:
     """Per-rank client. `store`: the store actor handle, or None to look it up by name."""
 
@@ -405,30 +435,7 @@ class KVStoreClient:
         """One NIXL transfer staging <-> store DRAM; False (counted) on error or deadline."""
         assert self.agent is not None
         nbytes = sum(n for _, n, _ in local)
-        deadline = time.monotonic() + self.timeout_s + nbytes / 100e6
-        handle, state = None, "ERR"
-        try:
-            handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(np.array(local, np.uint64), "DRAM"),
-                                                self.agent.get_xfer_descs(np.array(remote, np.uint64), "DRAM"),
-                                                self._store_agent)
-            state = self.agent.transfer(handle)
-            spins = 0
-            while state == "PROC" and time.monotonic() < deadline:
-                spins += 1
-                if spins > 20:
-                    # Past a few polls, sleep between them: a polling thread holds the GIL,
-                    # which the rank's step thread needs to launch its forward.
-                    time.sleep(0.0001)
-                state = self.agent.check_xfer_state(handle)
-        except Exception as exc:
-            logger.warning("kv store client: NIXL %s failed: %s", op, exc)
-        finally:
-            if handle is not None:
-                try:
-                    self.agent.release_xfer_handle(handle)
-                except Exception:
-                    pass
-        if state != "DONE":
+        if not nixl_transfer(self.agent, op, local, remote, self._store_agent, self.timeout_s + nbytes / 100e6):
             self.counters.errors += 1
             self._registered_gen = -1  # reconnect before the next transfer
             return False

@@ -23,6 +23,7 @@ class KVSave:
     page_ids: list[int]
     keys: list[str]
     sync: bool = False
+    store: bool = True  # False: into the host tier only (a prefill replica's hand-off to decode)
 
 
 @dataclass
@@ -35,6 +36,31 @@ class KVPrefetch:
 
     rid: str
     keys: list[str]
+    source: KVSource | None = None  # read from a prefill replica's ranks, not the store
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """Where a disaggregated request's prompt pages wait: in the host tiers of the prefill
+    replica that computed them (`workers.kv_peer`). The decode ranks read them over NIXL
+    from the ranks named here (Ray actors, looked up by name: a restarted replica's ranks keep
+    their names and come with fresh NIXL metadata).
+
+    keys: the prefill side's chain keys of the pages to read, aligned with the prefetch's own
+    keys (the two sides' keys differ when their TP sizes do: the MHA fingerprint names it).
+    timeout_s: the transfer's deadline; pages not read by then are computed by the decode
+    side. The prefill side keeps what it lent pinned for longer than that, so a read never
+    races a reuse of its rows."""
+
+    replica: str
+    rank_actors: tuple[str, ...]
+    namespace: str | None
+    tp_size: int
+    layout: str
+    fingerprint: str  # the prefill replica's (`kvstore.keys.model_fingerprint`): names its keys
+    page_size: int
+    keys: tuple[str, ...] = ()
+    timeout_s: float = 10.0
 
 
 @dataclass

@@ -63,6 +63,7 @@ class _Write:
     rows: list[int]
     stage: torch.Tensor | None
     event: object = None
+    store: bool = True  # False: the host tier only (a hand-off to a decode replica)
 
 
 @dataclass(eq=False)
@@ -73,6 +74,7 @@ class _Prefetch:
 
     rid: str
     keys: list[str]
+    source: object = None  # a KVSource: read from a prefill replica's ranks (workers/kv_peer.py)
     ready: int = 0  # leading keys in the host tier so far
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
@@ -124,6 +126,10 @@ class RankKVOffload:
         if not self.client.register_rows(self.host.data):
             self.client.close()
             raise RuntimeError("the KV store client could not register the host tier with NIXL")
+        from workers.kv_peer import PeerLeases, PeerReader
+
+        self.leases = PeerLeases(self)  # pages lent to decode replicas (prefill/decode disaggregation)
+        self.peer = PeerReader(self, pool, tp)  # pages read from prefill replicas
         self._copying: deque[tuple[object, list[int]]] = deque()  # (copy event, rows pinned until it)
         # On a GPU, pages move between the device pool and the pinned rows by DMA: saves on a
         # side stream, loads on the compute stream (the next forward reads them).
@@ -160,6 +166,7 @@ class RankKVOffload:
         """Saves, then prefetch starts, then loads (see workers.kv_messages for why), then the
         progress of the prefetches still running."""
         self._unpin_copied()
+        self.leases.sweep()
         for rid in plan.finished_rids:
             job = self.jobs.pop(rid, None)
             if job is not None:
@@ -206,11 +213,11 @@ class RankKVOffload:
         pages = [p for p, _ in todo]
         try:
             if self._gpu_rows:
-                write = _Write([k for _, k in todo], rows, None, self._copy_out(pages, rows))
+                write = _Write([k for _, k in todo], rows, None, self._copy_out(pages, rows), save.store)
             else:  # on the CPU: gathered now, put into its rows by the I/O thread
                 stage = torch.empty((len(pages), self.page_bytes), dtype=torch.uint8)
                 gather_pages(self.pool, pages, stage)
-                write = _Write([k for _, k in todo], rows, stage)
+                write = _Write([k for _, k in todo], rows, stage, store=save.store)
         except Exception:
             logger.exception("kv offload: copying %d pages out of the device pool failed", len(todo))
             self.counters["errors"] += 1
@@ -253,7 +260,7 @@ class RankKVOffload:
         old = self.jobs.pop(pre.rid, None)
         if old is not None:
             old.cancel(self.host)
-        job = _Prefetch(pre.rid, list(pre.keys))
+        job = _Prefetch(pre.rid, list(pre.keys), pre.source)
         self.jobs[pre.rid] = job
         with self._cv:
             self._reads.append(job)
@@ -368,7 +375,9 @@ class RankKVOffload:
         except Exception:
             self.host.give(w.rows)
             raise
-        held = self.host.publish(w.keys, w.rows, pin=True)  # pinned until the store write is done
+        held = self.host.publish(w.keys, w.rows, pin=w.store)  # pinned until the store write is done
+        if not w.store:
+            return
         try:
             self._count_write(self.client.write_rows, w.keys, [self.host.data[r] for r in held], self.key_bytes)
         finally:
@@ -407,6 +416,9 @@ class RankKVOffload:
             self.counters["prefetch_read_s"] += time.monotonic() - start
 
     def _prefetch_pages(self, job: _Prefetch) -> None:
+        if job.source is not None:
+            self.peer.fetch(job, job.source)
+            return
         keys = job.keys
         while job.ready < len(keys) and not job.cancelled:
             row = self.host.pin_ready(keys[job.ready])
@@ -441,6 +453,7 @@ class RankKVOffload:
         st = self.client.stats()
         st["errors"] += self.counters["errors"]
         st.update({f"offload_{k}": v for k, v in self.counters.items() if k != "errors"})
+        st.update(self.peer.counters, **self.leases.counters)
         st["host"] = {"used_bytes": self.host.used_bytes, "capacity_bytes": self.host.capacity * self.page_bytes,
                       "pages": len(self.host.ready), "evictions": self.host.evictions,
                       "pinned_rows": len(self.host.pins)}

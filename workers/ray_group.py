@@ -18,7 +18,7 @@ from workers.group import RemoteOverlap, WorkerGroup
 from workers.messages import OverlapCall, StepPlan, StepResult
 from workers.model_runner import RunnerOptions
 from workers.step_channel import RankFailed, StepChannel
-from workers.worker import RankWorker
+from workers.worker import RANK_THREADS, RankWorker
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
                 name=f"manta-{name}-rank{i}",
                 num_cpus=cpus_per_rank,
                 num_gpus=gpus,
-                max_concurrency=2,
+                max_concurrency=RANK_THREADS,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 runtime_env={"env_vars": env} if env else None,
             ).remote(opts, i, tp_size)

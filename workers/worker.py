@@ -1,8 +1,9 @@
 """The Ray actor of one TP rank: its model shard, KV pools and model runner.
 
-The actor is threaded (max_concurrency 2) so that `hold()`, a call that never returns while the
+The actor is threaded (`RANK_THREADS`) so that `hold()`, a call that never returns while the
 actor lives, runs beside `execute()`: the replica waits on every rank's `hold()` and learns of
-a dead rank as soon as Ray does, not at the next request.
+a dead rank as soon as Ray does, not at the next request. The other threads answer stats and
+decode replicas' requests for handed-off pages (`pd_locate`), which may wait a moment.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from workers.model_runner import ModelRunner, RunnerOptions
 from workers.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
+
+RANK_THREADS = 6  # hold(), stats, and decode ranks' pd_locate/pd_release calls
 
 
 def free_port() -> int:
@@ -98,6 +101,26 @@ class RankWorker:
         execute() on the actor's second thread: it only reads counters."""
         off = self.runner.kv_offload if self.runner is not None else None
         return off.stats() if off is not None else None
+
+    # ---------------- prefill/decode hand-off (workers/kv_peer.py) ----------------
+    def pd_locate(self, keys: list[str], ttl_s: float) -> dict | None:
+        """A decode rank asks for a handed-off prompt's pages: their host rows, pinned for
+        ttl_s, with this rank's NIXL metadata (None: this rank has no host tier)."""
+        off = self.runner.kv_offload if self.runner is not None else None
+        leases = getattr(off, "leases", None)
+        return leases.locate(keys, ttl_s) if leases is not None else None
+
+    def pd_release(self, lease: str) -> None:
+        off = self.runner.kv_offload if self.runner is not None else None
+        if getattr(off, "leases", None) is not None:
+            off.leases.release(lease)
+
+    def pd_fault(self, kind: str | None, seconds: float = 0.0) -> None:
+        """Fault injection for the hand-off's tests: "delay" (locate answers `seconds` late),
+        "corrupt" (one page's checksum goes out wrong), None (off)."""
+        off = self.runner.kv_offload if self.runner is not None else None
+        if getattr(off, "leases", None) is not None:
+            off.leases.fault = (kind, seconds) if kind else None
 
     def hold(self) -> None:
         """Returns only at shutdown; its failure tells the replica that this rank died."""

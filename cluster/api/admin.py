@@ -37,7 +37,7 @@ def add_admin_routes(routes: APIRouter, cluster) -> None:
     """Add the routes to `routes` for `cluster` (a started `cluster.launch.ServingCluster`)."""
 
     def describe() -> list[dict]:
-        return [{"name": h.name, "healthy": h.healthy, "draining": h.draining, "dead": h.dead,
+        return [{"name": h.name, "role": h.role, "healthy": h.healthy, "draining": h.draining, "dead": h.dead,
                  "inflight": h.inflight, "stats": h.stats} for h in cluster.router.replicas.values()]
 
     @routes.get("/admin/replicas")
@@ -51,7 +51,7 @@ def add_admin_routes(routes: APIRouter, cluster) -> None:
         except Exception as exc:
             raise APIError(503, f"a new replica did not start: {type(exc).__name__}: {exc}",
                            "service_unavailable") from exc
-        cluster.router.add_replica(name, actor)
+        cluster.router.add_replica(name, actor, cluster.infos.get(name))
         return _json({"name": name, "replicas": describe()}, status=201)
 
     @routes.delete("/admin/replicas/{name}")

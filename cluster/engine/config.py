@@ -77,6 +77,9 @@ class EngineConfig:
     kv_prefetch_timeout_per_page_s: float = 0.002
     # write_back policies: seconds spent at shutdown saving the pages still cached.
     kv_drain_timeout_s: float = 3.0
+    # Prefill/decode disaggregation (cluster/engine/kv_handoff.py): how long a decode replica
+    # waits for a prompt's pages from its prefill replica before it computes the rest itself.
+    pd_transfer_timeout_s: float = 10.0
     # The kernels' options (attention/kernel_options.py): read from this process's environment
     # once, when the config is made, and installed on every rank.
     kernels: KernelOptions = dataclasses.field(default_factory=KernelOptions.from_env)
@@ -117,6 +120,8 @@ class EngineConfig:
             bad("kv_prefetch_policy", f"must be one of {KV_PREFETCH_POLICIES}")
         if min(self.kv_store_host_gb, self.kv_store_disk_gb, self.kv_host_cache_gb) <= 0:
             bad("kv_store_host_gb/kv_store_disk_gb/kv_host_cache_gb", "must be > 0")
+        if self.pd_transfer_timeout_s <= 0:
+            bad("pd_transfer_timeout_s", "must be > 0")
         if self.kv_prefetch_timeout_s < 0 or self.kv_prefetch_timeout_per_page_s < 0:
             bad("kv_prefetch_timeout_s", "must be >= 0")
         if self.kv_drain_timeout_s < 0:

@@ -65,6 +65,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from cluster.engine import kv_handoff
 from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES
 from cluster.engine.kv_store_judge import StoreJudge
 from kvstore.messages import STORE_NAME
@@ -134,6 +135,7 @@ class _Loading:
     requeued_at: float = 0.0
     admitted_at: float = 0.0
     loaded_at: float = 0.0  # the result of the plan that carried the load came back
+    peer: bool = False  # read from a prefill replica (cluster/engine/kv_handoff.py), not the store
 
 
 class SchedulerKVOffload:
@@ -179,18 +181,21 @@ class SchedulerKVOffload:
         self._skip_until = 0.0
         self.judge = StoreJudge(self.min_pages * self.P)  # store or recompute, by time to first token
         self.stats = KVOffloadStats()
+        self.handoff = kv_handoff.HandoffStats()  # prefill/decode disaggregation
+        self.pending_handoff: list[KVSave] = []
         self.poller = None  # the replica's stats poller (cluster/kv_store_setup.py)
         scheduler.kv_offload = self
         self.radix.on_evict = self._on_evict  # bookkeeping always; saves only under write_back
 
     # ---------------- hooks of the scheduler ----------------
     def has_work(self) -> bool:
-        return bool(self.loading or self.pending_saves or self._prefetch or self._loads)
+        return bool(self.loading or self.pending_saves or self._prefetch or self._loads or self.pending_handoff)
 
     def on_arrival(self, req) -> None:
         """Send the store lookup of a new request's prefix (answered while it waits)."""
-        if req.is_embedding or req.rid in self.probes or req.params.prompt_logprobs is not None:
-            return  # (a prompt-logprobs request computes its whole prompt: nothing to load)
+        if req.is_embedding or req.rid in self.probes or req.params.prompt_logprobs is not None \
+                or req.kv_source is not None:
+            return  # (a prompt-logprobs request computes its whole prompt; a decode one reads its prefill's)
         n = (len(req.prompt_ids) - 1) // self.P  # the last token is always computed
         if n < self.min_pages:
             return
@@ -212,6 +217,10 @@ class SchedulerKVOffload:
         the front when the load is done."""
         if req.rid in self.probed or req.is_embedding or req.num_preemptions:
             return Verdict.ADMIT
+        if req.kv_source is not None:  # disaggregated: its prompt waits on a prefill replica
+            self.probed.add(req.rid)
+            found = kv_handoff.fetch_from_source(self, req, time.monotonic())
+            return Verdict.SET_ASIDE if found else Verdict.ADMIT
         pending = self.probes.get(req.rid)
         if pending is None:  # not looked up at arrival (short, cached, or the store paused)
             self.probed.add(req.rid)
@@ -272,7 +281,9 @@ class SchedulerKVOffload:
         stop = [e for e in self.loading.values() if not e.queued and e.reported and self._should_stop(e, now)]
         for e in reversed(stop):
             e.queued, e.requeued_at = True, now
-            if not e.finished:
+            if e.peer:
+                kv_handoff.note_stop(self, e)
+            elif not e.finished:
                 self.stats.early_stops += 1
             self.sched.waiting.appendleft(e.req)
 
@@ -315,10 +326,13 @@ class SchedulerKVOffload:
                 e.admitted_at = time.monotonic()
                 self.inflight[req.rid] = e
                 self.from_store.update(e.pages)
-                self.stats.loads += 1
-                self.stats.hit_pages += len(e.pages)
-                self.stats.loaded_tokens += len(e.pages) * self.P
-                self.judge.loaded(req.rid, len(e.pages) * self.P, e)
+                if e.peer:  # not the store's: its judge and counters leave it out
+                    self.handoff.fetched_pages += len(e.pages)
+                else:
+                    self.stats.loads += 1
+                    self.stats.hit_pages += len(e.pages)
+                    self.stats.loaded_tokens += len(e.pages) * self.P
+                    self.judge.loaded(req.rid, len(e.pages) * self.P, e)
             else:  # set aside, yet admitted before its stop (never expected): end its prefetch
                 self._loads.append(KVLoad(req.rid, [], []))
         if self.write_policy in SELECTIVE and req.kv is not None:
@@ -330,6 +344,8 @@ class SchedulerKVOffload:
     def on_cached(self, req, pages: list[int], num_tokens: int, kept: int, token_ids: list[int]) -> None:
         """`release` put req's full pages into the radix cache; it took pages[kept:n_full].
         token_ids: the request's known tokens (without one still being sampled)."""
+        if req.hand_off:  # a prefill for a decode replica: its prompt pages go to the host tier
+            kv_handoff.hand_off_pages(self, req, pages, num_tokens, token_ids)
         n_full = num_tokens // self.P
         loaded = self.from_store.intersection(pages)
         self.from_store -= loaded
@@ -369,7 +385,7 @@ class SchedulerKVOffload:
         """This step's KV orders (saves, prefetch starts, its admissions' loads), or None when
         there are none and no request waits on the store."""
         saves = [KVSave([p for p, _ in self.pending_saves], [k for _, k in self.pending_saves])]
-        saves = saves if self.pending_saves else []
+        saves = (saves if self.pending_saves else []) + kv_handoff.take_handoff_saves(self)
         self.pending_saves = []
         prefetch, self._prefetch = self._prefetch, []
         loads, self._loads = self._loads, []
@@ -422,6 +438,8 @@ class SchedulerKVOffload:
             self.saved.discard(p)
 
     def _should_stop(self, e: _Loading, now: float) -> bool:
+        if e.peer:
+            return kv_handoff.should_stop(e, now)
         if self.prefetch_policy == "best_effort":
             return True  # what the first report said the ranks hold
         if self.prefetch_policy == "wait_complete":
@@ -478,7 +496,7 @@ class SchedulerKVOffload:
         the store's)."""
         probe = self.probe.counters
         return {"layout": self.layout, "write_policy": self.write_policy, "prefetch_policy": self.prefetch_policy,
-                **asdict(self.stats), "probe_errors": probe.errors,
+                **asdict(self.stats), "probe_errors": probe.errors, "handoff": asdict(self.handoff),
                 **self.judge.counters()}
 
 

@@ -186,10 +186,16 @@ class Engine:
         rid: str | None = None,
         is_embedding: bool = False,
         group: str | None = None,
+        resume_ids: list[int] | None = None,
+        kv_source=None,
+        hand_off: bool = False,
     ) -> str:
         """Queue a request; raises (and queues nothing) if it is invalid or the queue is full.
         An embedding replica refuses generation; an encoder-decoder model refuses embeddings.
-        `sink` receives each output; None: the engine's `batch_sink`, once per step for all."""
+        `sink` receives each output; None: the engine's `batch_sink`, once per step for all.
+        Disaggregated serving: `resume_ids` are output tokens another replica already produced
+        (and streamed): this one continues after them, reading the prompt's KV pages from
+        `kv_source` where it can; `hand_off` keeps the prompt's pages for a decode replica."""
         if sink is None and self.batch_sink is None:
             raise ValueError("a request without a sink needs an engine with a batch_sink")
         params.validate(self.model_config.vocab_size)
@@ -208,6 +214,12 @@ class Engine:
             req = Request(rid, self.tokenize(prompt), params, is_embedding=is_embedding, group=group)
         detok = self.detokenizer.new_state(req.prompt_ids, params.stop, params.skip_special_tokens,
                                             params.include_stop_str_in_output)
+        if resume_ids:
+            if len(resume_ids) >= params.max_tokens or self.decoder_prompt is not None or is_embedding:
+                raise RequestRejected("max_tokens", "nothing left to generate after the resumed tokens")
+            req.output_ids = list(resume_ids)
+            self.detokenizer.add_tokens(detok, list(resume_ids), final=False)  # streamed already
+        req.kv_source, req.hand_off = kv_source, hand_off
         with self._lock:
             self.scheduler.add_request(req)
             self._tracked[rid] = _Tracked(req, sink, detok)
@@ -313,8 +325,10 @@ class Engine:
         tracked = self._tracked.get(req.rid)
         if tracked is None:
             return None, RequestOutput(req.rid)
-        text, hit_stop, used = self.detokenizer.add_tokens_until_stop(tracked.detok, ev.token_ids,
-                                                                     final=req.finished)
+        # A handed-off prefill that ends at its token limit goes on on a decode replica: text held
+        # back (an incomplete character, a possible stop string) is that replica's to emit.
+        final = req.finished and not (req.hand_off and req.finish_reason == FinishReason.LENGTH)
+        text, hit_stop, used = self.detokenizer.add_tokens_until_stop(tracked.detok, ev.token_ids, final=final)
         if used < len(ev.token_ids):  # a speculative round's tokens after a stop string: dropped
             end = req.num_output_tokens
             del req.output_ids[end - len(ev.token_ids) + used : end]

@@ -1,0 +1,65 @@
+"""How the router serves a request on a prefill replica and a decode replica.
+
+1. A prefill replica (chosen by the router's policy among prefill replicas: `cache_aware`
+   sends a shared prefix where it is cached) runs the prompt to its first token, with
+   `hand_off` set: it keeps the prompt's pages in its ranks' host tiers for a decode replica.
+2. The first token goes to the client at once: it never waits for the transfer.
+3. A decode replica is admitted with that token (`resume_ids`) and the prefill replica's
+   `kv_source`; its ranks pull the pages over NIXL while it keeps decoding its other requests,
+   then it streams the rest. Pages that do not arrive (dead prefill replica, deadline, bad
+   checksum) are computed by the decode replica, so the tokens never depend on the transfer.
+
+A request that ends with its first token (eos, a stop string, max_tokens 1) never reaches a
+decode replica. No decode replica can take it: a prefill or mixed replica continues it (the
+pages are in its own cache or read the same way). The client's disconnect aborts whichever
+side holds the request; the prefill side's lent pages are unpinned by the read's release or
+its lease's expiry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+from cluster.engine.client import NoReplicaAvailable
+from cluster.engine.request import RequestOutput
+from workers.request_errors import QueueFull
+from workers.sampling_params import SamplingParams
+
+
+async def disaggregated_stream(router, rid: str, tokens: list[int], params: SamplingParams,
+                               group: str | None) -> AsyncIterator[RequestOutput]:
+    if params.max_tokens <= 1:  # nothing to hand off: one replica serves it whole
+        async for out in router.attempts(rid, tokens, params, False, group, ("prefill", "decode")):
+            yield out
+        return
+    first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+    first: RequestOutput | None = None
+    async for out in router.attempts(rid, tokens, first_params, False, group, ("prefill",), hand_off=True):
+        if out.finished:
+            first = out
+            break
+        yield out
+    if first is None:
+        return
+    more = first.finish_reason == "length" and first.error is None and len(first.delta_token_ids) == 1
+    if not more:
+        yield first
+        return
+    handle = router.replicas.get(first.replica)
+    source = handle.kv_source if handle is not None else None
+    first.finished, first.finish_reason = False, None
+    first.completion_tokens = 1
+    yield first
+    resume = list(first.delta_token_ids)
+    for roles in (("decode",), ("mixed", "prefill")):
+        try:
+            async for out in router.attempts(rid, tokens, params, False, group, roles, resume_ids=resume,
+                                             kv_source=source):
+                yield out
+            return
+        except (NoReplicaAvailable, QueueFull):
+            continue
+    yield RequestOutput(rid, finished=True, finish_reason="error", error_type="internal",
+                        error="no replica could continue the request after its first token",
+                        replica=first.replica)

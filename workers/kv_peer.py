@@ -1,0 +1,286 @@
+"""Rank-to-rank KV page transfer for prefill/decode disaggregation, over NIXL.
+
+Pull, not push: the decode rank reads the prompt's pages from the prefill rank's host tier
+when it has room for them (its own host rows, taken for the read), so a decode replica that is
+full never has pages pushed at it, and every failure is seen and handled on the one side that
+must act on it (the decode side computes what it could not read).
+
+The prefill side (`PeerLeases`, beside a rank's `RankKVOffload`): the replica saves a handed-off
+request's prompt pages into its host tier (host only, `KVSave.store=False`). A decode rank
+asks for them by chain key (`locate`, a Ray call to the rank actor, off the step's thread):
+the rows of the leading keys present are pinned under a lease, checksummed, and their
+addresses returned with the rank's NIXL agent metadata. `release` (or the lease's expiry)
+unpins them. A lease outlives the reader's deadline, so no read ever races a reuse of a row.
+
+The decode side (`PeerReader`, on a rank's read I/O thread): locate, one NIXL READ from the
+prefill rank's rows into this rank's host rows, verify every page's crc32, publish the
+leading good pages under this replica's own chain keys (the normal `KVLoad` then copies them
+into device pages), release the lease. Which prefill ranks a decode rank reads from:
+- MLA: the latent is the same on every rank, so all decode ranks read from prefill rank 0
+  (contract 5: one copy of a page, one key, written by rank 0 alone);
+- MHA, same TP size: rank r from rank r, bytes as they are;
+- MHA, different TP sizes: from every prefill rank whose kv heads overlap this rank's, into a
+  scratch buffer, then this rank's heads are cut out of each and laid out as its own page
+  (`[K | V]`, each `[layers, P, heads, head_dim]`).
+Failures (the prefill rank dead or restarted, a deadline, a crc mismatch) end the read at
+the last good page: the scheduler loads what every rank holds and the prefill computes the
+rest. A restarted prefill rank comes back with a new agent name: the old remote agent is
+removed when the new one is added.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LEASE_MARGIN_S = 5.0  # a lease outlives the reader's deadline by this much
+LOCATE_WAIT_S = 1.0  # how long `locate` waits for a hand-off's pages still being saved
+
+
+class PeerLeases:
+    """The prefill rank's side: pages lent to decode ranks. Thread-safe (Ray calls arrive on
+    the actor's threads while the step runs)."""
+
+    def __init__(self, offload):
+        self.off = offload
+        self.leases: dict[str, tuple[list[int], float]] = {}
+        self.lock = threading.Lock()
+        self.fault: tuple[str, float] | None = None  # fault injection for tests: ("delay", s) | ("corrupt", 0)
+        self.counters = {"pd_leases": 0, "pd_pages_lent": 0, "pd_leases_expired": 0}
+        self._progress: threading.Thread | None = None
+        self._last_lease = 0.0
+
+    def locate(self, keys: list[str], ttl_s: float, wait_s: float = LOCATE_WAIT_S) -> dict | None:
+        """Pin the rows of the leading `keys` in the host tier (waiting up to wait_s for pages
+        whose save is still on its way) for ttl_s; None without a NIXL agent."""
+        self.sweep()
+        client, host = self.off.client, self.off.host
+        if client.agent is None:
+            return None
+        fault = self.fault
+        if fault is not None and fault[0] == "delay":
+            time.sleep(fault[1])
+        deadline = time.monotonic() + wait_s
+        while True:
+            rows = host.leading(keys)  # pinned
+            if len(rows) == len(keys) or time.monotonic() >= deadline:
+                break
+            host.unpin(rows)
+            time.sleep(0.005)
+        from kvstore.client import checksums
+
+        used = sum(self.off.key_bytes)
+        crcs = checksums([host.data[r, :used].numpy() for r in rows])
+        if fault is not None and fault[0] == "corrupt" and crcs:
+            crcs[len(crcs) // 2] ^= 0x5A5A  # as if the page's bytes changed on the way
+        lease = uuid.uuid4().hex
+        with self.lock:
+            self.leases[lease] = (rows, time.monotonic() + ttl_s)
+            self.counters["pd_leases"] += 1
+            self.counters["pd_pages_lent"] += len(rows)
+            if self._progress is None or not self._progress.is_alive():
+                self._progress = threading.Thread(target=self._drive, name="kv-peer-progress", daemon=True)
+                self._progress.start()
+        return {"agent": client.name, "meta": client.agent.get_agent_metadata(), "lease": lease,
+                "addrs": [host.data[r].data_ptr() for r in rows], "crcs": crcs,
+                "key_bytes": list(self.off.key_bytes)}
+
+    def _drive(self) -> None:
+        """Progress this rank's UCX worker while pages are lent: the reader's connection set-up
+        and its READs over a transport that is not one-sided need the target to progress (the
+        store does the same). Ends a moment after the last lease: an idle rank uses no CPU."""
+        agent = self.off.client.agent
+        while agent is not None and self.off.client.agent is not None:
+            try:
+                agent.get_new_notifs()
+            except Exception:
+                logger.exception("kv peer: NIXL progress")
+                return
+            if self.leases:
+                self._last_lease = time.monotonic()
+            elif time.monotonic() - self._last_lease > 1.0:
+                return
+            time.sleep(0.0001)
+
+    def release(self, lease: str) -> None:
+        with self.lock:
+            held = self.leases.pop(lease, None)
+        if held is not None:
+            self.off.host.unpin(held[0])
+
+    def sweep(self) -> None:
+        """Unpin the rows of expired leases (a reader that died or gave up)."""
+        if not self.leases:
+            return
+        now = time.monotonic()
+        with self.lock:
+            old = [k for k, (_, until) in self.leases.items() if until <= now]
+            held = [self.leases.pop(k)[0] for k in old]
+            self.counters["pd_leases_expired"] += len(old)
+        for rows in held:
+            self.off.host.unpin(rows)
+
+
+class PeerReader:
+    """The decode rank's side: reads a prefetch's pages from the prefill replica's ranks."""
+
+    def __init__(self, offload, pool, tp):
+        self.off, self.tp = offload, tp
+        self.actors: dict[str, object] = {}  # rank actor name -> handle
+        self.agents: dict[str, str] = {}  # rank actor name -> its NIXL agent, added as a remote
+        if pool.use_mla:
+            self.heads, self.head_bytes = 1, []
+        else:  # per key (K, V): this rank's kv heads and the bytes of one head's row
+            self.heads = pool.k_buffer[0].shape[1]
+            self.head_bytes = [pool.k_buffer[0].shape[2] * pool.k_buffer[0].element_size(),
+                               pool.v_buffer[0].shape[2] * pool.v_buffer[0].element_size()]
+        self.counters = {"pd_pages": 0, "pd_bytes": 0, "pd_transfer_s": 0.0, "pd_failures": 0, "pd_corrupt": 0,
+                         "pd_timeouts": 0}
+
+    # ---------------- one prefetch ----------------
+    def fetch(self, job, source) -> None:
+        """Read job.keys' pages (source.keys on the prefill side) into this rank's host tier,
+        publishing each good page to the job; stops at the first page it cannot vouch for."""
+        start = time.monotonic()
+        deadline = start + source.timeout_s
+        keys = list(job.keys)
+        try:
+            if source.layout == "mla" or source.tp_size == self.tp.size:
+                self._direct(job, source, 0 if source.layout == "mla" else self.tp.rank, keys, deadline)
+            else:
+                self._resharded(job, source, keys, deadline)
+        except Exception as exc:
+            logger.warning("kv peer: reading %d pages from %s failed: %s", len(keys), source.replica, exc)
+            self.counters["pd_failures"] += 1
+        finally:
+            self.counters["pd_transfer_s"] += time.monotonic() - start
+            if time.monotonic() >= deadline:
+                self.counters["pd_timeouts"] += 1
+
+    def _direct(self, job, source, src_rank: int, keys: list[str], deadline: float) -> None:
+        """The source rank's pages are this rank's pages byte for byte: read into the rows."""
+        used = sum(self.off.key_bytes)
+        reply, actor = self._locate(source, src_rank, list(source.keys[: len(keys)]), deadline)
+        try:
+            if reply["key_bytes"] != list(self.off.key_bytes):
+                raise ValueError(f"page layout {reply['key_bytes']} != this rank's {self.off.key_bytes}")
+            n = len(reply["addrs"])
+            rows = self.off._take_rows(n, job) if n else []
+            n = len(rows)
+            if not n:
+                return
+            local = [(self.off.host.data[r].data_ptr(), used, 0) for r in rows]
+            remote = [(a, used, 0) for a in reply["addrs"][:n]]
+            good = self._read(source, reply["agent"], local, remote, deadline, reply["crcs"][:n],
+                              [self.off.host.data[r, :used] for r in rows])
+            self.off.host.give(rows[good:])
+            self._publish(job, keys[:good], rows[:good])
+        finally:
+            actor.pd_release.remote(reply["lease"])
+
+    def _resharded(self, job, source, keys: list[str], deadline: float) -> None:
+        """MHA across TP sizes: this rank's kv heads from every prefill rank that holds some."""
+        if self.heads * self.tp.size % source.tp_size:
+            raise ValueError(f"{self.heads * self.tp.size} kv heads do not split over prefill TP {source.tp_size}")
+        total = self.heads * self.tp.size
+        src_heads = total // source.tp_size
+        lo, hi = self.tp.rank * self.heads, (self.tp.rank + 1) * self.heads
+        n = len(keys)
+        out = torch.zeros((n, sum(self.off.key_bytes)), dtype=torch.uint8)
+        for p in range(lo // src_heads, (hi - 1) // src_heads + 1):
+            reply, actor = self._locate(source, p, list(source.keys[:n]), deadline)
+            try:
+                n = min(n, len(reply["addrs"]))
+                if not n:
+                    return
+                src_bytes = sum(reply["key_bytes"])
+                scratch = torch.empty((n, src_bytes), dtype=torch.uint8)
+                handle = self.off.client.agent.register_memory(scratch)
+                try:
+                    local = [(scratch[i].data_ptr(), src_bytes, 0) for i in range(n)]
+                    remote = [(a, src_bytes, 0) for a in reply["addrs"][:n]]
+                    n = min(n, self._read(source, reply["agent"], local, remote, deadline, reply["crcs"][:n],
+                                          [scratch[i] for i in range(n)]))
+                finally:
+                    self.off.client.agent.deregister_memory(handle)
+                # this rank's heads [lo, hi) within prefill rank p's [p * src_heads, ...)
+                a, b = max(lo, p * src_heads), min(hi, (p + 1) * src_heads)
+                src_off = dst_off = 0
+                for kb, sb, hb in zip(self.off.key_bytes, reply["key_bytes"], self.head_bytes):
+                    rows = kb // (self.heads * hb)  # layers x P
+                    src = scratch[:n, src_off : src_off + sb].view(n, rows, src_heads, hb)
+                    dst = out[:n, dst_off : dst_off + kb].view(n, rows, self.heads, hb)
+                    dst[:, :, a - lo : b - lo] = src[:, :, a - p * src_heads : b - p * src_heads]
+                    src_off, dst_off = src_off + sb, dst_off + kb
+            finally:
+                actor.pd_release.remote(reply["lease"])
+        rows = self.off._take_rows(n, job) if n else []
+        n = len(rows)
+        for i, r in enumerate(rows):
+            self.off.host.data[r, : out.shape[1]].copy_(out[i])
+        self._publish(job, keys[:n], rows)
+
+    # ---------------- pieces ----------------
+    def _locate(self, source, rank: int, keys: list[str], deadline: float):
+        import ray
+
+        name = source.rank_actors[rank]
+        actor = self.actors.get(name)
+        if actor is None:
+            actor = ray.get_actor(name, namespace=source.namespace)
+            self.actors[name] = actor
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("transfer deadline passed before the pages were located")
+        try:
+            reply = ray.get(actor.pd_locate.remote(keys, source.timeout_s + LEASE_MARGIN_S), timeout=left)
+        except Exception:
+            self.actors.pop(name, None)  # dead or restarted: look it up again next time
+            raise
+        if reply is None:
+            raise RuntimeError(f"{name} has no NIXL agent")
+        self._connect(name, reply)
+        return reply, actor
+
+    def _connect(self, name: str, reply: dict) -> None:
+        """Know the prefill rank's agent; a new one (the rank restarted) replaces the old."""
+        agent = self.off.client.agent
+        old = self.agents.get(name)
+        if old == reply["agent"]:
+            return
+        if old is not None:
+            try:
+                agent.remove_remote_agent(old)
+            except Exception:
+                pass
+        agent.add_remote_agent(reply["meta"])
+        self.agents[name] = reply["agent"]
+
+    def _read(self, source, remote_agent: str, local, remote, deadline: float, crcs: list[int], views) -> int:
+        """One READ of every page; returns the leading pages whose crc32 matches."""
+        from kvstore.client import checksums, nixl_transfer
+
+        left = deadline - time.monotonic()
+        if left <= 0 or not nixl_transfer(self.off.client.agent, "READ", local, remote, remote_agent, left):
+            self.counters["pd_failures"] += 1
+            return 0
+        got = checksums([v.numpy() for v in views])
+        good = next((i for i, (a, b) in enumerate(zip(got, crcs)) if a != b), len(crcs))
+        if good < len(crcs):
+            logger.warning("kv peer: page %d from %s fails its checksum; the rest is computed here",
+                           good, source.replica)
+            self.counters["pd_corrupt"] += 1
+        self.counters["pd_bytes"] += sum(n for _, n, _ in local[:good])
+        return good
+
+    def _publish(self, job, keys: list[str], rows: list[int]) -> None:
+        self.counters["pd_pages"] += len(rows)
+        if rows:
+            job.add(self.off.host, self.off.host.publish(keys, rows, pin=True))
+            self.off._note_progress()
