@@ -4,7 +4,8 @@
 # l8mixprof dsv2 spec specid
 # l8tp2 dsv2tp2 compiles, and the product path through `manta serve` (Ray, router, HTTP, KV store; needs Ray, NIXL
 # and FastAPI on PYTHONPATH: ../shared/gpu/README.md): l8http (store on: a cold run, then the server restarted and the
-# same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2, two GPUs).
+# same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2, two GPUs) l8pd (two replicas sharing the GPU:
+# mixed against prefill + decode, 2048-token prompts).
 # (default: build tests profile l8 l8serve dsv2 spec). Each writes JSON to ${OUT:-/tmp/out};
 # models are built once under /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
 set -uo pipefail
@@ -116,6 +117,14 @@ for s in $stages; do
           du -sh "$KV"; serve_start replay $SF && { http_bench l8_http_replay; serve_stop; }
         fi
         rm -rf "$KV" ;;
+    l8pd) serve_model  # one GPU, two replicas on half of it each: mixed (--replicas 2) against 1 prefill + 1 decode
+        KV=${KV_DIR:-/tmp/kvstore}; PDWORK=${PD_WORK:-"--num-prompts 160 --input-len 2048 --output-len 256 --request-rate 8"}
+        G="$F --gpus-per-rank 0.5 --mem-fraction ${PD_MEM:-0.8} --kv-store $KV --kv-store-disk-gb 8"
+        for mode in ${PD_MODES:-mixed pd}; do rm -rf "$KV"
+          if [ "$mode" = mixed ]; then sides="--replicas 2"; else sides="--prefill-replicas 1 --decode-replicas 1"; fi
+          serve_start "$mode" $G $sides && { WORK="$PDWORK" http_bench "l8_pd_$mode"; serve_stop; }
+          grep -E "^manta:pd_" "$OUT/l8_pd_${mode}_metrics.txt" | head -20
+        done; rm -rf "$KV" ;;
     l8httpns) serve_model
         serve_start nostore $F --no-kv-store && { http_bench l8_http_nostore; serve_stop; } ;;
     l8httptp2) serve_model  # 2 GPUs: NCCL between Ray rank actors

@@ -157,7 +157,8 @@ class PeerReader:
                 self._resharded(job, source, keys, deadline)
         except Exception as exc:
             logger.warning("kv peer: reading %d pages from %s failed: %s", len(keys), source.replica, exc)
-            self.counters["pd_failures"] += 1
+            if time.monotonic() < deadline:  # (past it: counted as a timeout below)
+                self.counters["pd_failures"] += 1
         finally:
             self.counters["pd_transfer_s"] += time.monotonic() - start
             if time.monotonic() >= deadline:
@@ -268,7 +269,8 @@ class PeerReader:
 
         left = deadline - time.monotonic()
         if left <= 0 or not nixl_transfer(self.off.client.agent, "READ", local, remote, remote_agent, left):
-            self.counters["pd_failures"] += 1
+            if time.monotonic() < deadline:  # (past it: a timeout, counted by `fetch`)
+                self.counters["pd_failures"] += 1
             return 0
         got = checksums([v.numpy() for v in views])
         good = next((i for i, (a, b) in enumerate(zip(got, crcs)) if a != b), len(crcs))

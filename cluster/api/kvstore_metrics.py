@@ -18,6 +18,18 @@ zero, which `rate()` reads as a counter reset).
                                                store refused them (its RAM full of pages not yet
                                                written to files: the store is slower than the saves)
     manta:kvstore_usage_bytes{tier}            "ram" and "file" (the store), "host" (ranks' host tiers)
+
+Prefill/decode disaggregation (cluster/engine/kv_handoff.py, workers/kv_peer.py), on the decode
+replica that pulls pages unless said otherwise:
+
+    manta:pd_handed_off_total{replica}         requests a prefill replica kept pages for
+    manta:pd_transfers_total{replica}          requests that read their prompt from a prefill replica
+    manta:pd_transfer_pages_total{replica}     pages every rank read intact (loaded)
+    manta:pd_transfer_bytes_total{replica}     bytes read over NIXL (all ranks)
+    manta:pd_transfer_seconds_total{replica}   the ranks' read time (locate, transfer, checksums);
+                                               over pd_transfers_total: the mean transfer latency
+    manta:pd_transfer_failures_total{replica,kind}  "failed" (dead peer, NIXL error), "timeout"
+                                               (the deadline: the rest is computed), "corrupt" (crc)
 """
 
 from __future__ import annotations
@@ -76,6 +88,15 @@ class KVStoreCollector(Collector):
         usage = GaugeMetricFamily("manta:kvstore_usage_bytes",
                                   "Bytes held by KV store tiers: ram and file (the shared store), host (the "
                                   "ranks' host tiers, all replicas).", labels=["tier"])
+        pd = {name: CounterMetricFamily(f"manta:pd_{name}", text, labels=["replica"]) for name, text in (
+            ("handed_off", "Requests a prefill replica kept the prompt's pages for (disaggregated serving)."),
+            ("transfers", "Requests that read their prompt's pages from a prefill replica."),
+            ("transfer_pages", "Prompt pages read from a prefill replica and loaded."),
+            ("transfer_bytes", "Bytes read from prefill replicas over NIXL."),
+            ("transfer_seconds", "Seconds the ranks spent reading pages from prefill replicas."))}
+        pd_fail = CounterMetricFamily("manta:pd_transfer_failures",
+                                      "Page transfers from a prefill replica that failed (the decode replica "
+                                      "computed the rest).", labels=["replica", "kind"])
         with self._lock:
             host = 0
             for replica, rep in self._replicas.items():
@@ -97,6 +118,15 @@ class KVStoreCollector(Collector):
                     host += r.get("host", {}).get("used_bytes", 0)
                 nbytes.add_metric([replica, "write"], wbytes)
                 nbytes.add_metric([replica, "read"], rbytes)
+                ho = rep.get("handoff") or {}
+                pd["handed_off"].add_metric([replica], ho.get("handed_off", 0))
+                pd["transfers"].add_metric([replica], ho.get("fetches", 0))
+                pd["transfer_pages"].add_metric([replica], ho.get("fetched_pages", 0))
+                pd["transfer_bytes"].add_metric([replica], sum(r.get("pd_bytes", 0) for r in ranks))
+                pd["transfer_seconds"].add_metric([replica], sum(r.get("pd_transfer_s", 0.0) for r in ranks))
+                for kind in ("failures", "timeouts", "corrupt"):
+                    pd_fail.add_metric([replica, {"failures": "failed", "timeouts": "timeout"}.get(kind, kind)],
+                                       sum(r.get(f"pd_{kind}", 0) for r in ranks))
             store = self._store()
             if store is not None:
                 usage.add_metric(["ram"], store.get("ram_used_bytes", 0))
@@ -104,7 +134,7 @@ class KVStoreCollector(Collector):
                 errors.add_metric(["store", "file_write"], store.get("file_write_errors", 0))
             if self._replicas:
                 usage.add_metric(["host"], host)
-        yield from (written, read, hits, queries, nbytes, errors, dropped, usage)
+        yield from (written, read, hits, queries, nbytes, errors, dropped, usage, *pd.values(), pd_fail)
 
     def describe(self) -> Iterator[Metric]:
         return self.collect()

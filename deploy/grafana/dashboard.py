@@ -192,6 +192,19 @@ def build() -> dash_b.Dashboard:
         "KV-event lag", "Seconds since the router's index of each replica's cache was last brought up to date "
         "from its KV events (past 2 s the router routes on its memory instead; -1: never).",
         [(f"max by (replica) (manta:router_kv_event_lag_seconds{{{REPLICA}}})", "{{replica}}")], "s", width=12))
+    n.panel(timeseries(
+        "Prefill→decode transfers", "Disaggregated serving: KV bytes per second decode replicas read from "
+        "prefill replicas over NIXL, and transfers that failed per second (failed, timeout, corrupt: the decode "
+        "replica computed those pages itself).",
+        [(_rate("manta:pd_transfer_bytes_total", by="replica"), "{{replica}} bytes/s"),
+         (_rate("manta:pd_transfer_failures_total", by="replica, kind"), "{{replica}} {{kind}}")], "short",
+        width=12))
+    n.panel(timeseries(
+        "Prefill→decode transfer time", "Mean seconds a decode replica's ranks spent reading one request's "
+        "prompt pages from its prefill replica (locate, NIXL read, checksums).",
+        [(f"sum by (replica) (rate(manta:pd_transfer_seconds_total{{{REPLICA}}}[{RATE}])) / "
+          f"sum by (replica) (rate(manta:pd_transfers_total{{{REPLICA}}}[{RATE}]))", "{{replica}}")], "s",
+        width=12))
     n.panel(health_stat())
     n.panel(timeseries(
         "Replica restarts", "Times each replica rebuilt its TP group after losing a rank.",
