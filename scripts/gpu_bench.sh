@@ -123,7 +123,10 @@ for s in $stages; do
         for mode in ${PD_MODES:-mixed pd}; do rm -rf "$KV"
           if [ "$mode" = mixed ]; then sides="--replicas 2"; else sides="--prefill-replicas 1 --decode-replicas 1"; fi
           serve_start "$mode" $G $sides && { WORK="$PDWORK" http_bench "l8_pd_$mode"; serve_stop; }
-          grep -E "^manta:pd_" "$OUT/l8_pd_${mode}_metrics.txt" | head -20
+          grep -E "^manta:pd_(transfer_(bytes|seconds|pages)|transfers)_total" "$OUT/l8_pd_${mode}_metrics.txt" | grep -v " 0.0"
+          python3 -c "import json,sys; [print(r['name'], [{k: round(v, 3) for k, v in rk.items() if k.startswith('pd_') and v}
+            for rk in ((r.get('stats') or {}).get('kvstore') or {}).get('ranks', [])]) for r in json.load(open(sys.argv[1]))['replicas']]" \
+            "$OUT/l8_pd_${mode}_replicas.json"
         done; rm -rf "$KV" ;;
     l8httpns) serve_model
         serve_start nostore $F --no-kv-store && { http_bench l8_http_nostore; serve_stop; } ;;

@@ -225,7 +225,10 @@ class RankKVOffload:
             return
         self.counters["pages_saved_host"] += len(todo)
         with self._cv:
-            self._writes.append(write)
+            if write.store:
+                self._writes.append(write)
+            else:  # a hand-off: a decode replica waits on it, and it never touches the store
+                self._writes.appendleft(write)
             self._cv.notify_all()
 
     def _copy_out(self, page_ids: list[int], rows: list[int]):
@@ -332,12 +335,13 @@ class RankKVOffload:
         """One read or write (reads first: a request waits on them; the reader thread only
         reads); False at shutdown. Runs on each of the I/O threads."""
         with self._cv:
-            if not self._stop and not self._reads and (reader or not self._writes):
+            handoff = bool(self._writes) and not self._writes[0].store  # any thread publishes those
+            if not self._stop and not self._reads and (reader and not handoff or not self._writes):
                 self._cv.wait(1.0)
             if self._stop:
                 return False
             job = self._reads.popleft() if self._reads else None
-            write = self._writes.popleft() if job is None and self._writes and not reader else None
+            write = self._writes.popleft() if job is None and self._writes and (handoff or not reader) else None
             self._writing += write is not None
         import ray
 
@@ -375,9 +379,10 @@ class RankKVOffload:
         except Exception:
             self.host.give(w.rows)
             raise
-        held = self.host.publish(w.keys, w.rows, pin=w.store)  # pinned until the store write is done
-        if not w.store:
+        if not w.store:  # checksummed now, off the path of the decode rank that will ask for them
+            self.leases.publish_checksummed(w.keys, w.rows)
             return
+        held = self.host.publish(w.keys, w.rows, pin=True)  # pinned until the store write is done
         try:
             self._count_write(self.client.write_rows, w.keys, [self.host.data[r] for r in held], self.key_bytes)
         finally:

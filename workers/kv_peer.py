@@ -34,6 +34,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 
 import torch
 
@@ -52,9 +53,26 @@ class PeerLeases:
         self.leases: dict[str, tuple[list[int], float]] = {}
         self.lock = threading.Lock()
         self.fault: tuple[str, float] | None = None  # fault injection for tests: ("delay", s) | ("corrupt", 0)
-        self.counters = {"pd_leases": 0, "pd_pages_lent": 0, "pd_leases_expired": 0}
+        self.counters = {"pd_leases": 0, "pd_pages_lent": 0, "pd_leases_expired": 0,
+                         "pd_lend_wait_s": 0.0, "pd_lend_crc_s": 0.0}  # waiting for the save; checksums
         self._progress: threading.Thread | None = None
         self._last_lease = 0.0
+        self._crcs: OrderedDict[tuple[str, int], int] = OrderedDict()  # (key, row) -> crc32, taken at the save
+
+    def publish_checksummed(self, keys: list[str], rows: list[int]) -> None:
+        """Publish a hand-off's pages in the host tier with their crc32s, taken now (on its I/O
+        thread: off the path of the decode rank that will ask for them). A key the tier held
+        already keeps its own row, whose checksum `locate` takes itself."""
+        from kvstore.client import checksums
+
+        host = self.off.host
+        used = sum(self.off.key_bytes)
+        crcs = checksums([host.data[r, :used].numpy() for r in rows])
+        held = host.publish(keys, rows)
+        with self.lock:
+            self._crcs.update(((k, r), c) for k, r, h, c in zip(keys, rows, held, crcs) if r == h)
+            while len(self._crcs) > host.capacity:
+                self._crcs.popitem(last=False)
 
     def locate(self, keys: list[str], ttl_s: float, wait_s: float = LOCATE_WAIT_S) -> dict | None:
         """Pin the rows of the leading `keys` in the host tier (waiting up to wait_s for pages
@@ -66,7 +84,8 @@ class PeerLeases:
         fault = self.fault
         if fault is not None and fault[0] == "delay":
             time.sleep(fault[1])
-        deadline = time.monotonic() + wait_s
+        t0 = time.monotonic()
+        deadline = t0 + wait_s
         while True:
             rows = host.leading(keys)  # pinned
             if len(rows) == len(keys) or time.monotonic() >= deadline:
@@ -76,7 +95,15 @@ class PeerLeases:
         from kvstore.client import checksums
 
         used = sum(self.off.key_bytes)
-        crcs = checksums([host.data[r, :used].numpy() for r in rows])
+        t1 = time.monotonic()
+        with self.lock:  # taken at the save; a page saved another way (a store save) is checksummed now
+            known = [self._crcs.get((k, r)) for k, r in zip(keys, rows)]
+        todo = [i for i, c in enumerate(known) if c is None]
+        for i, c in zip(todo, checksums([host.data[rows[i], :used].numpy() for i in todo])):
+            known[i] = c
+        crcs = known
+        self.counters["pd_lend_wait_s"] += t1 - t0
+        self.counters["pd_lend_crc_s"] += time.monotonic() - t1
         if fault is not None and fault[0] == "corrupt" and crcs:
             crcs[len(crcs) // 2] ^= 0x5A5A  # as if the page's bytes changed on the way
         lease = uuid.uuid4().hex
@@ -141,7 +168,9 @@ class PeerReader:
             self.head_bytes = [pool.k_buffer[0].shape[2] * pool.k_buffer[0].element_size(),
                                pool.v_buffer[0].shape[2] * pool.v_buffer[0].element_size()]
         self.counters = {"pd_pages": 0, "pd_bytes": 0, "pd_transfer_s": 0.0, "pd_failures": 0, "pd_corrupt": 0,
-                         "pd_timeouts": 0}
+                         "pd_timeouts": 0,
+                         # where the time goes: the prefill rank's answer, the NIXL read, the checksums
+                         "pd_locate_s": 0.0, "pd_read_s": 0.0, "pd_verify_s": 0.0}
 
     # ---------------- one prefetch ----------------
     def fetch(self, job, source) -> None:
@@ -236,7 +265,8 @@ class PeerReader:
         if actor is None:
             actor = ray.get_actor(name, namespace=source.namespace)
             self.actors[name] = actor
-        left = deadline - time.monotonic()
+        t0 = time.monotonic()
+        left = deadline - t0
         if left <= 0:
             raise TimeoutError("transfer deadline passed before the pages were located")
         try:
@@ -244,6 +274,8 @@ class PeerReader:
         except Exception:
             self.actors.pop(name, None)  # dead or restarted: look it up again next time
             raise
+        finally:
+            self.counters["pd_locate_s"] += time.monotonic() - t0
         if reply is None:
             raise RuntimeError(f"{name} has no NIXL agent")
         self._connect(name, reply)
@@ -267,12 +299,17 @@ class PeerReader:
         """One READ of every page; returns the leading pages whose crc32 matches."""
         from kvstore.client import checksums, nixl_transfer
 
-        left = deadline - time.monotonic()
-        if left <= 0 or not nixl_transfer(self.off.client.agent, "READ", local, remote, remote_agent, left):
-            if time.monotonic() < deadline:  # (past it: a timeout, counted by `fetch`)
+        t0 = time.monotonic()
+        left = deadline - t0
+        ok = left > 0 and nixl_transfer(self.off.client.agent, "READ", local, remote, remote_agent, left)
+        t1 = time.monotonic()
+        self.counters["pd_read_s"] += t1 - t0
+        if not ok:
+            if t1 < deadline:  # (past it: a timeout, counted by `fetch`)
                 self.counters["pd_failures"] += 1
             return 0
         got = checksums([v.numpy() for v in views])
+        self.counters["pd_verify_s"] += time.monotonic() - t1
         good = next((i for i, (a, b) in enumerate(zip(got, crcs)) if a != b), len(crcs))
         if good < len(crcs):
             logger.warning("kv peer: page %d from %s fails its checksum; the rest is computed here",
