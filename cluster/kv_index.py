@@ -1,40 +1,92 @@
-"""The router's index of what one replica's GPU prefix cache holds, kept from the replica's
-KV events (`cluster/engine/kv_events.py`): the chained block hashes of its cached pages.
+"""The router's index of what one replica's caches hold, kept from the replica's KV events
+(`cluster/engine/kv_events.py`): the chained block hashes of its pages on the GPU, in its ranks'
+host tier, and (in one index every replica's events feed, `StoreIndex`) in the shared store.
 
-`cache_aware` routing scores a replica by the longest prefix of a prompt whose blocks the
-index holds while the index is fresh (its last pull answered recently), and falls back to the
-router's own approximate memory (`cluster/prefix_tree.py`) when the events lag or the replica
-cannot send them.
+`cache_aware` routing scores a replica by the longest prefix of a prompt whose blocks it can
+serve, each block from the best tier that holds it, weighted by tier (`TIER_WEIGHTS`: a GPU
+block costs nothing, a host block a copy up over PCIe, a store block a NIXL read and that copy;
+each far less than computing it), while the index is fresh (its last pull answered recently),
+and falls back to the router's own approximate memory (`cluster/prefix_tree.py`) when the
+events lag or the replica cannot send them.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
-from cluster.engine.block_hash import cached_prefix_tokens
-from cluster.engine.kv_events import REMOVED, STORED
+from cluster.engine.block_hash import cached_prefix_tokens, chain_hashes
+from cluster.engine.kv_events import GPU, HOST, REMOVED, STORE, STORED
+
+TIER_WEIGHTS = {GPU: 1.0, HOST: 0.8, STORE: 0.6}  # a cached prompt token's worth by where it is
+STORE_INDEX_MAX = 1_000_000  # store pages the router remembers (it never sees the store's evictions)
+
+
+class StoreIndex:
+    """The shared store's pages, as every replica's events report them, most recent last."""
+
+    def __init__(self, capacity: int = STORE_INDEX_MAX) -> None:
+        self.capacity = capacity
+        self.hashes: OrderedDict[int, None] = OrderedDict()
+
+    def add(self, hashes) -> None:
+        for h in hashes:
+            self.hashes[h] = None
+            self.hashes.move_to_end(h)
+        while len(self.hashes) > self.capacity:
+            self.hashes.popitem(last=False)
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.hashes
 
 
 class KVIndex:
-    def __init__(self) -> None:
+    def __init__(self, store: StoreIndex | None = None) -> None:
         self.epoch: str | None = None
         self.seq = 0
         self.block = 0
-        self.hashes: set[int] = set()
+        self.hashes: set[int] = set()  # on the GPU
+        self.host: set[int] = set()  # in the ranks' host tier
+        self.store = store if store is not None else StoreIndex()
         self.updated = 0.0  # monotonic time of the last pull that answered
 
     def apply(self, reply: dict) -> None:
         """Take a `KVEventLog.since` reply: a snapshot replaces the index, events update it."""
         if "snapshot" in reply:
             self.hashes = set(reply["snapshot"])
+            self.host = set(reply.get("snapshot_host", ()))
+            self.store.add(reply.get("snapshot_store", ()))
         else:
-            for kind, hashes in reply["events"]:
+            for kind, hashes, *tier in reply["events"]:
+                tier = tier[0] if tier else GPU
+                if tier == STORE:
+                    if kind == STORED:
+                        self.store.add(hashes)
+                    continue
+                held = self.hashes if tier == GPU else self.host
                 if kind == STORED:
-                    self.hashes.update(hashes)
+                    held.update(hashes)
                 elif kind == REMOVED:
-                    self.hashes.difference_update(hashes)
+                    held.difference_update(hashes)
         self.epoch, self.seq, self.block = reply["epoch"], reply["seq"], reply["block"]
         self.updated = time.monotonic()
+
+    def tiers(self, tokens: list[int]) -> dict[str, int]:
+        """Tokens of the longest prefix of `tokens` this replica can serve from its caches, by
+        the tier each block comes from (the best that holds it)."""
+        out = {GPU: 0, HOST: 0, STORE: 0}
+        if not self.block:
+            return out
+        for h in chain_hashes(tokens, self.block):
+            tier = GPU if h in self.hashes else HOST if h in self.host else STORE if h in self.store else None
+            if tier is None:
+                break
+            out[tier] += self.block
+        return out
+
+    def score(self, tokens: list[int]) -> int:
+        """The prefix's worth in GPU-cached tokens (`TIER_WEIGHTS`)."""
+        return int(sum(TIER_WEIGHTS[t] * n for t, n in self.tiers(tokens).items()))
 
     def lag_s(self) -> float:
         """Seconds since the index was last brought up to date (inf: never)."""

@@ -32,7 +32,7 @@ import ray
 
 from cluster.engine.client import HealthStatus, NoReplicaAvailable
 from cluster.engine.request import RequestOutput
-from cluster.kv_index import KVIndex
+from cluster.kv_index import KVIndex, StoreIndex
 from cluster.pd_route import disaggregated_stream
 from cluster.prefix_tree import PrefixTree, RecentRoutes
 from cluster.replica_client import ReplicaClient, ReplicaGone
@@ -104,6 +104,7 @@ class Router:
         self.matryoshka_dimensions = matryoshka_dimensions  # `dimensions` the model allows
         self.embedding_size = embedding_size
         self.replicas: dict[str, ReplicaHandle] = {}
+        self.store_index = StoreIndex()  # the shared store's pages, from every replica's KV events
         self._rr = itertools.count()
         self._poller: asyncio.Task | None = None
         self._inflight = 0
@@ -113,6 +114,7 @@ class Router:
         """Put a replica into rotation; `info` (its `info()`) says its role (default mixed)."""
         info = info or {}
         self.replicas[name] = ReplicaHandle(name, actor, tree=PrefixTree(self.options.tree_max_tokens),
+                                            kv_index=KVIndex(self.store_index),
                                             recent=RecentRoutes(self.options.kv_events_max_age_s),
                                             client=ReplicaClient(name, actor), role=info.get("role", "mixed"),
                                             kv_source=info.get("kv_source"))
@@ -156,16 +158,20 @@ class Router:
             return lightest
         if self.metrics is not None:
             self.metrics.record_prefix_route(best.name, source, hit)
+            if source == "events":
+                self.metrics.record_prefix_tiers(best.name, best.kv_index.tiers(tokens))
         return best
 
     def cached_prefix(self, h: ReplicaHandle, tokens: list[int]) -> tuple[int, str]:
         """(tokens of `tokens`' prefix replica h has cached, where that came from: "events"
-        while its KV index is fresh, else "tree", the approximate memory). On events, what was
-        routed to h within the freshness window counts too: a conversation's next turn often
-        arrives before the pages of its last one are in an event the router has pulled."""
+        while its KV index is fresh, else "tree", the approximate memory). On events the tokens
+        are weighted by the tier that holds them (GPU, its host tier, the shared store:
+        `cluster.kv_index.TIER_WEIGHTS`), and what was routed to h within the freshness window
+        counts too: a conversation's next turn often arrives before the pages of its last one
+        are in an event the router has pulled."""
         max_age = self.options.kv_events_max_age_s
         if self.options.kv_events and h.kv_index.lag_s() <= max_age:
-            return max(h.kv_index.match(tokens), h.recent.match(tokens)), "events"
+            return max(h.kv_index.score(tokens), h.recent.match(tokens)), "events"
         return h.tree.match(tokens), "tree"
 
     # ---------------- serving ----------------

@@ -64,7 +64,7 @@ def test_the_index_follows_the_radix_cache_through_inserts_evictions_and_resets(
         assert "events" in reply  # caught up with deltas, not a snapshot
         idx.apply(reply)
         assert idx.hashes == cached_hashes(s.radix)
-    assert "removed" in {kind for _, kind, _ in log._events}  # evictions happened
+    assert "removed" in {e[1] for e in log._events}  # evictions happened
     # A prompt's match in the index is what the radix cache would match.
     prompt = shared + [4] * 13
     assert idx.match(prompt) == s.radix.match_prefix(prompt).num_tokens > 0
@@ -202,3 +202,59 @@ def test_router_learns_each_replicas_cache_from_its_events_through_ray(tmp_path_
     hit = f'manta:router_prefix_hit_tokens_total{{replica="{first.replica}",source="events"}}'
     assert hit in exported and float(exported.split(hit)[1].split()[0]) >= 56
     assert "manta:router_kv_event_lag_seconds" in exported
+
+
+def test_pages_the_gpu_evicts_after_a_save_move_to_the_host_tier_and_the_store():
+    """With the KV store on (write_back_selective: a page is saved when the GPU evicts it), an
+    eviction is `removed` from the GPU and `stored` in the host tier and the store; the host
+    tier's LRU (its capacity in pages) drops the oldest, which the store keeps."""
+    from cluster.engine.kv_offload import SchedulerKVOffload
+    from cluster.kv_index import StoreIndex
+    from tests.test_kv_offload_policy import FakeProbe
+
+    s = make(num_pages=17)
+    off = SchedulerKVOffload(s, fingerprint="f" * 64, layout="mha", tp_size=1, write_policy="write_back_selective",
+                             probe=FakeProbe(), min_pages=1)
+    log = KVEventLog(s.radix, host_capacity=6, copied=off.evict_copies)
+    store = StoreIndex()
+    idx = KVIndex(store)
+    idx.apply(log.since(None, 0))
+    prompts = [list(range(1000 * i, 1000 * i + 13)) for i in range(1, 11)]  # 3 whole pages each
+    for i, p in enumerate(prompts):
+        run(s, f"r{i}", p)
+        idx.apply(log.since(idx.epoch, idx.seq))
+        assert idx.hashes == cached_hashes(s.radix)
+    evicted = [h for p in prompts for h in chain_hashes(p, P)[:3] if h not in idx.hashes]
+    assert len(evicted) > 6  # more than the host tier holds
+    assert set(evicted) <= set(store.hashes)  # every evicted page was saved: the store has it
+    assert idx.host == set(list(store.hashes)[-6:]) and len(idx.host) == 6  # the host tier: the newest 6
+    # Scored by tier: an evicted prompt the host tier still holds, one only the store holds.
+    on_host = next(p for p in prompts if chain_hashes(p, P)[0] in idx.host)
+    in_store = next(p for p in prompts if chain_hashes(p, P)[0] not in idx.host | idx.hashes)
+    assert idx.tiers(on_host)["host"] >= P and idx.tiers(in_store) == {"gpu": 0, "host": 0, "store": 12}
+    # A new reader gets the same view from a snapshot.
+    fresh = KVIndex(StoreIndex())
+    fresh.apply(log.since(None, 0))
+    assert fresh.hashes == idx.hashes and fresh.host == idx.host and set(fresh.store.hashes) == set(store.hashes)
+
+
+def test_cache_aware_prefers_the_gpu_copy_then_the_host_tier_then_the_store():
+    prompt = list(range(64))
+    hashes = chain_hashes(prompt, 16)
+    r = router_with()
+    a, b = r.replicas["a"], r.replicas["b"]
+
+    def state(gpu_a=(), host_a=(), gpu_b=(), host_b=()):
+        for h, gpu, host in ((a, gpu_a, host_a), (b, gpu_b, host_b)):
+            h.kv_index.apply({"epoch": "e", "seq": 1, "block": 16, "snapshot": list(gpu), "snapshot_host": list(host)})
+
+    state(host_a=hashes)  # a's host tier has it, b nothing
+    assert r.choose(prompt).name == "a" and r.cached_prefix(a, prompt) == (int(0.8 * 64), "events")
+    state(host_a=hashes, gpu_b=hashes)  # b's GPU beats a's host tier
+    assert r.choose(prompt).name == "b"
+    state(gpu_a=hashes[:2], host_a=hashes[2:], gpu_b=hashes[:3])  # 32 GPU + 32 host against 48 GPU
+    assert r.cached_prefix(a, prompt)[0] == 32 + int(0.8 * 32) > r.cached_prefix(b, prompt)[0] == 48
+    assert r.choose(prompt).name == "a"
+    state()
+    r.store_index.add(hashes)  # only the shared store has it: worth the same everywhere, load decides
+    assert r.cached_prefix(a, prompt) == r.cached_prefix(b, prompt) == (int(0.6 * 64), "events")

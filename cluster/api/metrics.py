@@ -168,6 +168,11 @@ class ServerMetrics:
             "approximate memory, used while events lag).",
             ["replica", "source"], registry=r,
         )
+        self.router_prefix_tier_tokens = Counter(
+            "manta:router_prefix_tier_tokens", "Of the prompt tokens cache_aware routing found cached (on KV "
+            "events) on the replica it chose, where they were: gpu, host (its ranks' host tier) or store "
+            "(the shared KV store).", ["replica", "tier"], registry=r,
+        )
         self.router_kv_index_tokens = Gauge(
             "manta:router_kv_index_tokens", "Tokens of prefix the router's KV-event index says the replica has "
             "cached on its GPU.", ["replica"], registry=r,
@@ -257,6 +262,11 @@ class ServerMetrics:
     def record_prefix_route(self, replica: str, source: str, tokens: int) -> None:
         self.router_prefix_hit_tokens.labels(replica, source).inc(tokens)
 
+    def record_prefix_tiers(self, replica: str, tiers: dict[str, int]) -> None:
+        for tier, tokens in tiers.items():
+            if tokens:
+                self.router_prefix_tier_tokens.labels(replica, tier).inc(tokens)
+
     def set_kv_index(self, replica: str, tokens: int, lag_s: float) -> None:
         self.router_kv_index_tokens.labels(replica).set(tokens)
         self.router_kv_event_lag.labels(replica).set(lag_s if lag_s != float("inf") else -1)
@@ -303,6 +313,8 @@ class ServerMetrics:
             self.router_requests.labels(policy, replica)
         for source in ("events", "tree"):
             self.router_prefix_hit_tokens.labels(replica, source)
+        for tier in ("gpu", "host", "store"):
+            self.router_prefix_tier_tokens.labels(replica, tier)
         if replica not in self._kv_indexed:  # no index yet: lag -1, as for one never pulled
             self._kv_indexed.add(replica)
             self.router_kv_index_tokens.labels(replica)
@@ -316,7 +328,8 @@ class ServerMetrics:
             g.remove_by_labels({"replica": replica})
         self.router_requests.remove_by_labels({"replica": replica})
         self.router_retries.remove_by_labels({"replica": replica})
-        for m in (self.router_prefix_hit_tokens, self.router_kv_index_tokens, self.router_kv_event_lag):
+        for m in (self.router_prefix_hit_tokens, self.router_prefix_tier_tokens, self.router_kv_index_tokens,
+                  self.router_kv_event_lag):
             m.remove_by_labels({"replica": replica})
         self._kv_indexed.discard(replica)
         self._prefix.remove(replica)

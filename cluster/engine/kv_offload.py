@@ -183,6 +183,7 @@ class SchedulerKVOffload:
         self.stats = KVOffloadStats()
         self.handoff = kv_handoff.HandoffStats()  # prefill/decode disaggregation
         self.pending_handoff: list[KVSave] = []
+        self._evict_copied: set[int] = set()  # pages of the eviction under way that have copies
         self.poller = None  # the replica's stats poller (cluster/kv_store_setup.py)
         scheduler.kv_offload = self
         self.radix.on_evict = self._on_evict  # bookkeeping always; saves only under write_back
@@ -429,13 +430,21 @@ class SchedulerKVOffload:
     def _on_evict(self, leaf, take: int) -> None:
         """Radix eviction of leaf's last `take` pages: forget them (the page ids come back with
         other tokens); write_back saves them now."""
+        self._evict_copied = set()
         for p in leaf.pages[len(leaf.pages) - take :]:
             key = self.tree_keys.pop(p, None)
             self.hits.pop(p, None)
             self.prompt_pages.discard(p)
             if self.write_policy in WRITE_BACK and key is not None and p not in self.saved:
                 self._save(p, key)
+            if p in self.saved:  # its copy is in the host tier and on its way to the store
+                self._evict_copied.add(p)
             self.saved.discard(p)
+
+    def evict_copies(self, pages: list[int]) -> set[int]:
+        """Of the pages the radix cache is evicting now, those with a copy in the host tier and
+        the store (the KV events' tiers: cluster/engine/kv_events.py)."""
+        return self._evict_copied.intersection(pages)
 
     def _should_stop(self, e: _Loading, now: float) -> bool:
         if e.peer:

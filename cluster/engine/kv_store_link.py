@@ -59,6 +59,15 @@ def kv_offload_options(config: EngineConfig) -> KVOffloadOptions | None:
                             host_cache_bytes=int(config.kv_host_cache_gb * 2**30), store_name=STORE_NAME)
 
 
+def kv_host_pages(config: EngineConfig) -> int:
+    """Pages one rank's host tier holds (0: no KV store), as `RankKVOffload` sizes it."""
+    ident = replica_identity(config)
+    if ident is None:
+        return 0
+    page_bytes = -(-ident[2] * (1 if ident[1] == "mla" else 2) // 64) * 64
+    return int(config.kv_host_cache_gb * 2**30) // page_bytes
+
+
 def attach_kv_offload(engine) -> SchedulerKVOffload | None:
     """The engine's store integration, or None (no --kv-store, a model whose KV is not shared
     as pages, no prefix cache, or no Ray in this process to reach the store)."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer, DetokState
 from cluster.engine.kv_events import KVEventLog
-from cluster.engine.kv_store_link import attach_kv_offload, kv_offload_options
+from cluster.engine.kv_store_link import attach_kv_offload, kv_host_pages, kv_offload_options
 from cluster.engine.request import FinishReason, Request, RequestOutput
 from cluster.engine.scheduler import RequestRejected, TokenEvent
 from cluster.engine.spec_scheduler import scheduler_class
@@ -257,7 +257,9 @@ class Engine:
         if self._kv_events is None:
             with self._lock:
                 if self._kv_events is None:
-                    self._kv_events = KVEventLog(self.scheduler.radix)
+                    off = self.kv_offload  # with a KV store, evicted pages live on in its tiers
+                    self._kv_events = KVEventLog(self.scheduler.radix, host_capacity=kv_host_pages(self.config),
+                                                 copied=off.evict_copies if off is not None else None)
         return self._kv_events.since(epoch, seq)
 
     def has_work(self) -> bool:

@@ -189,6 +189,11 @@ def build() -> dash_b.Dashboard:
         [(_rate("manta:router_prefix_hit_tokens_total", by="replica, source"), "{{replica}} ({{source}})")],
         "short", width=12, stack=True))
     n.panel(timeseries(
+        "Routed prefix hits by tier", "Of the routed prefix hits found on KV events, prompt tokens per second "
+        "by where the chosen replica held them: gpu, host (its ranks' host tier), store (the shared KV store).",
+        [(_rate("manta:router_prefix_tier_tokens_total", by="replica, tier"), "{{replica}} ({{tier}})")],
+        "short", width=12, stack=True))
+    n.panel(timeseries(
         "KV-event lag", "Seconds since the router's index of each replica's cache was last brought up to date "
         "from its KV events (past 2 s the router routes on its memory instead; -1: never).",
         [(f"max by (replica) (manta:router_kv_event_lag_seconds{{{REPLICA}}})", "{{replica}}")], "s", width=12))
