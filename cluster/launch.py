@@ -65,6 +65,19 @@ class ClusterOptions:
         tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
         return dataclasses.replace(self.engine, tp_size=tp) if tp else self.engine
 
+    def check_reshard(self) -> None:
+        """Prefill and decode TP sizes that differ: an MHA page is resharded by kv head on the
+        way, so both must split the kv heads evenly (MLA's latent is the same on every rank)."""
+        p, d = self.engine_for("prefill").tp_size, self.engine_for("decode").tp_size
+        if not self.prefill_replicas or p == d or not os.path.isfile(os.path.join(self.engine.model, "config.json")):
+            return
+        from workers.model_config import ModelConfig
+
+        mc = ModelConfig.from_pretrained(self.engine.model)
+        if not mc.use_mla and (mc.num_kv_heads % p or mc.num_kv_heads % d):
+            raise ValueError(f"--prefill-tp {p} and --decode-tp {d}: pages move between them by kv head, and "
+                             f"{mc.num_kv_heads} kv heads do not split evenly over both")
+
     def roles(self) -> list[str]:
         return ["mixed"] * self.replicas + ["prefill"] * self.prefill_replicas + ["decode"] * self.decode_replicas
 
@@ -82,6 +95,7 @@ class ServingCluster:
 
     def start(self) -> Router:
         opts = self.options
+        opts.check_reshard()
         how = "using the Ray instance this process had already joined"
         if not ray.is_initialized():
             how = f"joined the cluster at {opts.address!r}" if opts.address else "started a local Ray instance"

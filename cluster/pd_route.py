@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 
 from cluster.engine.client import NoReplicaAvailable
 from cluster.engine.request import RequestOutput
-from workers.request_errors import QueueFull
+from workers.request_errors import QueueFull, RequestError
 from workers.sampling_params import SamplingParams
 
 
@@ -52,14 +52,21 @@ async def disaggregated_stream(router, rid: str, tokens: list[int], params: Samp
     first.completion_tokens = 1
     yield first
     resume = list(first.delta_token_ids)
+    # The prompt's logprobs went out with the first token: the decode side would compute the
+    # whole prompt again to send them twice.
+    rest = dataclasses.replace(params, prompt_logprobs=None) if params.prompt_logprobs is not None else params
     for roles in (("decode",), ("mixed", "prefill")):
+        started = False
         try:
-            async for out in router.attempts(rid, tokens, params, False, group, roles, resume_ids=resume,
+            async for out in router.attempts(rid, tokens, rest, False, group, roles, resume_ids=resume,
                                              kv_source=source):
+                started = True
                 yield out
             return
-        except (NoReplicaAvailable, QueueFull):
-            continue
+        except (NoReplicaAvailable, QueueFull, RequestError, RuntimeError):
+            if started:
+                raise
+            continue  # none of these replicas took it: the next kind may
     yield RequestOutput(rid, finished=True, finish_reason="error", error_type="internal",
                         error="no replica could continue the request after its first token",
                         replica=first.replica)

@@ -121,10 +121,11 @@ def agree_on_pages(tp_group, found: int) -> int:
 
 
 def nixl_transfer(agent, op: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]],
-                  remote_agent: str, timeout_s: float) -> bool:
+                  remote_agent: str, timeout_s: float) -> str:
     """One NIXL transfer between registered host memory here (`local`: (address, bytes, 0))
-    and `remote_agent`'s (`remote`), READ or WRITE; True when it completed within `timeout_s`.
-    The handle is released whatever happens, which ends a transfer still in flight."""
+    and `remote_agent`'s (`remote`), READ or WRITE: "done" when it completed within `timeout_s`,
+    else "failed" — or "stuck" when its handle could not be released (the backend could not
+    cancel it: its bytes may still land, so the caller must not reuse the memory yet)."""
     deadline = time.monotonic() + timeout_s
     handle, state = None, "ERR"
     try:
@@ -145,9 +146,11 @@ def nixl_transfer(agent, op: str, local: list[tuple[int, int, int]], remote: lis
         if handle is not None:
             try:
                 agent.release_xfer_handle(handle)
-            except Exception:
-                pass
-    return state == "DONE"
+            except Exception as exc:
+                if state != "DONE":
+                    logger.warning("NIXL %s to %s could not be cancelled: %s", op, remote_agent, exc)
+                    return "stuck"
+    return "done" if state == "DONE" else "failed"
 
 
 class KVStoreClient:
@@ -435,7 +438,7 @@ class KVStoreClient:
         """One NIXL transfer staging <-> store DRAM; False (counted) on error or deadline."""
         assert self.agent is not None
         nbytes = sum(n for _, n, _ in local)
-        if not nixl_transfer(self.agent, op, local, remote, self._store_agent, self.timeout_s + nbytes / 100e6):
+        if nixl_transfer(self.agent, op, local, remote, self._store_agent, self.timeout_s + nbytes / 100e6) != "done":
             self.counters.errors += 1
             self._registered_gen = -1  # reconnect before the next transfer
             return False

@@ -129,9 +129,10 @@ def _check_pd(pd: PD, seeds: range, length: int = 53) -> None:
     pd.wait_idle()
 
 
-@pytest.mark.parametrize("arch,prefill_tp", [("llama", 1), ("llama", 2), ("deepseek_v2", 1), ("deepseek_v2", 2)])
-def test_disaggregated_greedy_equals_transformers(ray_local, tmp_path, arch, prefill_tp):
-    pd = PD(str(tiny_model_dir(None, arch)), tmp_path / "kv", prefill_tp, 1)
+@pytest.mark.parametrize("arch,prefill_tp,decode_tp", [("llama", 1, 1), ("llama", 2, 1), ("llama", 1, 2),
+                                                       ("deepseek_v2", 1, 1), ("deepseek_v2", 2, 1)])
+def test_disaggregated_greedy_equals_transformers(ray_local, tmp_path, arch, prefill_tp, decode_tp):
+    pd = PD(str(tiny_model_dir(None, arch)), tmp_path / "kv", prefill_tp, decode_tp)
     try:
         _check_pd(pd, range(4))
         ranks = pd.rank_stats(pd.decode)

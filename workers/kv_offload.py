@@ -139,6 +139,7 @@ class RankKVOffload:
         self.jobs: dict[str, _Prefetch] = {}
         self._reads: deque[_Prefetch] = deque()
         self._writes: deque[_Write] = deque()
+        self._handoffs: deque[_Write] = deque()  # host-only saves for decode replicas: any thread, first
         self._progress = False  # a prefetch chunk landed or a prefetch ended since the last step
         self._writing = 0  # saves being written by the I/O threads (their host rows are pinned)
         self._cv = threading.Condition()
@@ -225,10 +226,9 @@ class RankKVOffload:
             return
         self.counters["pages_saved_host"] += len(todo)
         with self._cv:
-            if write.store:
-                self._writes.append(write)
-            else:  # a hand-off: a decode replica waits on it, and it never touches the store
-                self._writes.appendleft(write)
+            # A hand-off goes first (a decode replica waits on it; it never touches the store),
+            # in the order they came.
+            (self._writes if write.store else self._handoffs).append(write)
             self._cv.notify_all()
 
     def _copy_out(self, page_ids: list[int], rows: list[int]):
@@ -335,13 +335,15 @@ class RankKVOffload:
         """One read or write (reads first: a request waits on them; the reader thread only
         reads); False at shutdown. Runs on each of the I/O threads."""
         with self._cv:
-            handoff = bool(self._writes) and not self._writes[0].store  # any thread publishes those
-            if not self._stop and not self._reads and (reader and not handoff or not self._writes):
+            if not self._stop and not self._reads and not self._handoffs and (reader or not self._writes):
                 self._cv.wait(1.0)
             if self._stop:
                 return False
             job = self._reads.popleft() if self._reads else None
-            write = self._writes.popleft() if job is None and self._writes and (handoff or not reader) else None
+            write = None
+            if job is None:
+                write = self._handoffs.popleft() if self._handoffs else \
+                    self._writes.popleft() if self._writes and not reader else None
             self._writing += write is not None
         import ray
 

@@ -41,7 +41,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 LEASE_MARGIN_S = 5.0  # a lease outlives the reader's deadline by this much
-LOCATE_WAIT_S = 1.0  # how long `locate` waits for a hand-off's pages still being saved
+LOCATE_WAIT_S = 1.0  # how long `locate` waits for a hand-off's pages still being saved (default)
+LATE_S = 0.1  # `locate` past its wait by this much: the caller has given up
+CALL_MARGIN_S = 0.3  # a decode rank waits this much longer than it lets the prefill rank wait
+
+
+class StuckRead(RuntimeError):
+    """A READ that NIXL could not cancel: its destination memory stays out of use and the lease
+    is left to expire (a late write must land in memory nobody reads and rows nobody reuses)."""
 
 
 class PeerLeases:
@@ -76,7 +83,9 @@ class PeerLeases:
 
     def locate(self, keys: list[str], ttl_s: float, wait_s: float = LOCATE_WAIT_S) -> dict | None:
         """Pin the rows of the leading `keys` in the host tier (waiting up to wait_s for pages
-        whose save is still on its way) for ttl_s; None without a NIXL agent."""
+        whose save is still on its way: the caller waits a little longer, then gives up) for
+        ttl_s; None without a NIXL agent. Lends nothing once wait_s has passed (its caller has
+        stopped waiting: a lease it never hears of would only pin rows until it expires)."""
         self.sweep()
         client, host = self.off.client, self.off.host
         if client.agent is None:
@@ -106,6 +115,9 @@ class PeerLeases:
         self.counters["pd_lend_crc_s"] += time.monotonic() - t1
         if fault is not None and fault[0] == "corrupt" and crcs:
             crcs[len(crcs) // 2] ^= 0x5A5A  # as if the page's bytes changed on the way
+        if time.monotonic() > deadline + LATE_S:
+            host.unpin(rows)
+            rows, crcs = [], []
         lease = uuid.uuid4().hex
         with self.lock:
             self.leases[lease] = (rows, time.monotonic() + ttl_s)
@@ -123,12 +135,16 @@ class PeerLeases:
         and its READs over a transport that is not one-sided need the target to progress (the
         store does the same). Ends a moment after the last lease: an idle rank uses no CPU."""
         agent = self.off.client.agent
+        polls = 0
         while agent is not None and self.off.client.agent is not None:
             try:
                 agent.get_new_notifs()
             except Exception:
                 logger.exception("kv peer: NIXL progress")
                 return
+            polls += 1
+            if polls % 1000 == 0:
+                self.sweep()  # leases whose reader vanished expire here too, not only at the next step
             if self.leases:
                 self._last_lease = time.monotonic()
             elif time.monotonic() - self._last_lease > 1.0:
@@ -160,6 +176,7 @@ class PeerReader:
     def __init__(self, offload, pool, tp):
         self.off, self.tp = offload, tp
         self.actors: dict[str, object] = {}  # rank actor name -> handle
+        self.stuck: list = []  # memory of READs NIXL could not cancel: never reused
         self.agents: dict[str, str] = {}  # rank actor name -> its NIXL agent, added as a remote
         if pool.use_mla:
             self.heads, self.head_bytes = 1, []
@@ -177,8 +194,10 @@ class PeerReader:
         """Read job.keys' pages (source.keys on the prefill side) into this rank's host tier,
         publishing each good page to the job; stops at the first page it cannot vouch for."""
         start = time.monotonic()
-        deadline = start + source.timeout_s
+        deadline = job.queued_at + source.timeout_s  # the scheduler's clock started when it set it aside
         keys = list(job.keys)
+        if job.cancelled or start >= deadline:  # given up (or stale in the queue): read nothing
+            return
         try:
             if source.layout == "mla" or source.tp_size == self.tp.size:
                 self._direct(job, source, 0 if source.layout == "mla" else self.tp.rank, keys, deadline)
@@ -197,6 +216,7 @@ class PeerReader:
         """The source rank's pages are this rank's pages byte for byte: read into the rows."""
         used = sum(self.off.key_bytes)
         reply, actor = self._locate(source, src_rank, list(source.keys[: len(keys)]), deadline)
+        stuck = False
         try:
             if reply["key_bytes"] != list(self.off.key_bytes):
                 raise ValueError(f"page layout {reply['key_bytes']} != this rank's {self.off.key_bytes}")
@@ -207,12 +227,18 @@ class PeerReader:
                 return
             local = [(self.off.host.data[r].data_ptr(), used, 0) for r in rows]
             remote = [(a, used, 0) for a in reply["addrs"][:n]]
-            good = self._read(source, reply["agent"], local, remote, deadline, reply["crcs"][:n],
-                              [self.off.host.data[r, :used] for r in rows])
+            try:
+                good = self._read(source, reply["agent"], local, remote, deadline, reply["crcs"][:n],
+                                  [self.off.host.data[r, :used] for r in rows])
+            except StuckRead:
+                stuck = True
+                self.stuck.append(rows)  # taken for good: a late write lands in rows nobody uses
+                raise
             self.off.host.give(rows[good:])
             self._publish(job, keys[:good], rows[:good])
         finally:
-            actor.pd_release.remote(reply["lease"])
+            if not stuck:  # (else the lease expires: the prefill side's rows stay lent until then)
+                actor.pd_release.remote(reply["lease"])
 
     def _resharded(self, job, source, keys: list[str], deadline: float) -> None:
         """MHA across TP sizes: this rank's kv heads from every prefill rank that holds some."""
@@ -225,6 +251,7 @@ class PeerReader:
         out = torch.zeros((n, sum(self.off.key_bytes)), dtype=torch.uint8)
         for p in range(lo // src_heads, (hi - 1) // src_heads + 1):
             reply, actor = self._locate(source, p, list(source.keys[:n]), deadline)
+            stuck = False
             try:
                 n = min(n, len(reply["addrs"]))
                 if not n:
@@ -237,8 +264,13 @@ class PeerReader:
                     remote = [(a, src_bytes, 0) for a in reply["addrs"][:n]]
                     n = min(n, self._read(source, reply["agent"], local, remote, deadline, reply["crcs"][:n],
                                           [scratch[i] for i in range(n)]))
+                except StuckRead:
+                    stuck = True
+                    self.stuck.append((scratch, handle))  # kept registered and alive: a late write lands here
+                    raise
                 finally:
-                    self.off.client.agent.deregister_memory(handle)
+                    if not stuck:
+                        self.off.client.agent.deregister_memory(handle)
                 # this rank's heads [lo, hi) within prefill rank p's [p * src_heads, ...)
                 a, b = max(lo, p * src_heads), min(hi, (p + 1) * src_heads)
                 src_off = dst_off = 0
@@ -249,7 +281,8 @@ class PeerReader:
                     dst[:, :, a - lo : b - lo] = src[:, :, a - p * src_heads : b - p * src_heads]
                     src_off, dst_off = src_off + sb, dst_off + kb
             finally:
-                actor.pd_release.remote(reply["lease"])
+                if not stuck:
+                    actor.pd_release.remote(reply["lease"])
         rows = self.off._take_rows(n, job) if n else []
         n = len(rows)
         for i, r in enumerate(rows):
@@ -270,7 +303,8 @@ class PeerReader:
         if left <= 0:
             raise TimeoutError("transfer deadline passed before the pages were located")
         try:
-            reply = ray.get(actor.pd_locate.remote(keys, source.timeout_s + LEASE_MARGIN_S), timeout=left)
+            reply = ray.get(actor.pd_locate.remote(keys, source.timeout_s + LEASE_MARGIN_S,
+                                                   max(0.0, left - CALL_MARGIN_S)), timeout=left)
         except Exception:
             self.actors.pop(name, None)  # dead or restarted: look it up again next time
             raise
@@ -278,7 +312,11 @@ class PeerReader:
             self.counters["pd_locate_s"] += time.monotonic() - t0
         if reply is None:
             raise RuntimeError(f"{name} has no NIXL agent")
-        self._connect(name, reply)
+        try:
+            self._connect(name, reply)
+        except Exception:
+            actor.pd_release.remote(reply["lease"])
+            raise
         return reply, actor
 
     def _connect(self, name: str, reply: dict) -> None:
@@ -301,10 +339,13 @@ class PeerReader:
 
         t0 = time.monotonic()
         left = deadline - t0
-        ok = left > 0 and nixl_transfer(self.off.client.agent, "READ", local, remote, remote_agent, left)
+        state = nixl_transfer(self.off.client.agent, "READ", local, remote, remote_agent, left) if left > 0 \
+            else "failed"
         t1 = time.monotonic()
         self.counters["pd_read_s"] += t1 - t0
-        if not ok:
+        if state == "stuck":
+            raise StuckRead(f"a READ from {source.replica} could not be cancelled")
+        if state != "done":
             if t1 < deadline:  # (past it: a timeout, counted by `fetch`)
                 self.counters["pd_failures"] += 1
             return 0

@@ -103,12 +103,13 @@ class RankWorker:
         return off.stats() if off is not None else None
 
     # ---------------- prefill/decode hand-off (workers/kv_peer.py) ----------------
-    def pd_locate(self, keys: list[str], ttl_s: float) -> dict | None:
+    def pd_locate(self, keys: list[str], ttl_s: float, wait_s: float = 1.0) -> dict | None:
         """A decode rank asks for a handed-off prompt's pages: their host rows, pinned for
-        ttl_s, with this rank's NIXL metadata (None: this rank has no host tier)."""
+        ttl_s (waiting up to wait_s for a save on its way), with this rank's NIXL metadata
+        (None: this rank has no host tier)."""
         off = self.runner.kv_offload if self.runner is not None else None
         leases = getattr(off, "leases", None)
-        return leases.locate(keys, ttl_s) if leases is not None else None
+        return leases.locate(keys, ttl_s, wait_s) if leases is not None else None
 
     def pd_release(self, lease: str) -> None:
         off = self.runner.kv_offload if self.runner is not None else None

@@ -326,7 +326,8 @@ class SchedulerKVOffload:
                 e.load_step = self.sched._step_id + 1  # the plan being built
                 e.admitted_at = time.monotonic()
                 self.inflight[req.rid] = e
-                self.from_store.update(e.pages)
+                if not e.peer:  # (a prefill replica's pages are not the store's: saved as usual)
+                    self.from_store.update(e.pages)
                 if e.peer:  # not the store's: its judge and counters leave it out
                     self.handoff.fetched_pages += len(e.pages)
                 else:
@@ -345,7 +346,7 @@ class SchedulerKVOffload:
     def on_cached(self, req, pages: list[int], num_tokens: int, kept: int, token_ids: list[int]) -> None:
         """`release` put req's full pages into the radix cache; it took pages[kept:n_full].
         token_ids: the request's known tokens (without one still being sampled)."""
-        if req.hand_off:  # a prefill for a decode replica: its prompt pages go to the host tier
+        if req.hand_off and req.finish_reason is not None:  # a prefill for a decode replica, finished
             kv_handoff.hand_off_pages(self, req, pages, num_tokens, token_ids)
         n_full = num_tokens // self.P
         loaded = self.from_store.intersection(pages)
@@ -461,8 +462,11 @@ class SchedulerKVOffload:
         only the pages before that are cached."""
         req = e.req
         missing = len(e.pages) - n
-        self.stats.hit_pages -= missing
-        self.stats.loaded_tokens -= missing * self.P
+        if e.peer:
+            self.handoff.fetched_pages -= missing
+        else:
+            self.stats.hit_pages -= missing
+            self.stats.loaded_tokens -= missing * self.P
         self.from_store.difference_update(e.pages[n:])
         logger.error("KV store: request %s loaded %d of %d pages its ranks reported holding; failing it",
                      req.rid, n, len(e.pages))

@@ -217,7 +217,7 @@ class Engine:
         if resume_ids:
             if len(resume_ids) >= params.max_tokens or self.decoder_prompt is not None or is_embedding:
                 raise RequestRejected("max_tokens", "nothing left to generate after the resumed tokens")
-            req.output_ids = list(resume_ids)
+            req.output_ids, req.resumed = list(resume_ids), len(resume_ids)
             self.detokenizer.add_tokens(detok, list(resume_ids), final=False)  # streamed already
         req.kv_source, req.hand_off = kv_source, hand_off
         with self._lock:
@@ -390,7 +390,8 @@ class Engine:
             for t in tracked:
                 self.scheduler.finish(t.req, FinishReason.ERROR)
         self._deliver([(t, self._final_output(t.req, FinishReason.ERROR.value, error,
-                                              "unavailable" if not t.req.num_output_tokens else "internal"))
+                                              "unavailable" if t.req.num_output_tokens <= t.req.resumed
+                                              else "internal"))
                        for t in tracked])
 
     def _deliver(self, outputs: list[tuple[_Tracked | None, RequestOutput]]) -> None:

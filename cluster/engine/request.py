@@ -70,6 +70,7 @@ class Request:
     # workers.kv_messages.KVSource) and continues from the first token (in output_ids).
     hand_off: bool = False
     kv_source: Any = None
+    resumed: int = 0  # output tokens it came with (`resume_ids`): none of them is this replica's
 
     @property
     def num_output_tokens(self) -> int:

@@ -457,6 +457,7 @@ class Scheduler:
     def finish(self, req: Request, reason: FinishReason) -> None:
         if req.finished:
             return
+        req.finish_reason = reason  # before the release: its hooks tell a finish from a preemption
         if req.status == RequestStatus.RUNNING:
             self._release(req)
             self.running.remove(req)
@@ -464,7 +465,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
         del self.requests[req.rid]
 
     def fail(self, req: Request) -> None:
