@@ -212,6 +212,8 @@ class RankKVOffload:
         if not todo:
             return
         pages = [p for p, _ in todo]
+        if not save.store:  # a decode rank may ask for these before they are published
+            self.leases.expect([k for _, k in todo])
         try:
             if self._gpu_rows:
                 write = _Write([k for _, k in todo], rows, None, self._copy_out(pages, rows), save.store)
@@ -223,6 +225,8 @@ class RankKVOffload:
             logger.exception("kv offload: copying %d pages out of the device pool failed", len(todo))
             self.counters["errors"] += 1
             self.host.give(rows)
+            if not save.store:
+                self.leases.arrived([k for _, k in todo])
             return
         self.counters["pages_saved_host"] += len(todo)
         with self._cv:
@@ -380,6 +384,8 @@ class RankKVOffload:
                 self.host.data[torch.tensor(w.rows)] = w.stage
         except Exception:
             self.host.give(w.rows)
+            if not w.store:
+                self.leases.arrived(w.keys)
             raise
         if not w.store:  # checksummed now, off the path of the decode rank that will ask for them
             self.leases.publish_checksummed(w.keys, w.rows)

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 LEASE_MARGIN_S = 5.0  # a lease outlives the reader's deadline by this much
 LOCATE_WAIT_S = 1.0  # how long `locate` waits for a hand-off's pages still being saved (default)
 LATE_S = 0.1  # `locate` past its wait by this much: the caller has given up
+UNHEARD_WAIT_S = 0.5  # how long `locate` waits for a page whose save has not even started
 CALL_MARGIN_S = 0.3  # a decode rank waits this much longer than it lets the prefill rank wait
 
 
@@ -65,6 +66,21 @@ class PeerLeases:
         self._progress: threading.Thread | None = None
         self._last_lease = 0.0
         self._crcs: OrderedDict[tuple[str, int], int] = OrderedDict()  # (key, row) -> crc32, taken at the save
+        self._pending: dict[str, int] = {}  # hand-off keys whose save is on its way to the host tier
+
+    def expect(self, keys: list[str]) -> None:
+        """A hand-off's save of `keys` started (the step's thread): `locate` waits for them."""
+        with self.lock:
+            for k in keys:
+                self._pending[k] = self._pending.get(k, 0) + 1
+
+    def arrived(self, keys: list[str]) -> None:
+        """... and ended, published or not."""
+        with self.lock:
+            for k in keys:
+                left = self._pending.pop(k, 0) - 1
+                if left > 0:
+                    self._pending[k] = left
 
     def publish_checksummed(self, keys: list[str], rows: list[int]) -> None:
         """Publish a hand-off's pages in the host tier with their crc32s, taken now (on its I/O
@@ -76,6 +92,7 @@ class PeerLeases:
         used = sum(self.off.key_bytes)
         crcs = checksums([host.data[r, :used].numpy() for r in rows])
         held = host.publish(keys, rows)
+        self.arrived(keys)
         with self.lock:
             self._crcs.update(((k, r), c) for k, r, h, c in zip(keys, rows, held, crcs) if r == h)
             while len(self._crcs) > host.capacity:
@@ -99,8 +116,14 @@ class PeerLeases:
             rows = host.leading(keys)  # pinned
             if len(rows) == len(keys) or time.monotonic() >= deadline:
                 break
+            # Wait for a page still on its way; one not heard of yet only for a moment (the step
+            # that saves it may not have started), and one the save dropped never comes.
+            with self.lock:
+                coming = keys[len(rows)] in self._pending or time.monotonic() - t0 < UNHEARD_WAIT_S
+            if not coming:
+                break
             host.unpin(rows)
-            time.sleep(0.005)
+            time.sleep(0.002)
         from kvstore.client import checksums
 
         used = sum(self.off.key_bytes)
