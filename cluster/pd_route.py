@@ -18,6 +18,7 @@ its lease's expiry.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -35,14 +36,18 @@ async def disaggregated_stream(router, rid: str, tokens: list[int], params: Samp
         return
     first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
     first: RequestOutput | None = None
-    async for out in router.attempts(rid, tokens, first_params, False, group, ("prefill",), hand_off=True):
-        if out.finished:
-            first = out
-            break
-        yield out
+    async with contextlib.aclosing(router.attempts(rid, tokens, first_params, False, group, ("prefill",),
+                                                   hand_off=True)) as prefill:
+        async for out in prefill:
+            if out.finished:
+                first = out
+                break
+            yield out
     if first is None:
         return
-    more = first.finish_reason == "length" and first.error is None and len(first.delta_token_ids) == 1
+    # "length" is the prefill's max_tokens of 1 — unless the context is full (nothing to continue).
+    more = (first.finish_reason == "length" and first.error is None and len(first.delta_token_ids) == 1
+            and len(tokens) + 1 < router.max_context_len)
     if not more:
         yield first
         return
@@ -58,10 +63,11 @@ async def disaggregated_stream(router, rid: str, tokens: list[int], params: Samp
     for roles in (("decode",), ("mixed", "prefill")):
         started = False
         try:
-            async for out in router.attempts(rid, tokens, rest, False, group, roles, resume_ids=resume,
-                                             kv_source=source):
-                started = True
-                yield out
+            async with contextlib.aclosing(router.attempts(rid, tokens, rest, False, group, roles,
+                                                           resume_ids=resume, kv_source=source)) as decode:
+                async for out in decode:
+                    started = True
+                    yield out
             return
         except (NoReplicaAvailable, QueueFull, RequestError, RuntimeError):
             if started:

@@ -21,6 +21,7 @@ step rate, not the number of requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import uuid
@@ -194,8 +195,9 @@ class Router:
             else:  # mixed replicas first; without any, a prefill or decode replica serves it whole
                 roles = ("mixed",) if any(h.role == "mixed" for h in self.replicas.values()) else None
                 stream = self.attempts(rid, tokens, params, is_embedding, group, roles)
-            async for out in stream:
-                yield out
+            async with contextlib.aclosing(stream):  # a client gone: the replica hears of it now
+                async for out in stream:
+                    yield out
         finally:
             self._inflight -= 1
 

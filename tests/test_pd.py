@@ -202,6 +202,25 @@ def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
         time.sleep(1.0)  # the router's stats poll sees it healthy again
         assert {r["name"] for r in pd.rank_stats(pd.prefill)}.isdisjoint(agents_before)
         _check_pd(pd, range(40, 42))
+
+        # A client that goes away mid-answer (on the decode side by then) frees its pages there.
+        async def leave_early():
+            client = openai.AsyncOpenAI(base_url=f"{pd.server.url}/v1", api_key="none", max_retries=0, timeout=120)
+            try:
+                stream = await client.completions.create(model=os.path.basename(pd.model), prompt=prompt_ids(60, 50),
+                                                         max_tokens=400, temperature=0, stream=True,
+                                                         extra_body={"ignore_eos": True})
+                n = 0
+                async for _ in stream:
+                    n += 1
+                    if n == 4:
+                        break
+                await stream.close()
+            finally:
+                await client.close()
+
+        asyncio.run(leave_early())
+        pd.wait_idle()
     finally:
         pd.close()
 
