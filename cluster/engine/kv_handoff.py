@@ -34,32 +34,39 @@ class HandoffStats:
     fetch_timeouts: int = 0  # fetches stopped by the deadline before every rank's read ended
 
 
-def fetch_from_source(off, req, now: float) -> bool:
-    """Set a decode request aside to read its prompt's pages from its prefill replica; False
-    when there is nothing worth reading past its radix match (it is admitted as usual)."""
-    from cluster.engine.kv_offload import _Loading
+@dataclasses.dataclass
+class PeerFetch:
+    """A decode request's read from its prefill replica, as `SchedulerKVOffload` sets it aside:
+    its radix match (m pages, `node`), the pages it reads up to (n), its chain and deadline."""
 
+    m: int
+    n: int
+    node: object
+    chain: list[str]
+    deadline: float
+    prefetch: KVPrefetch
+
+
+def plan_fetch(off, req, now: float) -> PeerFetch | None:
+    """What a decode request reads from its prefill replica; None when nothing worth reading
+    lies past its radix match (it is admitted as usual)."""
     src = req.kv_source
     P = off.P
     if src.page_size != P:
-        return False
+        return None
     last = len(req.prompt_ids) if req.output_ids else len(req.prompt_ids) - 1  # one token left to compute
     n = last // P
     tokens = req.prompt_ids[: n * P]
     match = off.radix.match_prefix(tokens)
     m = len(match.pages)
     if n - m < 1:
-        return False
-    off.radix.lock(match.node)
+        return None
     src_keys = chain_keys(tokens, P, src.fingerprint, src.layout)
     chain = off._chain(req, n)
-    e = _Loading(req, chain, m, match.node, n, now, now + src.timeout_s + DEADLINE_MARGIN_S)
-    e.peer = True
-    off.loading[req.rid] = e
-    off._prefetch.append(KVPrefetch(req.rid, chain[m:n], dataclasses.replace(src, keys=tuple(src_keys[m:n]))))
     off.handoff.fetches += 1
     off.handoff.fetch_pages += n - m
-    return True
+    return PeerFetch(m, n, match.node, chain, now + src.timeout_s + DEADLINE_MARGIN_S,
+                     KVPrefetch(req.rid, chain[m:n], dataclasses.replace(src, keys=tuple(src_keys[m:n]))))
 
 
 def should_stop(e, now: float) -> bool:

@@ -220,8 +220,14 @@ class SchedulerKVOffload:
             return Verdict.ADMIT
         if req.kv_source is not None:  # disaggregated: its prompt waits on a prefill replica
             self.probed.add(req.rid)
-            found = kv_handoff.fetch_from_source(self, req, time.monotonic())
-            return Verdict.SET_ASIDE if found else Verdict.ADMIT
+            now = time.monotonic()
+            f = kv_handoff.plan_fetch(self, req, now)
+            if f is None:
+                return Verdict.ADMIT
+            self.radix.lock(f.node)
+            self.loading[req.rid] = _Loading(req, f.chain, f.m, f.node, f.n, now, f.deadline, peer=True)
+            self._prefetch.append(f.prefetch)
+            return Verdict.SET_ASIDE
         pending = self.probes.get(req.rid)
         if pending is None:  # not looked up at arrival (short, cached, or the store paused)
             self.probed.add(req.rid)
