@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import time
 
 import openai
@@ -25,16 +24,12 @@ from cluster.launch import ClusterOptions, ServingCluster
 from cluster.router import RouterOptions
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import hf_greedy
+from tests.test_kvstore_serving import prompt_ids
 
 pytestmark = pytest.mark.slow
 
 NS = "manta-pd-test"
 MAX_TOKENS = 6
-
-
-def prompt_ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
