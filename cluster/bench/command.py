@@ -313,12 +313,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         work = Workload(conversations=args.conversations, turns=args.turns, system_prompts=args.system_prompts,
                         system_len=args.system_len, user_len=args.user_len, output_len=args.output_len,
                         concurrency=args.concurrency)
-        res = bench_routing(config, args.replicas, args.policies.split(","), work)
+        res = bench_routing(config, args.replicas, args.policies.split(","), work,
+                            tree_max_tokens=args.tree_max_tokens)
         payload["result"] = {"workload": dataclasses.asdict(work), "policies": res}
         _print_table(f"routing: {args.replicas} replicas, {work.conversations} conversations x {work.turns} turns, "
                      f"{work.system_prompts} system prompts of {work.system_len} tokens",
                      [(f"{p} {k}", v) for p, row in res.items() for k, v in row.items()
-                      if k in ("requests", "errors", "hit_rate", "ttft_ms_p50", "ttft_ms_p90")])
+                      if k in ("requests", "errors", "hit_rate", "local_hit_rate", "gpu_hit_rate", "host_hit_rate",
+                               "store_hit_rate", "ttft_ms_p50", "ttft_ms_p90")])
     _write(args.out, payload)
     return 0
 
@@ -358,6 +360,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--system-prompts", type=int, default=4, help="routing: system prompts the conversations share")
     p.add_argument("--system-len", type=int, default=256, help="routing: tokens per system prompt")
     p.add_argument("--user-len", type=int, default=32, help="routing: tokens per user message")
+    p.add_argument("--tree-max-tokens", type=int, default=None,
+                   help="routing: the router's memory of what it sent where, tokens per replica (default 200,000)")
     from cluster.bench.soak import add_soak_args
 
     add_soak_args(p)
