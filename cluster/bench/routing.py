@@ -26,7 +26,9 @@ tokens and a host tier of millions on an H200 with an 8B model).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -172,6 +174,7 @@ def bench_routing(config: EngineConfig, replicas: int, policies: list[str], work
     for policy in policies:
         # A store of its own under the given one: none starts with another policy's pages.
         engine = config if config.kv_store is None else config.replace(kv_store=f"{config.kv_store}/{policy}")
+        kept = engine.kv_store is not None and os.path.exists(engine.kv_store)  # not the bench's to remove
         cluster = ServingCluster(ClusterOptions(engine=engine, replicas=replicas, address=address,
                                                 router=router_options(policy, stats_interval_s, tree_max_tokens),
                                                 namespace=f"manta-bench-routing-{policy}"))
@@ -191,4 +194,6 @@ def bench_routing(config: EngineConfig, replicas: int, policies: list[str], work
             out[policy] = asyncio.run(run()).summary()
         finally:
             cluster.shutdown()
+            if engine.kv_store is not None and not kept:  # the next policy's store gets the disk
+                shutil.rmtree(engine.kv_store, ignore_errors=True)
     return out
