@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize the linear weights of an unquantized checkpoint at load (one scale per "
+                        "output channel); FP8 checkpoints (block-wise, compressed-tensors) load as they are")
     p.add_argument("--tp", type=int, default=1, dest="tp_size")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--kv-cache-tokens", type=int, default=None)
@@ -70,7 +73,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_ARG_NAMES = (
-    "tokenizer", "served_model_name", "device", "dtype", "tp_size", "page_size", "kv_cache_tokens",
+    "tokenizer", "served_model_name", "device", "dtype", "quantization", "tp_size", "page_size", "kv_cache_tokens",
     "mem_fraction", "gpus_per_rank", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
     "mixed_prefill_tokens", "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len",
     "max_waiting",

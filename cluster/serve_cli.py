@@ -118,18 +118,19 @@ def _gated_server_class():
     return GatedServer
 
 
-def _refused_checkpoint(model: str) -> str | None:
-    """Why a local checkpoint cannot be served (an unknown architecture, a quantized format),
-    found before Ray and the replicas start; None when it can, or when the directory is not
-    here (on a `ray up` cluster the ranks' nodes may hold it)."""
+def _refused_checkpoint(model: str, quantization: str | None = None) -> str | None:
+    """Why a local checkpoint cannot be served (an unknown architecture, a quantized format it
+    cannot load), found before Ray and the replicas start; None when it can, or when the
+    directory is not here (on a `ray up` cluster the ranks' nodes may hold it)."""
     import os
 
+    from workers.loader import check_quantization
     from workers.model_config import ModelConfig
 
     if not os.path.isfile(os.path.join(model, "config.json")):
         return None
     try:
-        ModelConfig.from_pretrained(model)
+        check_quantization(ModelConfig.from_pretrained(model, quantization=quantization))
     except ValueError as exc:
         return str(exc)
     return None
@@ -144,7 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cluster.launch import ServingCluster
 
     options = cluster_options_from_args(args)
-    refusal = _refused_checkpoint(options.engine.model)
+    refusal = _refused_checkpoint(options.engine.model, options.engine.quantization)
     if refusal:
         logger.error("manta serve: %s", refusal)
         return 2

@@ -5,7 +5,10 @@
 # l8tp2 dsv2tp2 compiles, and the product path through `manta serve` (Ray, router, HTTP, KV store; needs Ray, NIXL
 # and FastAPI on PYTHONPATH: ../shared/gpu/README.md): l8http (store on: a cold run, then the server restarted and the
 # same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2, two GPUs) l8pd (two replicas sharing the GPU:
-# mixed against prefill + decode, 2048-token prompts).
+# mixed against prefill + decode, 2048-token prompts) l8route (`manta bench routing`: round robin / tree / events,
+# two replicas sharing the GPU, KV store on).
+# FP8 (issue 25): l8fp8 (batch 1/64, --quantization fp8) l8fp8serve (in-process serve workload) l8fp8http
+# (through `manta serve --quantization fp8`) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8).
 # (default: build tests profile l8 l8serve dsv2 spec). Each writes JSON to ${OUT:-/tmp/out};
 # models are built once under /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
 set -uo pipefail
@@ -73,7 +76,7 @@ for s in $stages; do
     tests) python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_rope_store.py tests/test_gemv.py tests/test_argmax_kernel.py \
              tests/test_decode_prep_kernels.py tests/test_sampler.py \
              tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_speculative.py \
-             tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py 2>&1 | grep -v "Warning\|warn" \
+             tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_fp8.py 2>&1 | grep -v "Warning\|warn" \
              | tee "$OUT/tests.log" ;;
     compiles) python3 scripts/compiles_after_start.py llama; python3 scripts/compiles_after_start.py deepseek_v2 ;;
     sweep) python3 -m attention.bench_kernels --sweep 2>&1 | tee "$OUT/decode_sweep.txt" ;;
@@ -86,6 +89,18 @@ for s in $stages; do
         python3 scripts/profile_decode.py /tmp/l8 1 --out "$OUT/l8_profile_b1.json" 2>&1 | grep -v Warning ;;
     l8) build /tmp/l8 --preset llama-3.1-8b
         $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --out "$OUT/l8_latency.json" ;;
+    l8fp8) build /tmp/l8 --preset llama-3.1-8b  # the same checkpoint quantized at load: per-channel FP8 weights
+        $M bench latency --model /tmp/l8 $F --quantization fp8 --batch 1 64 --steps 48 --input-len 512 \
+          --out "$OUT/l8_latency_fp8.json" ;;
+    l8fp8serve) build /tmp/l8 --preset llama-3.1-8b
+        $M bench serve --model /tmp/l8 $F --quantization fp8 --num-prompts 200 --input-len 1024 --output-len 1024 \
+          --request-rate 16 --out "$OUT/l8_serve_fp8.json" ;;
+    l8fp8http) serve_model  # `manta serve --quantization fp8`, defaults otherwise (KV store on)
+        KV=${KV_DIR:-/tmp/kvstore}; rm -rf "$KV"
+        serve_start fp8 $F --quantization fp8 --kv-store $KV --kv-store-disk-gb ${KV_DISK_GB:-8} \
+          && { http_bench l8_http_fp8; serve_stop; }; rm -rf "$KV" ;;
+    dsv2fp8) build /tmp/dsv2fp8 --preset deepseek-v2-lite --quantization fp8-block  # DeepSeek-V3's FP8 format
+        $M bench latency --model /tmp/dsv2fp8 $F --batch 1 16 --steps 24 --input-len 512 --out "$OUT/dsv2_latency_fp8.json" ;;
     l8serial) build /tmp/l8 --preset llama-3.1-8b
         $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --disable-overlap-schedule \
           --out "$OUT/l8_latency_no_overlap.json" ;;
@@ -128,6 +143,13 @@ for s in $stages; do
             for rk in ((r.get('stats') or {}).get('kvstore') or {}).get('ranks', [])]) for r in json.load(open(sys.argv[1]))['replicas']]" \
             "$OUT/l8_pd_${mode}_replicas.json"
         done; rm -rf "$KV" ;;
+    l8route) serve_model  # `manta bench routing` on the GPU: two replicas sharing it, the KV store on, caches that evict
+        RS=${ROUTE_STORE:-/tmp/routestore}; rm -rf "$RS"
+        RW=${ROUTE_WORK:-"--kv-cache-tokens 16384 --tree-max-tokens 1024 --conversations 64 --turns 6 --system-prompts 4
+          --system-len 1024 --user-len 128 --output-len 64 --concurrency 16"}
+        $M bench routing --model "$SERVE_MODEL" $F --gpus-per-rank 0.5 --mem-fraction ${PD_MEM:-0.8} \
+          --kv-store "$RS" --kv-store-disk-gb 4 --kv-host-cache-gb ${ROUTE_HOST_GB:-8} $RW \
+          --out "$OUT/l8_routing.json" 2>&1 | grep -v "INFO\|Warning"; rm -rf "$RS" ;;
     l8httpns) serve_model
         serve_start nostore $F --no-kv-store && { http_bench l8_http_nostore; serve_stop; } ;;
     l8httptp2) serve_model  # 2 GPUs: NCCL between Ray rank actors

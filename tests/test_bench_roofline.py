@@ -28,7 +28,7 @@ def test_llama_reads_its_embedding_rows_not_the_table(tmp_path_factory, tied):
 
 
 def test_moe_reads_the_experts_its_tokens_select(tmp_path_factory):
-    from workers.models.deepseek import DeepseekMoE
+    from workers.models.deepseek_moe import DeepseekMoE
 
     model = _model(tmp_path_factory, "deepseek_v2")
     moes = [m for m in model.modules() if isinstance(m, DeepseekMoE)]

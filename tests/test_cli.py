@@ -49,13 +49,14 @@ def test_gpus_per_rank_reaches_the_engine_config_and_is_checked():
 
 
 def test_serve_refuses_a_quantized_checkpoint_before_starting(tmp_path):
-    """`manta serve` on an FP8 checkpoint exits at once (no Ray, no replica) naming the format."""
+    """`manta serve` on a checkpoint in a quantized format it cannot load (GPTQ) exits at once
+    (no Ray, no replica) naming the format."""
     out = tmp_path / "m"
     assert run("make-model", str(out), "--arch", "llama", "--layers", "1").returncode == 0
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (out / "config.json").write_text(json.dumps(cfg))
     served = run("serve", "--model", str(out), "--port", "0")
     assert served.returncode == 2
-    assert "quantized checkpoint" in served.stderr and "'fp8'" in served.stderr
+    assert "quantized checkpoint manta cannot load" in served.stderr and "'gptq', bits 4" in served.stderr
     assert "Started a local Ray instance" not in served.stderr

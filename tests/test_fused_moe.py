@@ -174,6 +174,44 @@ def test_fused_moe_block_m_and_strides(block_m):
     torch.testing.assert_close(got, moe_loop(x, w13, w2, weights, ids), **TOL[torch.float32])
 
 
+def _fp8_experts(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """[E, N, K] -> (FP8 weights, scales [E, N, ceil(K / block_k)], block_k): per 128x128-style
+    blocks of `block`, or per channel (block None)."""
+    from workers.layers.fp8 import quantize_blocks, quantize_rows
+
+    qs, ss = [], []
+    for we in w.float().cpu():
+        if block:
+            q, s = quantize_blocks(we, block, block)
+            s = s.repeat_interleave(block, dim=0)[: we.shape[0]]
+        else:
+            q, s = quantize_rows(we)
+        qs.append(q)
+        ss.append(s)
+    return torch.stack(qs).to(w.device), torch.stack(ss).to(w.device), block or w.shape[2]
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("block", [None, 32, 128], ids=["channel", "block32", "block128"])
+@pytest.mark.parametrize("t", [1, 17, 300])
+def test_fused_moe_on_fp8_experts_matches_the_loop_on_their_dequantized_weights(t, block):
+    """FP8 experts (an FP8 checkpoint's): the kernel dequantizes weight tiles in registers; the
+    reference is the loop on the dequantized weights, in bf16 (same tolerance as bf16 above)."""
+    from workers.layers.fp8 import dequantize
+
+    x, w13, w2, weights, ids = _inputs(t, 6, 64, 200, 136, torch.bfloat16, seed=t + 5)
+    q13, s13, bk13 = _fp8_experts(w13, block)
+    q2, s2, bk2 = _fp8_experts(w2, block)
+    got = fused_moe(x, q13, q2, weights, ids, s13, s2, bk13, bk2)
+    d13 = torch.stack([dequantize(q13[e], s13[e], bk13) for e in range(64)]).to(torch.bfloat16)
+    d2 = torch.stack([dequantize(q2[e], s2[e], bk2) for e in range(64)]).to(torch.bfloat16)
+    torch.testing.assert_close(got.float(), moe_loop(x, d13, d2, weights, ids).float(), **TOL[torch.bfloat16])
+    # The CPU path (the loop given FP8 experts) computes the same.
+    loop = moe_loop(x, q13, q2, weights, ids, s13, s2, bk13, bk2)
+    torch.testing.assert_close(loop.float(), moe_loop(x, d13, d2, weights, ids).float(), rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @gpu_only
 def test_fused_moe_cuda_graph_replay():

@@ -266,20 +266,6 @@ def test_refusals(model_dir, tmp_path):
         _load(windowed)
 
 
-@pytest.mark.parametrize("qc, named", [
-    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
-     "quant_method 'fp8', weight_block_size [128, 128]"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "'compressed-tensors'"),
-    ({"quant_method": "gptq", "bits": 4}, "'gptq', bits 4"),
-])
-def test_quantized_checkpoints_are_refused_by_name(model_dir, tmp_path, qc, named):
-    """A checkpoint with a quantization_config is refused at start with its method named, never
-    loaded as plain weights without their scales."""
-    q = _copy_with_config(model_dir("llama"), tmp_path / "q", quantization_config=qc)
-    with pytest.raises(ValueError, match=re.escape(named) + ".*unquantized"):
-        ModelConfig.from_pretrained(q)
-
-
 def test_quantized_tensors_without_a_config_are_refused(model_dir, tmp_path):
     """FP8 (or packed int) tensors in a checkpoint whose config does not say so: the loader
     names the first such tensor rather than cast it into a float parameter."""

@@ -77,13 +77,16 @@ class CheckpointReader:
         """The whole tensor (for replicated parameters and tests)."""
         return self._handle(self._file(name)).get_tensor(name)
 
-    def refuse_quantized_tensors(self) -> None:
+    def refuse_quantized_tensors(self, fp8: bool = False) -> None:
         """Raise ValueError naming a tensor stored in a quantized type (FP8, int8, packed
         ints): copied into a float parameter without its scales it would load wrong weights
-        silently. (A checkpoint that says so in its config is refused earlier, by ModelConfig.)"""
+        silently. `fp8`: the config declares an FP8 format (`workers/quantization.py`), whose
+        layers load F8_E4M3 weights with their scales. (Other formats a config declares are
+        refused earlier, by ModelConfig.)"""
+        allowed = PLAIN_DTYPES | {"F8_E4M3"} if fp8 else PLAIN_DTYPES
         for name in self.names():
             dtype = self.get_slice(name).get_dtype()
-            if dtype not in PLAIN_DTYPES:
+            if dtype not in allowed:
                 raise ValueError(f"tensor {name!r} of {self.model_dir!r} is stored as {dtype}: a quantized "
                                  "checkpoint; manta loads unquantized float32, bfloat16 and float16 weights only")
 
@@ -96,17 +99,27 @@ def expected_shards(model: nn.Module) -> set[tuple[str, Any]]:
     return {(name, sid) for name, p in model.named_parameters() for sid in p.shard_ids}
 
 
+def check_quantization(model_config: ModelConfig) -> type:
+    """The model class, after refusing FP8 weights for one that has no FP8 layers."""
+    cls = get_model_class(model_config.architecture)
+    if model_config.quant is not None and not getattr(cls, "supports_fp8", False):
+        raise ValueError(f"{model_config.architecture} has no FP8 layers yet ({model_config.quant.describe()} in "
+                         f"{model_config.model_dir!r}); FP8 loads for the Llama family")
+    return cls
+
+
 def load_model(
     model_config: ModelConfig, tp: TPGroup, device: torch.device | str, dtype: torch.dtype
 ) -> nn.Module:
     """Build the model class registered for `model_config.architecture`, load this rank's
     shard of the weights and return it in eval mode. Raises ValueError naming every parameter
     (or fused part) the checkpoint did not provide."""
-    cls = get_model_class(model_config.architecture)
+    cls = check_quantization(model_config)
     model = cls(model_config, tp, device, dtype)
     reader = CheckpointReader(model_config.model_dir)
     try:
-        reader.refuse_quantized_tensors()
+        quant = model_config.quant
+        reader.refuse_quantized_tensors(fp8=quant is not None and not quant.quantize_at_load)
         with torch.no_grad():
             loaded = model.load_weights(reader)
     finally:

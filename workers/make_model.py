@@ -276,6 +276,8 @@ def make_model(
     init_std: float | None = None,
     legacy_config: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    quantization: str | None = None,
+    weight_block_size: tuple[int, int] = (128, 128),
     **overrides: Any,
 ) -> Path:
     """Write a random `arch` checkpoint (config, weights, generation config, tokenizer) to out_dir.
@@ -286,6 +288,8 @@ def make_model(
     and saved with `save_pretrained`; with a preset it is built on `meta` and written shard by
     shard (`write_random_checkpoint`). The model vocab is max(vocab, tokenizer size).
     `legacy_config=True` writes config.json in the transformers 4.x layout (`_write_legacy_config`).
+    `quantization` ("fp8-block", "fp8-channel", "fp8-tensor") rewrites the weights in that FP8
+    checkpoint format (`workers/make_fp8.py`; fp8-block in `weight_block_size` blocks).
     """
     from transformers import GenerationConfig
 
@@ -333,6 +337,10 @@ def make_model(
         gen_config.save_pretrained(str(out))
     if legacy_config:
         _write_legacy_config(out)
+    if quantization is not None:
+        from workers.make_fp8 import quantize_checkpoint
+
+        quantize_checkpoint(out, quantization, tuple(weight_block_size))
     return out
 
 
@@ -383,6 +391,9 @@ def add_make_model_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="config.json with rope_theta/rope_scaling/torch_dtype (transformers 4.x layout)",
     )
+    parser.add_argument("--quantization", choices=["fp8-block", "fp8-channel", "fp8-tensor"], default=None,
+                        help="write the linear weights in an FP8 checkpoint format: DeepSeek-V3 block-wise "
+                             "(128x128 blocks) or compressed-tensors per-channel / per-tensor")
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists")
 
 
@@ -413,6 +424,7 @@ def run_make_model(args: argparse.Namespace) -> Path:
         rope_scaling=args.rope_scaling,
         tie_word_embeddings=args.tie_word_embeddings,
         legacy_config=args.legacy_config,
+        quantization=args.quantization,
         **extra,
     )
     print(path)

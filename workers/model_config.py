@@ -17,6 +17,7 @@ import torch
 
 from workers.parallel import divide, kv_head_placement
 from workers.pooling import PoolingConfig, load_pooling_config
+from workers.quantization import QuantSpec, quant_spec
 
 logger = logging.getLogger(__name__)
 
@@ -95,21 +96,34 @@ class ModelConfig:
     # checkpoint's config.json: `matryoshka_dimensions` (those sizes) or `is_matryoshka: true`
     # (any size). None: the model was not trained for truncation, `dimensions` is refused.
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # FP8 weights (`workers/quantization.py`): the checkpoint's format, or --quantization fp8.
+    quant: QuantSpec | None = None
+
+    def quant_for(self, *modules: str) -> QuantSpec | None:
+        """The spec of the linear layer made of the checkpoint modules `modules` (one, or the
+        parts a fused layer joins); None: unquantized."""
+        if self.quant is None:
+            return None
+        applies = {self.quant.applies(m) for m in modules}
+        if len(applies) > 1:
+            raise ValueError(f"{', '.join(modules)}: a fused layer whose parts are not all quantized alike")
+        return self.quant if applies.pop() else None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, dtype: str | torch.dtype | None = None) -> ModelConfig:
+    def from_pretrained(cls, model_dir: str, dtype: str | torch.dtype | None = None,
+                        quantization: str | None = None) -> ModelConfig:
         """Read `model_dir/config.json` (local files only). Raises ValueError for an
-        architecture no model class is registered for."""
+        architecture no model class is registered for, or a quantization it cannot load."""
         from transformers import AutoConfig
 
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise ValueError(f"{model_dir!r} has no config.json")
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        return cls.from_hf_config(hf_config, model_dir, dtype)
+        return cls.from_hf_config(hf_config, model_dir, dtype, quantization)
 
     @classmethod
     def from_hf_config(
-        cls, hf_config: Any, model_dir: str, dtype: str | torch.dtype | None = None
+        cls, hf_config: Any, model_dir: str, dtype: str | torch.dtype | None = None, quantization: str | None = None
     ) -> ModelConfig:
         from workers.models.registry import supported_architectures
 
@@ -122,7 +136,7 @@ class ModelConfig:
                 f"unsupported architecture {arch!r} in {model_dir!r}; "
                 f"supported: {', '.join(supported_architectures())}"
             )
-        _refuse_quantized(hf_config, model_dir)
+        quant = quant_spec(hf_config, model_dir, quantization)
         num_heads = int(_first_attr(hf_config, "num_attention_heads", "decoder_attention_heads", "n_head"))
         hidden = int(_first_attr(hf_config, "hidden_size", "d_model", "n_embd"))
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
@@ -174,6 +188,7 @@ class ModelConfig:
                 i for i, t in enumerate(getattr(hf_config, "layer_types", None) or []) if t == "linear_attention"
             ),
             matryoshka_dimensions=_matryoshka(hf_config),
+            quant=quant,
         )
 
     # ---- MLA (DeepSeek-V2/V3) head shapes; only meaningful when use_mla ----
@@ -254,20 +269,3 @@ def _matryoshka(hf_config: Any) -> tuple[int, ...] | None:
     if dims:
         return tuple(sorted(int(d) for d in dims))
     return () if getattr(hf_config, "is_matryoshka", False) else None
-
-
-def _refuse_quantized(hf_config: Any, model_dir: str) -> None:
-    """A quantized checkpoint (FP8 block-wise or per-channel, compressed-tensors, GPTQ, AWQ,
-    bitsandbytes, ...) is refused with its method named: loading its tensors as if they were
-    plain weights, without their scales, would serve wrong text without any error."""
-    qc = getattr(hf_config, "quantization_config", None)
-    if not qc:
-        return
-    qc = qc if isinstance(qc, dict) else getattr(qc, "to_dict", lambda: vars(qc))()
-    method = qc.get("quant_method") or qc.get("format") or "unknown"
-    details = [f"{k} {qc[k]}" for k in ("weight_block_size", "bits", "format", "fmt") if qc.get(k) is not None]
-    raise ValueError(
-        f"{model_dir!r} is a quantized checkpoint (quantization_config: quant_method {method!r}"
-        f"{', ' + ', '.join(details) if details else ''}); manta loads unquantized float32, bfloat16 "
-        "and float16 weights only"
-    )

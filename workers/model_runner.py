@@ -63,6 +63,7 @@ class RunnerOptions:
     model: str
     device: str = "cpu"
     dtype: str | None = None
+    quantization: str | None = None  # "fp8": quantize an unquantized checkpoint's linear weights at load
     page_size: int = 1
     kv_cache_tokens: int | None = None
     mem_fraction: float = 0.85
@@ -107,7 +108,8 @@ class ModelRunner:
         self.tp = tp or TPGroup()
         self.device = torch.device(opts.device if opts.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         default_dtype = "float32" if self.device.type == "cpu" else None
-        self.model_config = ModelConfig.from_pretrained(opts.model, dtype=opts.dtype or default_dtype)
+        self.model_config = ModelConfig.from_pretrained(opts.model, dtype=opts.dtype or default_dtype,
+                                                        quantization=opts.quantization)
         self.dtype = self.model_config.dtype
         torch.manual_seed(opts.seed)
         self.model = load_model(self.model_config, self.tp, self.device, self.dtype)

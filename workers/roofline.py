@@ -49,7 +49,7 @@ def step_weight_bytes(model: torch.nn.Module, batch: int) -> int:
       E * (1 - (1 - k/E)^batch); a real router's skew touches fewer, so this errs high.
     An 8B Llama reads ~15 GB, not its 16 GB of parameters: its 1 GB input embedding is not read."""
     from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-    from workers.models.deepseek import DeepseekMoE
+    from workers.models.deepseek_moe import DeepseekMoE
 
     partial: dict[int, float] = {}  # id(param) -> fraction of it a step reads
     head = {id(p) for m in model.modules() if isinstance(m, ParallelLMHead) for p in m.parameters()}

@@ -30,6 +30,9 @@ class EngineConfig:
     served_model_name: str | None = None
     device: str = "cpu"  # "cpu" or "cuda"
     dtype: str | None = None  # None: float32 on cpu, the checkpoint's dtype on cuda
+    # "fp8": quantize an unquantized checkpoint's linear weights at load (workers/quantization.py);
+    # an FP8 checkpoint needs nothing (its config says so).
+    quantization: str | None = None
     tp_size: int = 1
     page_size: int = 1
     # KV capacity in tokens. None: sized from memory (cpu: 65536 tokens; cuda: mem_fraction).

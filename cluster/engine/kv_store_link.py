@@ -19,18 +19,22 @@ logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=8)
-def _identity(model: str, dtype: str | None, device: str, page_size: int, tp_size: int) -> tuple | None:
+def _identity(model: str, dtype: str | None, device: str, page_size: int, tp_size: int,
+              quantization: str | None = None) -> tuple | None:
     """(fingerprint, layout, bytes of one store key) of a replica, or None when its KV cannot
     be shared as pages (encoder models, encoder-decoder, hybrid linear attention). Computed
     once per process and replica shape (reads config.json and 1 MiB of each weight file)."""
     from kvstore.keys import model_fingerprint, weights_identity
     from workers.model_config import ModelConfig
 
-    mc = ModelConfig.from_pretrained(model, dtype=dtype or ("float32" if device == "cpu" else None))
+    mc = ModelConfig.from_pretrained(model, dtype=dtype or ("float32" if device == "cpu" else None),
+                                     quantization=quantization)
     if mc.is_encoder_decoder or mc.linear_attn_layers or not mc.is_causal or mc.is_embedding_model:
         return None
     layout = "mla" if mc.use_mla else "mha"
-    fingerprint = model_fingerprint(model, str(mc.dtype), page_size, tp_size, layout, weights_identity(model))
+    # Weights quantized at load compute other K/V than the checkpoint's own: another fingerprint.
+    weights = str(mc.dtype) + (f"+{quantization}" if quantization and mc.quant and mc.quant.quantize_at_load else "")
+    fingerprint = model_fingerprint(model, weights, page_size, tp_size, layout, weights_identity(model))
     width = mc.kv_lora_rank + mc.qk_rope_head_dim if mc.use_mla else mc.per_rank_kv_heads(tp_size) * mc.head_dim
     key_bytes = page_size * len(mc.full_attn_layers) * width * mc.dtype.itemsize
     return fingerprint, layout, key_bytes
@@ -44,7 +48,8 @@ def replica_identity(config: EngineConfig) -> tuple | None:
     if getattr(config, "speculative_draft_model", None):  # the store holds the target's pages only,
         return None  # and a loaded prefix without the draft's K/V would starve its proposals
     try:
-        return _identity(config.model, config.dtype, config.device, config.page_size, config.tp_size)
+        return _identity(config.model, config.dtype, config.device, config.page_size, config.tp_size,
+                         config.quantization)
     except Exception as exc:  # the engine reports a checkpoint it cannot load; the store just stays off
         logger.warning("KV store off: cannot fingerprint %s (%s: %s)", config.model, type(exc).__name__, exc)
         return None

@@ -87,6 +87,7 @@ def runner_options(config: EngineConfig) -> RunnerOptions:
         model=config.model,
         device=config.device,
         dtype=config.dtype,
+        quantization=config.quantization,
         page_size=config.page_size,
         kv_cache_tokens=config.kv_cache_tokens,
         mem_fraction=config.mem_fraction,

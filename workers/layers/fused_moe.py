@@ -18,6 +18,12 @@ input shapes, so it can be captured in a CUDA graph and replayed with new routin
 The per-pair product of the second GEMM is stored in x.dtype (the loop rounds it there too),
 which halves the [P, hidden] buffer for bf16 models; accumulation is always float32.
 
+FP8 experts (an FP8 checkpoint's, `workers/models/deepseek_moe.py`): w13 and w2 are
+`float8_e4m3fn` with float32 scales [E, N, ceil(K / block_k)] (`workers/layers/fp8.py`'s
+layout); the kernel scales each weight tile by its rows' scales of that K block and rounds it to
+x's dtype before the dot (BLOCK_K divides block_k), so a decode step reads half the bytes. The
+loop dequantizes each expert it runs.
+
 triton is imported under a guard: without it this module still imports and `moe_align` and
 `moe_loop` work (CPU-only installs and CI have no triton).
 """
@@ -31,6 +37,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from workers.layers.fp8 import dequantize
+
 try:
     import triton
     import triton.language as tl
@@ -42,16 +50,22 @@ logger = logging.getLogger(__name__)
 
 
 def moe_loop(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None, block_k13: int = 0,
+    block_k2: int = 0,
 ) -> torch.Tensor:
     """x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I], weights [T, k] float32, ids [T, k]
     -> [T, hidden] in x.dtype. A loop over the experts hit, in ascending order (as transformers
-    sums them)."""
+    sums them). FP8 experts come with their scales (module docstring)."""
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         tok, pos = torch.where(ids == e)
-        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[e]) * weights[tok, pos, None]
+        a, b = w13[e], w2[e]
+        if w13_scale is not None:
+            a = dequantize(a, w13_scale[e], block_k13).to(x.dtype)
+            b = dequantize(b, w2_scale[e], block_k2).to(x.dtype)
+        gate, up = F.linear(x[tok], a).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, b) * weights[tok, pos, None]
         out.index_add_(0, tok, h.to(out.dtype))
     return out
 
@@ -93,12 +107,14 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 
 
 def _moe_gemm_kernel(
-    A, W, Out, Scale, SortedPairs, BlockExpert,
-    N, K, num_pairs, a_div,
+    A, W, Out, Scale, WScale, SortedPairs, BlockExpert,
+    N, K, num_pairs, a_div, scale_bk,
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn,
     stride_om, stride_on,
     HAS_SCALE: tl.constexpr,
+    FP8_W: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -124,6 +140,9 @@ def _moe_gemm_kernel(
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8_W:  # the tile's rows times their scales of this K block, rounded to a's dtype
+            ws = tl.load(WScale + expert * stride_se + offs_n * stride_sn + k0 // scale_bk, mask=n_ok, other=0.0)
+            w = (w.to(tl.float32) * ws[None, :]).to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
@@ -145,18 +164,25 @@ def _config(num_pairs: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
-def _grouped_gemm(a, w, out, scale, sorted_pairs, block_expert, a_div: int, cfg: dict) -> None:
+def _grouped_gemm(a, w, out, scale, sorted_pairs, block_expert, a_div: int, cfg: dict,
+                  w_scale: torch.Tensor | None = None, block_k: int = 0) -> None:
     """out[pair] = a[pair // a_div] @ w[expert].T (* scale[pair]) for every pair of every used
-    block; out rows of pairs not in a used block are left untouched."""
+    block; out rows of pairs not in a used block are left untouched. FP8 w: its scales
+    [E, N, ceil(K / block_k)]."""
     n, k = w.shape[1], w.shape[2]
+    if w_scale is not None and block_k < k and block_k % cfg["BLOCK_K"]:
+        cfg = {**cfg, "BLOCK_K": block_k}  # a K tile never spans two scale blocks
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     _moe_gemm_kernel[grid](
-        a, w, out, scale if scale is not None else out, sorted_pairs, block_expert,
-        n, k, out.shape[0], a_div,
+        a, w, out, scale if scale is not None else out, w_scale if w_scale is not None else out,
+        sorted_pairs, block_expert,
+        n, k, out.shape[0], a_div, max(block_k, 1),
         a.stride(0), a.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
+        w_scale.stride(0) if w_scale is not None else 0, w_scale.stride(1) if w_scale is not None else 0,
         out.stride(0), out.stride(1),
         HAS_SCALE=scale is not None,
+        FP8_W=w_scale is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         **cfg,
     )  # fmt: skip
@@ -168,6 +194,10 @@ def fused_moe(
     w2: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_k13: int = 0,
+    block_k2: int = 0,
     block_m: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `moe_loop`, through the Triton grouped GEMM; graph-capturable.
@@ -183,12 +213,12 @@ def fused_moe(
         cfg["BLOCK_M"] = block_m
     sorted_pairs, block_expert = moe_align(ids, w13.shape[0], cfg["BLOCK_M"])
     h13 = torch.empty(p, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, h13, None, sorted_pairs, block_expert, top_k, cfg)
+    _grouped_gemm(x, w13, h13, None, sorted_pairs, block_expert, top_k, cfg, w13_scale, block_k13)
     gate, up = h13.chunk(2, dim=-1)
     h = F.silu(gate) * up
     out = torch.empty(p, w2.shape[1], dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
-    _grouped_gemm(h, w2, out, scale, sorted_pairs, block_expert, 1, cfg)
+    _grouped_gemm(h, w2, out, scale, sorted_pairs, block_expert, 1, cfg, w2_scale, block_k2)
     return out.view(t, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 

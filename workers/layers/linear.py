@@ -8,20 +8,26 @@ Every parameter of a manta model carries
 `src` is a lazy slice (`TensorSlice`): safetensors' `get_slice` object, so a rank reads only
 its rows/columns from disk and never materialises the full tensor of a sharded parameter.
 
-Weights are stored as in `nn.Linear`: [out_features, in_features].
+Weights are stored as in `nn.Linear`: [out_features, in_features]. With a `QuantSpec`
+(`workers/quantization.py`) a layer's weight is FP8 with a `weight_scale` beside it
+(`workers/layers/fp8.py`), loaded through the layer's `_place(shard_id)`: which rows and columns
+of the checkpoint tensor go where in this rank's weight.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import one_row
+from workers.layers import fp8, fused, one_row
 from workers.parallel import TPGroup, divide, kv_head_placement, shard_range
+
+if TYPE_CHECKING:
+    from workers.quantization import QuantSpec
 
 
 class TensorSlice(Protocol):
@@ -81,12 +87,21 @@ def make_param(
     return param
 
 
+def matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ layer.weight.T (+ bias): F.linear, or the FP8 product of a quantized layer."""
+    w = layer.weight
+    if fp8.is_fp8(w):
+        return fp8.linear(x, w, layer.weight_scale, layer.block_k, bias)
+    return F.linear(x, w, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A's output rows split over ranks; each rank returns its own
     [.., out / tp] columns (no gather: the next layer is row-parallel or per-head)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp: TPGroup, dtype: torch.dtype, device
+        self, in_features: int, out_features: int, bias: bool, tp: TPGroup, dtype: torch.dtype, device,
+        quant: QuantSpec | None = None,
     ):
         super().__init__()
         self.tp = tp
@@ -94,15 +109,22 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = out_features
         self.start, self.end = shard_range(out_features, tp.rank, tp.size)
         local = self.end - self.start
-        self.weight = make_param((local, in_features), dtype, device, self._load_rows)
+        self.weight = (make_param((local, in_features), dtype, device, self._load_rows) if quant is None
+                       else fp8.make_weight(self, local, in_features, device, (None,), quant))
         self.bias = make_param((local,), dtype, device, self._load_rows) if bias else None
+
+    def _place(self, shard_id: Any = None) -> tuple[int, int, int, int, int]:
+        return 0, self.start, self.end - self.start, 0, self.in_features
+
+    def _checkpoint_shape(self, shard_id: Any = None) -> tuple[int, int]:
+        return self.out_features, self.in_features
 
     def _load_rows(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
         check_shape("column-parallel", src, [self.out_features, *param.shape[1:]])
         _copy(param.data, src[self.start : self.end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -119,15 +141,26 @@ class MergedColumnParallelLinear(nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         device,
+        quant: QuantSpec | None = None,
     ):
         super().__init__()
         self.tp = tp
+        self.in_features = in_features
         self.output_sizes = list(output_sizes)
         self.local_sizes = [divide(s, tp.size) for s in self.output_sizes]
         local = sum(self.local_sizes)
         ids = tuple(range(len(self.output_sizes)))
-        self.weight = make_param((local, in_features), dtype, device, self._load_part, ids)
+        self.weight = (make_param((local, in_features), dtype, device, self._load_part, ids) if quant is None
+                       else fp8.make_weight(self, local, in_features, device, ids, quant))
         self.bias = make_param((local,), dtype, device, self._load_part, ids) if bias else None
+
+    def _place(self, shard_id: Any = None) -> tuple[int, int, int, int, int]:
+        i = int(shard_id)
+        start, end = shard_range(self.output_sizes[i], self.tp.rank, self.tp.size)
+        return sum(self.local_sizes[:i]), start, end - start, 0, self.in_features
+
+    def _checkpoint_shape(self, shard_id: Any = None) -> tuple[int, int]:
+        return self.output_sizes[int(shard_id)], self.in_features
 
     def _load_part(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
         i = int(shard_id)
@@ -137,7 +170,7 @@ class MergedColumnParallelLinear(nn.Module):
         _copy(param.data[offset : offset + self.local_sizes[i]], src[start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(self, x, self.bias)
 
 
 class QKVParallelLinear(nn.Module):
@@ -156,9 +189,11 @@ class QKVParallelLinear(nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         device,
+        quant: QuantSpec | None = None,
     ):
         super().__init__()
         self.tp = tp
+        self.in_features = hidden_size
         self.head_dim = head_dim
         self.total_heads = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
         self.num_heads = divide(num_heads, tp.size)
@@ -174,8 +209,16 @@ class QKVParallelLinear(nn.Module):
         self.output_sizes = [q_rows, kv_rows, kv_rows]
         local = q_rows + 2 * kv_rows
         ids = ("q", "k", "v")
-        self.weight = make_param((local, hidden_size), dtype, device, self._load_part, ids)
+        self.weight = (make_param((local, hidden_size), dtype, device, self._load_part, ids) if quant is None
+                       else fp8.make_weight(self, local, hidden_size, device, ids, quant))
         self.bias = make_param((local,), dtype, device, self._load_part, ids) if bias else None
+
+    def _place(self, shard_id: Any = None) -> tuple[int, int, int, int, int]:
+        first, heads, offset = self.layout[shard_id]
+        return offset, first * self.head_dim, heads * self.head_dim, 0, self.in_features
+
+    def _checkpoint_shape(self, shard_id: Any = None) -> tuple[int, int]:
+        return self.total_heads[shard_id] * self.head_dim, self.in_features
 
     def _load_part(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
         first, heads, offset = self.layout[shard_id]
@@ -186,7 +229,7 @@ class QKVParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> q [T, heads * hd], k and v [T, kv_heads * hd] (this rank's)."""
-        q, k, v = F.linear(x, self.weight, self.bias).split(self.output_sizes, dim=-1)
+        q, k, v = matmul(self, x, self.bias).split(self.output_sizes, dim=-1)
         return q, k, v
 
 
@@ -196,14 +239,24 @@ class RowParallelLinear(nn.Module):
     bias (replicated) is added once, after the reduce."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp: TPGroup, dtype: torch.dtype, device
+        self, in_features: int, out_features: int, bias: bool, tp: TPGroup, dtype: torch.dtype, device,
+        quant: QuantSpec | None = None,
     ):
         super().__init__()
         self.tp = tp
         self.in_features = in_features
+        self.out_features = out_features
         self.start, self.end = shard_range(in_features, tp.rank, tp.size)
-        self.weight = make_param((out_features, self.end - self.start), dtype, device, self._load_cols)
+        self.weight = (make_param((out_features, self.end - self.start), dtype, device, self._load_cols)
+                       if quant is None else
+                       fp8.make_weight(self, out_features, self.end - self.start, device, (None,), quant, self.start))
         self.bias = make_param((out_features,), dtype, device) if bias else None
+
+    def _place(self, shard_id: Any = None) -> tuple[int, int, int, int, int]:
+        return 0, 0, self.out_features, self.start, self.end - self.start
+
+    def _checkpoint_shape(self, shard_id: Any = None) -> tuple[int, int]:
+        return self.out_features, self.in_features
 
     def _load_cols(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
         check_shape("row-parallel", src, [param.shape[0], self.in_features])
@@ -211,15 +264,43 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank calls this (it is a collective at tp > 1)."""
+        if fp8.is_fp8(self.weight):
+            y = matmul(self, x, self.bias if self.tp.size == 1 else None)
+            return y if self.tp.size == 1 else self._reduce(y)
         if self.tp.size == 1:
             return one_row.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(one_row.linear(x, self.weight))
+        return self._reduce(one_row.linear(x, self.weight))
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(silu(gate) * up) for gate_up = [gate | up] (this rank's slices): the
         activation fused into the product at batch 1 on CUDA."""
+        if fp8.is_fp8(self.weight):
+            return self.forward(fused.silu_and_mul(gate_up))
         if self.tp.size == 1:
             return one_row.silu_mul_linear(gate_up, self.weight, self.bias)
-        y = self.tp.all_reduce(one_row.silu_mul_linear(gate_up, self.weight, None))
-        return y if self.bias is None else y + self.bias
+        return self._reduce(one_row.silu_mul_linear(gate_up, self.weight, None))
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear layer every rank holds whole (e.g. the low-rank down projections of MLA)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device,
+                 quant: QuantSpec | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = (make_param((out_features, in_features), dtype, device) if quant is None
+                       else fp8.make_weight(self, out_features, in_features, device, (None,), quant))
+        self.bias = make_param((out_features,), dtype, device) if bias else None
+
+    def _place(self, shard_id: Any = None) -> tuple[int, int, int, int, int]:
+        return 0, 0, self.out_features, 0, self.in_features
+
+    def _checkpoint_shape(self, shard_id: Any = None) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul(self, x, self.bias)

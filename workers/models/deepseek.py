@@ -39,23 +39,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attention.mla import MLAAttentionLayer
+from workers.layers import fp8
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.fused_moe import select_moe
 from workers.layers.linear import (
     ColumnParallelLinear,
-    MergedColumnParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
-    TensorSlice,
-    check_shape,
-    make_param,
 )
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RopeConfig, RotaryEmbedding
-from workers.parallel import TPGroup, divide, shard_range
+from workers.models.deepseek_moe import DeepseekMLP, DeepseekMoE
+from workers.parallel import TPGroup, divide
 
 if TYPE_CHECKING:
     from workers.forward_batch import ForwardBatch
@@ -136,18 +133,6 @@ def softmax_scale(config: ModelConfig, rope: RopeConfig) -> float:
     return scale
 
 
-class ReplicatedLinear(nn.Module):
-    """A linear layer every rank holds whole (the low-rank down projections of MLA)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device):
-        super().__init__()
-        self.weight = make_param((out_features, in_features), dtype, device)
-        self.bias = make_param((out_features,), dtype, device) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 def _rope(rotary: RotaryEmbedding, family: DeepseekFamily, positions, q, k):
     """q: [T, H, R], k: [T, 1, R] -> rotated q, k (see the module docstring for the layout)."""
     if not family.rope_interleave:
@@ -175,18 +160,26 @@ class DeepseekAttention(nn.Module):
         qk = self.nope + self.rope
         bias = bool(getattr(hf, "attention_bias", False))
         self.q_lora_rank = getattr(hf, "q_lora_rank", None)
+        p = f"model.layers.{layer_id}.self_attn."
         if self.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, heads * qk, False, tp, dtype, device)
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk, False, tp, dtype, device,
+                                               quant=config.quant_for(p + "q_proj"))
         else:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias, dtype, device)
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias, dtype, device,
+                                             quant=config.quant_for(p + "q_a_proj"))
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS, dtype, device)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk, False, tp, dtype, device)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.lora + self.rope, bias, dtype, device)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk, False, tp, dtype, device,
+                                                 quant=config.quant_for(p + "q_b_proj"))
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.lora + self.rope, bias, dtype, device,
+                                                   quant=config.quant_for(p + "kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(self.lora, LORA_NORM_EPS, dtype, device)
+        # (Its weight is the absorbed projections of decode: kept in the model's dtype, an FP8
+        # checkpoint's dequantized at load — `DENSE_AT_LOAD`.)
         self.kv_b_proj = ColumnParallelLinear(
             self.lora, heads * (self.nope + self.v_dim), False, tp, dtype, device
         )
-        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, dtype, device)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, dtype, device,
+                                        quant=config.quant_for(p + "o_proj"))
         self.attn = MLAAttentionLayer(
             layer_id=layer_id,
             num_heads=self.heads,
@@ -240,129 +233,6 @@ class DeepseekAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.heads * self.v_dim))
 
 
-class DeepseekMLP(nn.Module):
-    """Dense MLP (and the shared experts). `forward(x, reduce=False)` returns this rank's partial
-    sum without the down bias, for the MoE's single all-reduce."""
-
-    def __init__(self, hidden: int, inter: int, bias: bool, tp: TPGroup, dtype, device):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp, dtype, device)
-        self.down_proj = RowParallelLinear(inter, hidden, bias, tp, dtype, device)
-        self.local_inter = inter // tp.size
-
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.local_inter, dim=-1)
-        h = F.silu(gate) * up
-        return self.down_proj(h) if reduce else F.linear(h, self.down_proj.weight)
-
-
-class DeepseekExperts(nn.Module):
-    """Routed experts as stacked weights: w13 [E, 2 * I/tp, hidden] (this rank's gate rows, then
-    up rows, of each expert), w2 [E, hidden, I/tp]. Shard ids: (expert, 0 | 1) for gate/up and
-    expert for down."""
-
-    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPGroup, dtype, device):
-        super().__init__()
-        self.inter = inter
-        self.start, self.end = shard_range(inter, tp.rank, tp.size)
-        local = self.end - self.start
-        self.w13 = make_param(
-            (num_experts, 2 * local, hidden),
-            dtype,
-            device,
-            self._load_w13,
-            tuple((e, j) for e in range(num_experts) for j in (0, 1)),
-        )
-        self.w2 = make_param(
-            (num_experts, hidden, local), dtype, device, self._load_w2, tuple(range(num_experts))
-        )
-        self._moe = select_moe(torch.device(device).type)
-
-    def _load_w13(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
-        e, j = shard_id
-        local = self.end - self.start
-        check_shape(f"expert {e} gate/up", src, [self.inter, param.shape[2]])
-        with torch.no_grad():
-            param.data[e, j * local : (j + 1) * local].copy_(src[self.start : self.end].to(param.dtype))
-
-    def _load_w2(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
-        check_shape(f"expert {shard_id} down", src, [param.shape[1], self.inter])
-        with torch.no_grad():
-            param.data[shard_id].copy_(src[:, self.start : self.end].to(param.dtype))
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden], weights [T, k] float32, ids [T, k] -> this rank's partial sum [T, hidden].
-        `fused_moe` (Triton grouped GEMM, graph-capturable) on CUDA with triton, else `moe_loop`
-        (a loop over the experts hit, in ascending order, as transformers sums them)."""
-        return self._moe(x, self.w13, self.w2, weights, ids)
-
-
-class DeepseekRouter(nn.Module):
-    """Replicated router: `weight` [E, hidden] and (V3) `e_score_correction_bias` [E] (float32)."""
-
-    def __init__(self, hf: Any, family: DeepseekFamily, dtype, device):
-        super().__init__()
-        self.family = family
-        self.num_experts = hf.n_routed_experts
-        self.top_k = hf.num_experts_per_tok
-        self.weight = make_param((self.num_experts, hf.hidden_size), dtype, device)
-        if family.version == 3:
-            self.e_score_correction_bias = make_param((self.num_experts,), torch.float32, device)
-
-    def _group_mask(self, choice: torch.Tensor, group_scores: torch.Tensor) -> torch.Tensor:
-        f = self.family
-        groups = torch.topk(group_scores, k=f.topk_group, dim=-1, sorted=False)[1]
-        mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
-        return mask.unsqueeze(-1).expand(-1, f.n_group, self.num_experts // f.n_group).reshape(choice.shape)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
-        f = self.family
-        logits = F.linear(x.float(), self.weight.float())
-        per_group = self.num_experts // f.n_group
-        if f.version == 2:
-            scores = logits.softmax(dim=-1)
-            if f.topk_method == "group_limited_greedy":
-                group_scores = scores.view(-1, f.n_group, per_group).max(dim=-1).values
-                scores = scores.masked_fill(~self._group_mask(scores, group_scores), 0.0)
-            weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
-        else:
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
-            group_scores = choice.view(-1, f.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-            choice = choice.masked_fill(~self._group_mask(choice, group_scores), float("-inf"))
-            ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
-            weights = scores.gather(1, ids)
-        if f.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * f.routed_scaling_factor, ids
-
-
-class DeepseekMoE(nn.Module):
-    def __init__(self, config: ModelConfig, family: DeepseekFamily, tp: TPGroup, dtype, device):
-        super().__init__()
-        hf = config.hf_config
-        self.tp = tp
-        inter = hf.moe_intermediate_size
-        self.gate = DeepseekRouter(hf, family, dtype, device)
-        self.experts = DeepseekExperts(hf.n_routed_experts, config.hidden_size, inter, tp, dtype, device)
-        n_shared = getattr(hf, "n_shared_experts", None) or 0
-        self.shared_experts = (
-            DeepseekMLP(config.hidden_size, inter * n_shared, family.mlp_bias, tp, dtype, device)
-            if n_shared
-            else None
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x, reduce=False)
-        out = self.tp.all_reduce(out)
-        bias = self.shared_experts.down_proj.bias if self.shared_experts is not None else None
-        return out if bias is None else out + bias
-
-
 class DeepseekDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -380,10 +250,12 @@ class DeepseekDecoderLayer(nn.Module):
         self.self_attn = DeepseekAttention(config, layer_id, tp, scaling, dtype, device)
         self.mlp: nn.Module
         if is_moe_layer(hf, layer_id):
-            self.mlp = DeepseekMoE(config, family, tp, dtype, device)
+            self.mlp = DeepseekMoE(config, family, tp, dtype, device, layer_id=layer_id)
         else:
+            p = f"model.layers.{layer_id}.mlp."
             self.mlp = DeepseekMLP(
-                config.hidden_size, hf.intermediate_size, family.mlp_bias, tp, dtype, device
+                config.hidden_size, hf.intermediate_size, family.mlp_bias, tp, dtype, device,
+                quant=config.quant_for(p + "gate_proj", p + "up_proj", p + "down_proj"),
             )
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
@@ -407,6 +279,9 @@ class DeepseekModel(nn.Module):
 
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$|rotary_emb\.cos_cached$|rotary_emb\.sin_cached$")
+# Layers with no FP8 product yet: an FP8 checkpoint's weights are dequantized at load into the
+# model's dtype (kv_b_proj: the absorbed projections of decode).
+DENSE_AT_LOAD = re.compile(r"\.self_attn\.kv_b_proj\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 # (checkpoint name part, parameter name part, shard id) of the fused gate/up parameters.
@@ -434,6 +309,8 @@ def _param_target(name: str) -> tuple[str, Any]:
 
 class DeepseekV2ForCausalLM(nn.Module):
     """DeepSeek-V2 and -V3 (the family is read from the config's architecture)."""
+
+    supports_fp8 = True  # FP8 linear layers; experts and kv_b_proj dequantized at load (DENSE_AT_LOAD)
 
     def __init__(self, config: ModelConfig, tp: TPGroup, device: torch.device | str, dtype: torch.dtype):
         super().__init__()
@@ -476,13 +353,24 @@ class DeepseekV2ForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target, shard_id = _param_target(name)
+            scale = fp8.SCALE.search(name)
+            target, shard_id = _param_target(name if scale is None else name[: scale.start()] + ".weight")
+            if scale is not None:
+                if DENSE_AT_LOAD.search(name):
+                    continue  # read with its weight
+                if not target.endswith(".weight"):  # stacked experts: w13_scale, w2_scale
+                    if scale.group(1) == "input_scale":
+                        continue  # (static activation scales are not needed: workers/quantization.py)
+                    target += "_scale"
+                else:
+                    target = target[: -len("weight")] + fp8.scale_param(scale)
+            src = fp8.checkpoint_slice(reader, name, self.config.quant, dense=bool(DENSE_AT_LOAD.search(name)))
             if target not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} matches no parameter of {self.config.architecture}"
                 )
             param = params[target]
-            param.weight_loader(param, reader.get_slice(name), shard_id)
+            param.weight_loader(param, src, shard_id)
             loaded.add((target, shard_id))
         return loaded
 

@@ -37,12 +37,12 @@ from attention.linear_attn import LinearAttentionLayer
 from workers.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     TensorSlice,
     check_shape,
     make_param,
 )
-from workers.models.deepseek import ReplicatedLinear
 from workers.parallel import TPGroup, divide, shard_range
 
 if TYPE_CHECKING:

@@ -43,12 +43,11 @@ from workers.models.deepseek import (
     _LAYER,
     DeepseekAttention,
     DeepseekFamily,
-    DeepseekMLP,
-    DeepseekMoE,
     _param_target,
     _rope,
     softmax_scale,
 )
+from workers.models.deepseek_moe import DeepseekMLP, DeepseekMoE
 from workers.models.kda import KDAFamily, KimiDeltaAttention, kda_param_target
 from workers.parallel import TPGroup
 

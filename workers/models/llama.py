@@ -66,6 +66,9 @@ _ACTIVATIONS = {"silu": F.silu, "swish": F.silu}
 
 # Checkpoint tensors that are not parameters here (RoPE tables are recomputed at start-up).
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$|rotary_emb\.cos_cached$|rotary_emb\.sin_cached$")
+# FP8 checkpoints name a weight's scale `weight_scale` (compressed-tensors) or `weight_scale_inv`
+# (block-wise); both load into the layer's `weight_scale` (workers/layers/fp8.py).
+_SCALE = re.compile(r"\.weight_scale_inv$")
 
 # (checkpoint name part, parameter name part, shard id) of the fused parameters.
 _FUSED = (
@@ -103,11 +106,14 @@ class LlamaAttention(nn.Module):
         super().__init__()
         hd = config.head_dim
         self.head_dim = hd
+        p = f"model.layers.{layer_id}.self_attn."
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, hd, config.num_heads, config.num_kv_heads, family.qkv_bias, tp, dtype, device
+            config.hidden_size, hd, config.num_heads, config.num_kv_heads, family.qkv_bias, tp, dtype, device,
+            quant=config.quant_for(p + "q_proj", p + "k_proj", p + "v_proj"),
         )
         self.o_proj = RowParallelLinear(
-            config.num_heads * hd, config.hidden_size, family.o_bias, tp, dtype, device
+            config.num_heads * hd, config.hidden_size, family.o_bias, tp, dtype, device,
+            quant=config.quant_for(p + "o_proj"),
         )
         eps = config.hf_config.rms_norm_eps
         self.q_norm = RMSNorm(hd, eps, dtype, device) if family.qk_norm else None
@@ -162,14 +168,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, family: LlamaFamily, tp: TPGroup, dtype, device):
+    def __init__(self, config: ModelConfig, family: LlamaFamily, layer_id: int, tp: TPGroup, dtype, device):
         super().__init__()
         hf = config.hf_config
         inter = hf.intermediate_size
+        p = f"model.layers.{layer_id}.mlp."
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], family.mlp_bias, tp, dtype, device
+            config.hidden_size, [inter, inter], family.mlp_bias, tp, dtype, device,
+            quant=config.quant_for(p + "gate_proj", p + "up_proj"),
         )
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, family.mlp_bias, tp, dtype, device)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, family.mlp_bias, tp, dtype, device,
+                                           quant=config.quant_for(p + "down_proj"))
         self.act = _ACTIVATIONS[getattr(hf, "hidden_act", "silu")]
         self.local_inter = inter // tp.size
 
@@ -182,7 +191,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = config.hf_config.rms_norm_eps
         self.self_attn = LlamaAttention(config, family, layer_id, tp, dtype, device)
-        self.mlp = LlamaMLP(config, family, tp, dtype, device)
+        self.mlp = LlamaMLP(config, family, layer_id, tp, dtype, device)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
@@ -242,6 +251,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_fp8 = True  # its linear layers take a QuantSpec (workers/layers/fp8.py)
+
     def __init__(self, config: ModelConfig, tp: TPGroup, device: torch.device | str, dtype: torch.dtype):
         super().__init__()
         _check_supported(config, tp)
@@ -287,10 +298,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # shares model.embed_tokens.weight
-            target, shard_id = name, None
+            target, shard_id = _SCALE.sub(".weight_scale", name), None
             for ckpt_part, param_part, sid in _FUSED:
                 if ckpt_part in name:
-                    target, shard_id = name.replace(ckpt_part, param_part), sid
+                    target, shard_id = target.replace(ckpt_part, param_part), sid
                     break
             if target not in params:
                 raise ValueError(

@@ -1,0 +1,188 @@
+"""FP8 checkpoints (issue 25) on the CPU: block-wise (DeepSeek-V3 layout), compressed-tensors
+per-channel and per-tensor, and `--quantization fp8` at load, for a Llama-family model.
+
+Oracle: transformers cannot run these formats on a CPU (FP8 block-wise wants a GPU or falls back
+to dequantizing through `accelerate`; compressed-tensors needs its own package), so it runs the
+same checkpoint with its weights dequantized (`workers.make_fp8.dequantize_checkpoint`), which is
+what manta's CPU product computes: logits within 1e-4 in float32 and identical greedy tokens.
+The GPU kernels are checked against the same dequantized reference in tests/test_fp8_gemm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
+from tests.fixtures import gloo_rank
+from tests.test_engine import PROMPTS, greedy, hf_greedy
+from tests.test_llama_model import ATOL, _free_port, _hf_model, _prompts, run_prefill
+from workers.layers.fp8 import dequantize
+from workers.loader import load_model
+from workers.make_fp8 import dequantize_checkpoint, quantize_checkpoint
+from workers.make_model import make_model
+from workers.model_config import ModelConfig
+from workers.parallel import TPGroup
+
+KINDS = ("fp8-block", "fp8-channel", "fp8-tensor")
+SHAPE = dict(hidden=128, heads=4, kv_heads=2, intermediate=192, layers=2, vocab=513, max_position=64)
+BLOCK = (32, 32)  # DeepSeek-V3 uses 128 x 128; the tiny shapes need smaller blocks to have several
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """kind -> (FP8 checkpoint, its dequantized copy); "dynamic" -> (the plain checkpoint, the
+    copy quantized per channel as `--quantization fp8` does at load, dequantized)."""
+    root = tmp_path_factory.mktemp("fp8")
+    plain = make_model(root / "plain", "llama", dtype="float32", **SHAPE)
+    out = {}
+    for kind in KINDS:
+        d = root / kind
+        shutil.copytree(plain, d)
+        quantize_checkpoint(d, kind, BLOCK)
+        dequantize_checkpoint(d, root / f"{kind}-deq")
+        out[kind] = (str(d), str(root / f"{kind}-deq"))
+    out["dynamic"] = (str(plain), out["fp8-channel"][1])
+    return out
+
+
+def _load(path: str, quantization: str | None = None, tp: TPGroup | None = None):
+    cfg = ModelConfig.from_pretrained(path, "float32", quantization=quantization)
+    return cfg, load_model(cfg, tp or TPGroup(), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("kind", KINDS + ("dynamic",))
+def test_logits_match_transformers_on_the_dequantized_weights(ckpts, kind):
+    path, deq = ckpts[kind]
+    cfg, model = _load(path, "fp8" if kind == "dynamic" else None)
+    assert cfg.quant is not None and cfg.quant.method == {"fp8-block": "block", "dynamic": "dynamic"}.get(
+        kind, "compressed-tensors")
+    layer = model.model.layers[0]
+    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert lin.weight.dtype == torch.float8_e4m3fn  # stored as FP8, not widened at load
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
+    hf = _hf_model(deq)
+    logits, _ = run_prefill(model, cfg, 1, _prompts(), page_size=4)
+    start = 0
+    with torch.no_grad():
+        for p in _prompts():
+            ref = hf(p[None]).logits[0]
+            assert (logits[start : start + p.numel()] - ref).abs().max().item() < ATOL, kind
+            start += p.numel()
+    # The FP8 weights differ from the plain ones (the check above is not of an unquantized model).
+    plain = _hf_model(ckpts["dynamic"][0])
+    w = plain.model.layers[0].mlp.down_proj.weight
+    got = dequantize(layer.mlp.down_proj.weight, layer.mlp.down_proj.weight_scale, layer.mlp.down_proj.block_k)
+    assert 0 < (got - w).abs().max().item() < 0.07 * w.abs().max().item()
+
+
+@pytest.mark.parametrize("kind", ["fp8-block", "dynamic"])
+def test_greedy_tokens_equal_transformers(ckpts, kind):
+    path, deq = ckpts[kind]
+    engine = Engine(EngineConfig(model=path, page_size=4, quantization="fp8" if kind == "dynamic" else None))
+    try:
+        for prompt, res in zip(PROMPTS, engine.generate(PROMPTS, greedy())):
+            assert res.token_ids == hf_greedy(deq, engine.tokenize(prompt), len(res.token_ids)), prompt
+    finally:
+        engine.shutdown()
+
+
+def _tp_worker(rank: int, port: int, paths: list[tuple[str, str | None]], out_dir: str) -> None:
+    with gloo_rank(rank, port, 2):
+        tp = TPGroup(rank=rank, size=2)
+        for i, (path, quantization) in enumerate(paths):
+            cfg, model = _load(path, quantization, tp)
+            logits, _ = run_prefill(model, cfg, 2, _prompts(), page_size=4)
+            torch.save(logits, os.path.join(out_dir, f"logits-{i}-rank{rank}.pt"))
+
+
+def test_tp2_equals_tp1(ckpts):
+    """Column- and row-parallel shards of FP8 weights and their scales (block scales cut at
+    block edges) give TP=1's logits."""
+    import torch.multiprocessing as mp
+
+    paths = [(ckpts["fp8-block"][0], None), (ckpts["fp8-tensor"][0], None), (ckpts["dynamic"][0], "fp8")]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_tp_worker, args=(_free_port(), paths, out), nprocs=2, join=True)
+        for i, (path, quantization) in enumerate(paths):
+            cfg, model = _load(path, quantization)
+            ref, _ = run_prefill(model, cfg, 1, _prompts(), page_size=4)
+            got = [torch.load(os.path.join(out, f"logits-{i}-rank{r}.pt")) for r in range(2)]
+            assert torch.equal(got[0], got[1])
+            assert (got[0] - ref).abs().max().item() < ATOL, path
+
+
+def test_a_tp_size_that_cuts_a_block_is_refused(tmp_path):
+    """intermediate 96 over 2 ranks: down_proj's K splits at column 48, inside a 32-wide block."""
+    d = make_model(tmp_path / "m", "llama", dtype="float32", **{**SHAPE, "intermediate": 96})
+    quantize_checkpoint(d, "fp8-block", BLOCK)
+    cfg = ModelConfig.from_pretrained(str(d), "float32")
+    with pytest.raises(ValueError, match="RowParallelLinear: tensor parallelism cuts K at column 48.*32-wide"):
+        load_model(cfg, TPGroup(rank=1, size=2), "cpu", torch.float32)  # (building runs no collective)
+
+
+def _with_config(src: str, dst, **changes) -> str:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def test_static_activation_scales_load(ckpts, tmp_path):
+    """A compressed-tensors checkpoint with static per-tensor activation scales: `input_scale`
+    of q, k and v is one per fused layer (the largest), and the output is unchanged (the
+    products do not need it)."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "static"
+    shutil.copytree(ckpts["fp8-channel"][0], path)
+    (f,) = path.glob("*.safetensors")
+    tensors = load_file(f)
+    for name in [n for n in tensors if n.endswith("_proj.weight_scale")]:
+        tensors[name.replace("weight_scale", "input_scale")] = torch.tensor([0.01 + 0.001 * len(name)])
+    save_file(tensors, f)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    (path / "config.json").write_text(json.dumps(cfg))
+    mc, model = _load(str(path))
+    assert mc.quant.static_activations
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    names = [f"model.layers.0.self_attn.{p}_proj.input_scale" for p in "qkv"]
+    assert qkv.input_scale.item() == pytest.approx(max(tensors[n].item() for n in names))
+    ref, _ = run_prefill(_load(ckpts["fp8-channel"][0])[1], mc, 1, _prompts(), page_size=4)
+    got, _ = run_prefill(model, mc, 1, _prompts(), page_size=4)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("qc, named", [
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method 'fp8'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}, "'int'"),
+    ({"quant_method": "gptq", "bits": 4}, "'gptq', bits 4"),
+    ({"quant_method": "awq", "bits": 4}, "'awq', bits 4"),
+])
+def test_unsupported_quantization_is_refused_by_name(ckpts, tmp_path, qc, named):
+    q = _with_config(ckpts["dynamic"][0], tmp_path / "q", quantization_config=qc)
+    with pytest.raises(ValueError, match=re.escape(named) + ".*Loaded: FP8 block-wise"):
+        ModelConfig.from_pretrained(q)
+
+
+def test_fp8_config_on_plain_weights_and_fp8_on_a_model_without_fp8_layers_are_refused(ckpts, tmp_path):
+    from workers.make_fp8 import quantization_config
+
+    q = _with_config(ckpts["dynamic"][0], tmp_path / "q", quantization_config=quantization_config("fp8-channel"))
+    with pytest.raises(ValueError, match="quantization_config says FP8, but this weight is stored as torch.float32"):
+        _load(q)
+    with pytest.raises(ValueError, match="--quantization 'int4'"):
+        ModelConfig.from_pretrained(ckpts["dynamic"][0], quantization="int4")

@@ -1,0 +1,123 @@
+"""FP8 DeepSeek checkpoints (MLA + MoE) on the CPU: block-wise (DeepSeek-V3's own layout) and
+compressed-tensors per-channel, against transformers on the dequantized weights (it cannot run
+either format on a CPU: see tests/test_fp8.py), prefill and the absorbed decode path; TP=2
+equals TP=1. The linear layers and the routed experts hold FP8 weights (the experts' loop
+dequantizes each expert it runs on the CPU; the grouped GEMM's FP8 tiles are checked on the GPU
+in tests/test_fused_moe.py); kv_b_proj is dequantized at load
+(`workers.models.deepseek.DENSE_AT_LOAD`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
+from tests.fixtures import gloo_rank
+from tests.test_engine import PROMPTS, greedy, hf_greedy
+from tests.test_llama_model import _free_port
+from tests.test_mla import ATOL_HF, Cache, _logits, _prompts
+from workers.loader import load_model
+from workers.make_fp8 import dequantize_checkpoint, quantize_checkpoint
+from workers.make_model import make_model
+from workers.model_config import ModelConfig
+from workers.parallel import TPGroup
+
+BLOCK = (16, 16)
+VARIANTS = {  # name -> (arch, FP8 format)
+    "v2_block": ("deepseek_v2", "fp8-block"),
+    "v3_block": ("deepseek_v3", "fp8-block"),
+    "v3_channel": ("deepseek_v3", "fp8-channel"),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8-mla")
+    out = {}
+    for name, (arch, kind) in VARIANTS.items():
+        d = make_model(root / name, arch, dtype="float32", max_position=128)
+        quantize_checkpoint(d, kind, BLOCK)
+        dequantize_checkpoint(d, root / f"{name}-deq")
+        out[name] = (str(d), str(root / f"{name}-deq"))
+    return out
+
+
+def _load(path: str, tp: TPGroup | None = None):
+    cfg = ModelConfig.from_pretrained(path, "float32")
+    return cfg, load_model(cfg, tp or TPGroup(), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_and_decode_logits_match_transformers_on_the_dequantized_weights(ckpts, variant):
+    from transformers import AutoModelForCausalLM
+
+    path, deq = ckpts[variant]
+    cfg, model = _load(path)
+    attn = model.model.layers[0].self_attn
+    assert attn.o_proj.weight.dtype == torch.float8_e4m3fn and attn.kv_a_proj_with_mqa.weight.dtype == torch.float8_e4m3fn
+    moe = model.model.layers[1].mlp
+    assert moe.shared_experts.down_proj.weight.dtype == torch.float8_e4m3fn
+    assert moe.experts.w13.dtype == moe.experts.w2.dtype == torch.float8_e4m3fn  # with their scales
+    assert attn.kv_b_proj.weight.dtype == torch.float32  # dequantized at load (DENSE_AT_LOAD)
+    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = _prompts(cfg.vocab_size)
+    cache = Cache(cfg, 32, len(prompts))
+    logits = _logits(model, cache.step(prompts))
+    start, nxt = 0, []
+    with torch.no_grad():
+        for p in prompts:
+            ref = hf(p[None]).logits[0]
+            assert (logits[start : start + p.numel()] - ref).abs().max().item() < ATOL_HF, variant
+            nxt.append(logits[start + p.numel() - 1].argmax().view(1))
+            start += p.numel()
+        step = _logits(model, cache.step(nxt))  # DECODE: the absorbed path
+        for i, p in enumerate(prompts):
+            ref = hf(torch.cat([p, nxt[i]])[None]).logits[0, -1]
+            assert (step[i] - ref).abs().max().item() < ATOL_HF, variant
+
+
+def test_greedy_tokens_equal_transformers(ckpts):
+    path, deq = ckpts["v3_block"]
+    engine = Engine(EngineConfig(model=path, page_size=4))
+    try:
+        for prompt, res in zip(PROMPTS, engine.generate(PROMPTS, greedy())):
+            assert res.token_ids == hf_greedy(deq, engine.tokenize(prompt), len(res.token_ids)), prompt
+    finally:
+        engine.shutdown()
+
+
+def _tp_worker(rank: int, port: int, paths: list[str], out_dir: str) -> None:
+    with gloo_rank(rank, port, 2):
+        tp = TPGroup(rank=rank, size=2)
+        for i, path in enumerate(paths):
+            cfg, model = _load(path, tp)
+            torch.save(_logits(model, Cache(cfg, 32, 3).step(_prompts(cfg.vocab_size))),
+                       os.path.join(out_dir, f"logits-{i}-rank{rank}.pt"))
+
+
+def test_tp2_equals_tp1(ckpts):
+    import torch.multiprocessing as mp
+
+    paths = [ckpts["v3_block"][0], ckpts["v3_channel"][0]]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_tp_worker, args=(_free_port(), paths, out), nprocs=2, join=True)
+        for i, path in enumerate(paths):
+            cfg, model = _load(path)
+            ref = _logits(model, Cache(cfg, 32, 3).step(_prompts(cfg.vocab_size)))
+            got = [torch.load(os.path.join(out, f"logits-{i}-rank{r}.pt")) for r in range(2)]
+            assert torch.equal(got[0], got[1])
+            assert (got[0] - ref).abs().max().item() < 1e-5, path
+
+
+def test_a_plain_deepseek_quantized_at_load_keeps_experts_dense(tmp_path):
+    d = make_model(tmp_path / "plain", "deepseek_v3", dtype="float32", max_position=128)
+    cfg = ModelConfig.from_pretrained(str(d), "float32", quantization="fp8")
+    model = load_model(cfg, TPGroup(), "cpu", torch.float32)
+    assert model.model.layers[1].self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.model.layers[1].mlp.experts.w13.dtype == torch.float32
+    shutil.rmtree(d)

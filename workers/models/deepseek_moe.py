@@ -1,0 +1,195 @@
+"""DeepSeek V2/V3's feed-forward layers: the dense MLP (and shared experts), the routed experts
+as stacked weights (FP8 with their scales when the checkpoint is: the grouped GEMM dequantizes
+weight tiles in registers, `workers/layers/fused_moe.py`), the router, and the MoE layer that
+joins them with one all-reduce."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.layers import fp8
+from workers.layers.fused_moe import select_moe
+from workers.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    TensorSlice,
+    check_shape,
+    make_param,
+    matmul,
+)
+from workers.parallel import TPGroup, shard_range
+
+if TYPE_CHECKING:
+    from workers.model_config import ModelConfig
+    from workers.models.deepseek import DeepseekFamily
+    from workers.quantization import QuantSpec
+
+
+def _stored(data: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A checkpoint slice in the parameter's dtype; FP8 weights only into FP8 parameters (as
+    stored: their scales load beside them)."""
+    if (data.dtype == fp8.FP8) != (param.dtype == fp8.FP8):
+        raise ValueError(f"expert weight stored as {data.dtype} for a {param.dtype} parameter: an FP8 checkpoint "
+                         "without its quantization_config, or the reverse")
+    return data.to(param.dtype)
+
+
+class DeepseekMLP(nn.Module):
+    """Dense MLP (and the shared experts). `forward(x, reduce=False)` returns this rank's partial
+    sum without the down bias, for the MoE's single all-reduce."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, tp: TPGroup, dtype, device,
+                 quant: QuantSpec | None = None):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp, dtype, device, quant=quant)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp, dtype, device, quant=quant)
+        self.local_inter = inter // tp.size
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.local_inter, dim=-1)
+        h = F.silu(gate) * up
+        return self.down_proj(h) if reduce else matmul(self.down_proj, h, None)
+
+
+class DeepseekExperts(nn.Module):
+    """Routed experts as stacked weights: w13 [E, 2 * I/tp, hidden] (this rank's gate rows, then
+    up rows, of each expert), w2 [E, hidden, I/tp]. Shard ids: (expert, 0 | 1) for gate/up and
+    expert for down."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPGroup, dtype, device,
+                 quant: QuantSpec | None = None):
+        super().__init__()
+        self.inter, self.hidden = inter, hidden
+        self.start, self.end = shard_range(inter, tp.rank, tp.size)
+        local = self.end - self.start
+        # An FP8 checkpoint's experts stay FP8 (`--quantization fp8` leaves them 16-bit).
+        self.quant = quant if quant is not None and not quant.quantize_at_load else None
+        w13_ids = tuple((e, j) for e in range(num_experts) for j in (0, 1))
+        w2_ids = tuple(range(num_experts))
+        wdtype = fp8.FP8 if self.quant else dtype
+        self.w13 = make_param((num_experts, 2 * local, hidden), wdtype, device, self._load_w13, w13_ids)
+        self.w2 = make_param((num_experts, hidden, local), wdtype, device, self._load_w2, w2_ids)
+        self.scales: dict | None = None  # the grouped GEMM's FP8 arguments
+        if self.quant is not None:
+            bk = self.quant.block[1] if self.quant.method == "block" else None
+            if bk and self.start % bk:
+                raise ValueError(f"DeepseekExperts: tensor parallelism cuts the experts' down_proj K at column "
+                                 f"{self.start}, inside a {bk}-wide FP8 block: use a TP size that splits "
+                                 f"moe_intermediate_size ({inter}) into whole {bk}-column blocks")
+            self.block_k13, self.block_k2 = bk or hidden, bk or local
+            self.w13_scale = make_param((num_experts, 2 * local, -(-hidden // self.block_k13)), torch.float32, device,
+                                        self._load_w13_scale, w13_ids)
+            self.w2_scale = make_param((num_experts, hidden, -(-local // self.block_k2)), torch.float32, device,
+                                       self._load_w2_scale, w2_ids)
+            self.scales = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale, block_k13=self.block_k13,
+                               block_k2=self.block_k2)
+        self._moe = select_moe(torch.device(device).type)
+
+    def _load_w13(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
+        e, j = shard_id
+        local = self.end - self.start
+        check_shape(f"expert {e} gate/up", src, [self.inter, param.shape[2]])
+        with torch.no_grad():
+            param.data[e, j * local : (j + 1) * local].copy_(_stored(src[self.start : self.end], param))
+
+    def _load_w2(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
+        check_shape(f"expert {shard_id} down", src, [param.shape[1], self.inter])
+        with torch.no_grad():
+            param.data[shard_id].copy_(_stored(src[:, self.start : self.end], param))
+
+    def _load_w13_scale(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
+        e, j = shard_id
+        local = self.end - self.start
+        rows = fp8.scale_rows(src, self.quant, self.start, local, 0, self.hidden, (self.inter, self.hidden),
+                              f"expert {e} gate/up")
+        param.data[e, j * local : (j + 1) * local].copy_(rows.expand(-1, param.shape[2]).to(param.device))
+
+    def _load_w2_scale(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
+        rows = fp8.scale_rows(src, self.quant, 0, self.hidden, self.start, self.end - self.start,
+                              (self.hidden, self.inter), f"expert {shard_id} down")
+        param.data[shard_id].copy_(rows.expand(-1, param.shape[2]).to(param.device))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], weights [T, k] float32, ids [T, k] -> this rank's partial sum [T, hidden].
+        `fused_moe` (Triton grouped GEMM, graph-capturable) on CUDA with triton, else `moe_loop`
+        (a loop over the experts hit, in ascending order, as transformers sums them)."""
+        if self.scales is not None:
+            return self._moe(x, self.w13, self.w2, weights, ids, **self.scales)
+        return self._moe(x, self.w13, self.w2, weights, ids)
+
+
+class DeepseekRouter(nn.Module):
+    """Replicated router: `weight` [E, hidden] and (V3) `e_score_correction_bias` [E] (float32)."""
+
+    def __init__(self, hf: Any, family: DeepseekFamily, dtype, device):
+        super().__init__()
+        self.family = family
+        self.num_experts = hf.n_routed_experts
+        self.top_k = hf.num_experts_per_tok
+        self.weight = make_param((self.num_experts, hf.hidden_size), dtype, device)
+        if family.version == 3:
+            self.e_score_correction_bias = make_param((self.num_experts,), torch.float32, device)
+
+    def _group_mask(self, choice: torch.Tensor, group_scores: torch.Tensor) -> torch.Tensor:
+        f = self.family
+        groups = torch.topk(group_scores, k=f.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
+        return mask.unsqueeze(-1).expand(-1, f.n_group, self.num_experts // f.n_group).reshape(choice.shape)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
+        f = self.family
+        logits = F.linear(x.float(), self.weight.float())
+        per_group = self.num_experts // f.n_group
+        if f.version == 2:
+            scores = logits.softmax(dim=-1)
+            if f.topk_method == "group_limited_greedy":
+                group_scores = scores.view(-1, f.n_group, per_group).max(dim=-1).values
+                scores = scores.masked_fill(~self._group_mask(scores, group_scores), 0.0)
+            weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            group_scores = choice.view(-1, f.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+            choice = choice.masked_fill(~self._group_mask(choice, group_scores), float("-inf"))
+            ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+        if f.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * f.routed_scaling_factor, ids
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config: ModelConfig, family: DeepseekFamily, tp: TPGroup, dtype, device,
+                 layer_id: int | None = None):
+        """layer_id: for the FP8 format's names (None: no FP8 layers)."""
+        super().__init__()
+        hf = config.hf_config
+        self.tp = tp
+        inter = hf.moe_intermediate_size
+        self.gate = DeepseekRouter(hf, family, dtype, device)
+        p = f"model.layers.{layer_id}.mlp."
+        quant = config.quant_for if layer_id is not None else lambda *names: None
+        self.experts = DeepseekExperts(hf.n_routed_experts, config.hidden_size, inter, tp, dtype, device,
+                                       quant=quant(p + "experts.0.gate_proj"))
+        n_shared = getattr(hf, "n_shared_experts", None) or 0
+        p += "shared_experts."
+        self.shared_experts = (
+            DeepseekMLP(config.hidden_size, inter * n_shared, family.mlp_bias, tp, dtype, device,
+                        quant=quant(p + "gate_proj", p + "up_proj", p + "down_proj"))
+            if n_shared
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, reduce=False)
+        out = self.tp.all_reduce(out)
+        bias = self.shared_experts.down_proj.bias if self.shared_experts is not None else None
+        return out if bias is None else out + bias
