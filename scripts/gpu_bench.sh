@@ -7,6 +7,7 @@
 # same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2, two GPUs) l8pd (two replicas sharing the GPU:
 # mixed against prefill + decode, 2048-token prompts) l8route (`manta bench routing`: round robin / tree / events,
 # two replicas sharing the GPU, KV store on).
+# l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts).
 # FP8 (issue 25): l8fp8 (batch 1/64, --quantization fp8) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve --quantization fp8`) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8).
 # (default: build tests profile l8 l8serve dsv2 spec). Each writes JSON to ${OUT:-/tmp/out};
@@ -101,6 +102,10 @@ for s in $stages; do
           && { http_bench l8_http_fp8; serve_stop; }; rm -rf "$KV" ;;
     dsv2fp8) build /tmp/dsv2fp8 --preset deepseek-v2-lite --quantization fp8-block  # DeepSeek-V3's FP8 format
         $M bench latency --model /tmp/dsv2fp8 $F --batch 1 16 --steps 24 --input-len 512 --out "$OUT/dsv2_latency_fp8.json" ;;
+    l8prefill) build /tmp/l8 --preset llama-3.1-8b  # prefill MFU against the dense bf16 peak (issue 26)
+        $M bench prefill --model /tmp/l8 $F --num-prompts 64 --input-len 2048 --out "$OUT/l8_prefill_2048.json"
+        $M bench prefill --model /tmp/l8 ${F/4096/16384} --num-prompts 16 --input-len 8192 \
+          --out "$OUT/l8_prefill_8192.json" ;;
     l8serial) build /tmp/l8 --preset llama-3.1-8b
         $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --disable-overlap-schedule \
           --out "$OUT/l8_latency_no_overlap.json" ;;

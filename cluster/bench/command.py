@@ -3,6 +3,8 @@
 - offline:  N prompts of fixed input/output lengths (ignore_eos) through the engine loop;
             output tokens/s and total tokens/s.
 - latency:  decode step time at batch 1 and batch B.
+- prefill:  prompt tokens/s as model FLOPs utilisation against the GPU's dense bf16 peak:
+            cluster/bench/prefill.py.
 - serve:    Poisson arrivals against a server (or the in-process engine): TTFT/TPOT/ITL.
 - overhead: per-step cost of driving the TP group (in-process vs Ray actors), i.e. the
             driver's step time minus the worker's own compute time.
@@ -269,6 +271,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _print_table("decode step latency (ms)",
                      [(f"batch {b} {k}", v) for b, row in res.items() if isinstance(row, dict)
                       for k, v in row.items()] + [("copy bandwidth GB/s", res["copy_bandwidth_GBps"] or 0.0)])
+    elif args.mode == "prefill":  # prompt throughput as model FLOPs utilisation: cluster/bench/prefill.py
+        from cluster.bench.prefill import bench_prefill
+
+        engine = Engine(config)
+        res = bench_prefill(engine, args.num_prompts, args.input_len)
+        engine.shutdown()
+        payload["result"] = res
+        _print_table(f"prefill: {args.num_prompts} x {args.input_len} tokens on {res['device_name']}",
+                     [(k, v) for k, v in res.items() if k not in ("device_name",) and v is not None])
     elif args.mode == "embed":
         res = bench_embed(config, args.num_prompts, args.input_len, args.st_batch_size)
         payload["result"] = res
@@ -329,7 +340,8 @@ def add_bench_parser(sub) -> None:
     from cluster.engine_args import add_engine_args
 
     p = sub.add_parser("bench", help="benchmarks: offline throughput, decode latency, Ray overhead")
-    p.add_argument("mode", choices=["offline", "latency", "overhead", "serve", "embed", "spec", "soak", "kvstore",
+    p.add_argument("mode", choices=["offline", "latency", "prefill", "overhead", "serve", "embed", "spec", "soak",
+                                    "kvstore",
                                     "routing"])
     add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=64)
