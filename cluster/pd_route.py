@@ -11,7 +11,9 @@
 
 A request that ends with its first token (eos, a stop string, max_tokens 1) never reaches a
 decode replica. No decode replica can take it: a prefill or mixed replica continues it (the
-pages are in its own cache or read the same way). The client's disconnect aborts whichever
+pages are in its own cache or read the same way). Every prefill replica full (QueueFull) or
+gone: a mixed or decode replica serves the request whole; only when they are full too does the
+client get a 503. The client's disconnect aborts whichever
 side holds the request; the prefill side's lent pages are unpinned by the read's release or
 its lease's expiry.
 """
@@ -36,13 +38,26 @@ async def disaggregated_stream(router, rid: str, tokens: list[int], params: Samp
         return
     first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
     first: RequestOutput | None = None
-    async with contextlib.aclosing(router.attempts(rid, tokens, first_params, False, group, ("prefill",),
-                                                   hand_off=True)) as prefill:
-        async for out in prefill:
-            if out.finished:
-                first = out
-                break
-            yield out
+    started = False
+    try:
+        async with contextlib.aclosing(router.attempts(rid, tokens, first_params, False, group, ("prefill",),
+                                                       hand_off=True)) as prefill:
+            async for out in prefill:
+                started = True
+                if out.finished:
+                    first = out
+                    break
+                yield out
+    except (QueueFull, NoReplicaAvailable):
+        if started:
+            raise
+        # Every prefill replica's queue is full (or none is left): a decode or mixed replica
+        # serves it whole rather than the client getting a 503 while they have room.
+        async with contextlib.aclosing(router.attempts(rid, tokens, params, False, group,
+                                                       ("mixed", "decode"))) as whole:
+            async for out in whole:
+                yield out
+        return
     if first is None:
         return
     # "length" is the prefill's max_tokens of 1 — unless the context is full (nothing to continue).

@@ -46,9 +46,9 @@ class PD:
 
     def __init__(self, model: str, root, prefill_tp: int, decode_tp: int, oracle: str | None = None, **engine):
         """oracle: the checkpoint transformers runs for the expected tokens (default: model)."""
-        cfg = EngineConfig(model=model, page_size=16, kv_cache_tokens=2048, max_running_requests=8,
-                           kv_store=str(root), kv_store_host_gb=0.01, kv_store_disk_gb=0.05,
-                           kv_host_cache_gb=0.004, **engine)
+        cfg = EngineConfig(**{**dict(model=model, page_size=16, kv_cache_tokens=2048, max_running_requests=8,
+                                     kv_store=str(root), kv_store_host_gb=0.01, kv_store_disk_gb=0.05,
+                                     kv_host_cache_gb=0.004), **engine})
         self.model, self.oracle = model, oracle or model
         self.metrics = ServerMetrics()
         self.cluster = ServingCluster(ClusterOptions(
@@ -152,6 +152,40 @@ def test_an_fp8_checkpoint_disaggregated_across_tp_sizes(ray_local, tmp_path):
     pd = PD(str(model), tmp_path / "kv", 2, 1, oracle=str(tmp_path / "deq"))
     try:
         _check_pd(pd, range(3))
+    finally:
+        pd.close()
+
+
+def test_a_full_prefill_queue_sends_the_request_whole_to_the_decode_replica(ray_local, tmp_path):
+    """One running and one waiting request fill the prefill replica (a long prompt computed one
+    token a step keeps it busy for hundreds of steps); a third request is not refused with a 503
+    while the decode replica has room: it computes its prompt there and decodes."""
+    pd = PD(str(tiny_model_dir(None, "llama")), tmp_path / "kv", 1, 1, max_running_requests=1, max_waiting=1,
+            chunked_prefill_size=1, max_num_batched_tokens=1)
+    try:
+        before = pd.handoff(pd.prefill)["handed_off"]
+
+        def until(key: str) -> None:
+            deadline = time.monotonic() + 30
+            while ray.get(pd.prefill.actor.stats.remote())[key] < 1:
+                assert time.monotonic() < deadline, f"the prefill replica never had a request {key}"
+                time.sleep(0.01)
+
+        async def staggered():
+            one = asyncio.create_task(asyncio.to_thread(pd.complete, [prompt_ids(480, 1)], 1))
+            await asyncio.to_thread(until, "num_running")
+            two = asyncio.create_task(asyncio.to_thread(pd.complete, [prompt_ids(40, 2)], 1))
+            await asyncio.to_thread(until, "num_waiting")
+            three = await asyncio.to_thread(pd.complete, [prompt_ids(44, 3)], 1)
+            return [await one, await two, three]
+
+        for texts, want in asyncio.run(staggered()):
+            assert texts == want
+        full = pd.metrics.registry.get_sample_value("manta:router_retries_total",
+                                                    {"replica": pd.prefill.name, "reason": "queue_full"})
+        assert full == 1  # the third was refused by the prefill replica once ...
+        assert pd.handoff(pd.prefill)["handed_off"] - before == 2  # ... and never handed off from it
+        pd.wait_idle()
     finally:
         pd.close()
 
