@@ -24,6 +24,7 @@ from cluster.engine.loop import Engine
 from tests.fixtures import gloo_rank
 from tests.test_engine import PROMPTS, greedy, hf_greedy
 from tests.test_llama_model import ATOL, _free_port, _hf_model, _prompts, run_prefill
+from workers.layers import fp8
 from workers.layers.fp8 import dequantize
 from workers.loader import load_model
 from workers.make_fp8 import dequantize_checkpoint, quantize_checkpoint
@@ -103,12 +104,16 @@ def _tp_worker(rank: int, port: int, paths: list[tuple[str, str | None]], out_di
             torch.save(logits, os.path.join(out_dir, f"logits-{i}-rank{rank}.pt"))
 
 
-def test_tp2_equals_tp1(ckpts):
-    """Column- and row-parallel shards of FP8 weights and their scales (block scales cut at
-    block edges) give TP=1's logits."""
+def test_tp2_equals_tp1(ckpts, tmp_path):
+    """Column- and row-parallel shards of FP8 weights and their scales give TP=1's logits: block
+    scales cut at block edges, and (48-row blocks, one kv head replicated on both ranks) shards
+    and fused q|k|v parts that start inside a block."""
     import torch.multiprocessing as mp
 
-    paths = [(ckpts["fp8-block"][0], None), (ckpts["fp8-tensor"][0], None), (ckpts["dynamic"][0], "fp8")]
+    odd = make_model(tmp_path / "odd", "llama", dtype="float32", **{**SHAPE, "kv_heads": 1})
+    quantize_checkpoint(odd, "fp8-block", (48, 32))
+    paths = [(ckpts["fp8-block"][0], None), (ckpts["fp8-tensor"][0], None), (ckpts["dynamic"][0], "fp8"),
+             (str(odd), None)]
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_tp_worker, args=(_free_port(), paths, out), nprocs=2, join=True)
         for i, (path, quantization) in enumerate(paths):
@@ -166,6 +171,7 @@ def test_static_activation_scales_load(ckpts, tmp_path):
 @pytest.mark.parametrize("qc, named", [
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method 'fp8'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 96]}, "weight_block_size K of 96"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "'pack-quantized'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}, "'int'"),
@@ -186,3 +192,65 @@ def test_fp8_config_on_plain_weights_and_fp8_on_a_model_without_fp8_layers_are_r
         _load(q)
     with pytest.raises(ValueError, match="--quantization 'int4'"):
         ModelConfig.from_pretrained(ckpts["dynamic"][0], quantization="int4")
+
+
+def _unquantize(path, names: str) -> None:
+    """Store the weights whose names match `names` dequantized (float32) and drop their scales,
+    as a checkpoint that leaves those layers unquantized does."""
+    from safetensors.torch import load_file, save_file
+
+    (f,) = path.glob("*.safetensors")
+    tensors = load_file(f)
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    block = cfg.get("weight_block_size")
+    for name in [n for n in tensors if re.search(names, n) and n.endswith(".weight")]:
+        w = tensors[name]
+        s = tensors.pop(name + ("_scale_inv" if block else "_scale")).float()
+        if block:
+            s, bk = s.repeat_interleave(block[0], 0)[: w.shape[0]], block[1]
+        else:
+            s, bk = s.reshape(-1, 1).expand(w.shape[0], 1), w.shape[1]
+        tensors[name] = dequantize(w, s, bk)
+    save_file(tensors, f)
+
+
+@pytest.mark.parametrize("kind, ignore", [
+    ("fp8-channel", {"ignore": ["lm_head", "re:.*mlp\\.down_proj"]}),  # compressed-tensors: re.match
+    ("fp8-block", {"modules_to_not_convert": ["down_proj"]}),  # transformers: a module-name suffix
+])
+def test_layers_a_checkpoint_leaves_unquantized(ckpts, tmp_path, kind, ignore):
+    path = tmp_path / "m"
+    shutil.copytree(ckpts[kind][0], path)
+    _unquantize(path, r"mlp\.down_proj")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"].update(ignore)
+    (path / "config.json").write_text(json.dumps(cfg))
+    mc, model = _load(str(path))
+    layer = model.model.layers[1]
+    assert layer.mlp.down_proj.weight.dtype == torch.float32 and layer.mlp.gate_up_proj.weight.dtype == fp8.FP8
+    ref, _ = run_prefill(_load(ckpts[kind][0])[1], mc, 1, _prompts(), page_size=4)
+    got, _ = run_prefill(model, mc, 1, _prompts(), page_size=4)
+    assert (got - ref).abs().max().item() < ATOL  # the same weights, stored plainly
+
+
+def test_kv_cache_scales_are_skipped(ckpts, tmp_path):
+    """An llm-compressor export with an FP8 KV-cache scheme: its k/v scales are not used (the KV
+    cache stays in the model's dtype), the model loads and computes the same."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "kv"
+    shutil.copytree(ckpts["fp8-channel"][0], path)
+    (f,) = path.glob("*.safetensors")
+    tensors = load_file(f)
+    for i in range(SHAPE["layers"]):
+        for kv in "kv":
+            tensors[f"model.layers.{i}.self_attn.{kv}_scale"] = torch.tensor(0.05)
+    save_file(tensors, f)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                     "dynamic": False, "symmetric": True}
+    (path / "config.json").write_text(json.dumps(cfg))
+    mc, model = _load(str(path))
+    ref, _ = run_prefill(_load(ckpts["fp8-channel"][0])[1], mc, 1, _prompts(), page_size=4)
+    got, _ = run_prefill(model, mc, 1, _prompts(), page_size=4)
+    assert torch.equal(got, ref)

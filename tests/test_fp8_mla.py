@@ -8,6 +8,7 @@ in tests/test_fused_moe.py); kv_b_proj is dequantized at load
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -121,3 +122,24 @@ def test_a_plain_deepseek_quantized_at_load_keeps_experts_dense(tmp_path):
     assert model.model.layers[1].self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
     assert model.model.layers[1].mlp.experts.w13.dtype == torch.float32
     shutil.rmtree(d)
+
+
+def test_a_deepseek_checkpoint_that_leaves_down_proj_unquantized(ckpts, tmp_path):
+    """compressed-tensors' ignore naming only the dense MLP's and the shared experts' down_proj
+    (gate/up stay FP8): the two layers of an MLP follow their own names."""
+    from tests.test_fp8 import _unquantize
+
+    path = tmp_path / "m"
+    shutil.copytree(ckpts["v3_channel"][0], path)
+    _unquantize(path, r"(mlp|shared_experts)\.down_proj")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] += ["re:.*mlp\\.down_proj$", "re:.*shared_experts\\.down_proj$"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    cfg, model = _load(str(path))
+    dense, moe = model.model.layers[0].mlp, model.model.layers[1].mlp
+    assert dense.down_proj.weight.dtype == torch.float32 and dense.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    assert moe.shared_experts.down_proj.weight.dtype == torch.float32
+    assert moe.experts.w2.dtype == torch.float8_e4m3fn  # (experts.N.down_proj is not matched)
+    ref = _logits(_load(ckpts["v3_channel"][0])[1], Cache(cfg, 32, 3).step(_prompts(cfg.vocab_size)))
+    got = _logits(model, Cache(cfg, 32, 3).step(_prompts(cfg.vocab_size)))
+    assert (got - ref).abs().max().item() < 1e-5

@@ -27,9 +27,12 @@ config named.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("fp8",)  # --quantization values
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -54,9 +57,15 @@ class QuantSpec:
 
     def applies(self, module: str) -> bool:
         """Whether the linear layer named `module` (checkpoint name, e.g.
-        `model.layers.0.mlp.down_proj`) is FP8."""
+        `model.layers.0.mlp.down_proj`) is FP8. An ignore entry "re:PATTERN" matches from the
+        start of the name (compressed-tensors' rule); a plain one is the module itself, a suffix
+        of it at a module boundary ("down_proj", "mlp.gate") or a module containing it
+        ("model.layers.0"), as transformers reads `modules_to_not_convert`."""
         for pat in self.ignore:
-            if pat.startswith("re:") and re.fullmatch(pat[3:], module) or pat == module:
+            if pat.startswith("re:"):
+                if re.match(pat[3:], module):
+                    return False
+            elif module == pat or module.endswith("." + pat) or module.startswith(pat + "."):
                 return False
         return True
 
@@ -111,6 +120,8 @@ def _block_spec(qc: dict, model_dir: str) -> QuantSpec:
     block = qc.get("weight_block_size")
     if not block or len(block) != 2 or min(block) < 1:
         raise _refuse(model_dir, qc, "FP8 without weight_block_size (per-tensor 'fp8' checkpoints) is not supported")
+    if block[1] < 16 or block[1] & (block[1] - 1):
+        raise _refuse(model_dir, qc, f"weight_block_size K of {block[1]} (the kernels take powers of two >= 16)")
     ignore = tuple(qc.get("modules_to_not_convert") or ()) + ("lm_head",)
     return QuantSpec("block", block=(int(block[0]), int(block[1])), ignore=ignore)
 
@@ -119,6 +130,9 @@ def _compressed_tensors_spec(qc: dict, model_dir: str) -> QuantSpec:
     fmt = qc.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise _refuse(model_dir, qc, f"compressed-tensors format {fmt!r} (only float-quantized FP8)")
+    if qc.get("kv_cache_scheme"):
+        logger.info("%s: kv_cache_scheme %s is not used: the KV cache stays in the model's dtype (its k/v scales "
+                    "are skipped)", model_dir, qc["kv_cache_scheme"])
     groups = list((qc.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise _refuse(model_dir, qc, f"{len(groups)} config groups (one is supported)")

@@ -255,7 +255,7 @@ class DeepseekDecoderLayer(nn.Module):
             p = f"model.layers.{layer_id}.mlp."
             self.mlp = DeepseekMLP(
                 config.hidden_size, hf.intermediate_size, family.mlp_bias, tp, dtype, device,
-                quant=config.quant_for(p + "gate_proj", p + "up_proj", p + "down_proj"),
+                quant_for=lambda *names: config.quant_for(*(p + n for n in names)),
             )
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
@@ -351,6 +351,8 @@ class DeepseekV2ForCausalLM(nn.Module):
             layer = _LAYER.match(name)
             if _IGNORED.search(name) or (layer and int(layer.group(1)) >= self.config.num_layers):
                 continue
+            if self.config.quant is not None and fp8.KV_SCALE.search(name):
+                continue  # (workers/layers/fp8.py: the KV cache stays in the model's dtype)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             scale = fp8.SCALE.search(name)

@@ -43,10 +43,14 @@ class DeepseekMLP(nn.Module):
     sum without the down bias, for the MoE's single all-reduce."""
 
     def __init__(self, hidden: int, inter: int, bias: bool, tp: TPGroup, dtype, device,
-                 quant: QuantSpec | None = None):
+                 quant_for=None):
+        """quant_for(*module names) -> QuantSpec | None: the FP8 format of the checkpoint's
+        `gate_proj`, `up_proj` and `down_proj` under this MLP's prefix (None: unquantized)."""
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp, dtype, device, quant=quant)
-        self.down_proj = RowParallelLinear(inter, hidden, bias, tp, dtype, device, quant=quant)
+        quant_for = quant_for or (lambda *names: None)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp, dtype, device,
+                                                       quant=quant_for("gate_proj", "up_proj"))
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp, dtype, device, quant=quant_for("down_proj"))
         self.local_inter = inter // tp.size
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
@@ -180,7 +184,7 @@ class DeepseekMoE(nn.Module):
         p += "shared_experts."
         self.shared_experts = (
             DeepseekMLP(config.hidden_size, inter * n_shared, family.mlp_bias, tp, dtype, device,
-                        quant=quant(p + "gate_proj", p + "up_proj", p + "down_proj"))
+                        quant_for=lambda *names: quant(*(p + n for n in names)))
             if n_shared
             else None
         )

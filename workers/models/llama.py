@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.base import AttentionLayer
-from workers.layers import one_row
+from workers.layers import fp8, one_row
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import (
     MergedColumnParallelLinear,
@@ -294,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[tuple[str, Any]] = set()
         for name in reader.names():
-            if _IGNORED.search(name):
+            if _IGNORED.search(name) or self.config.quant is not None and fp8.KV_SCALE.search(name):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # shares model.embed_tokens.weight
