@@ -23,7 +23,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from tests.fixtures import gloo_rank
 from tests.test_engine import PROMPTS, greedy, hf_greedy
-from tests.test_llama_model import ATOL, _free_port, _hf_model, _prompts, run_prefill
+from tests.test_llama_model import ATOL, _copy_with_config, _free_port, _hf_model, _prompts, run_prefill
 from workers.layers import fp8
 from workers.layers.fp8 import dequantize
 from workers.loader import load_model
@@ -133,14 +133,6 @@ def test_a_tp_size_that_cuts_a_block_is_refused(tmp_path):
         load_model(cfg, TPGroup(rank=1, size=2), "cpu", torch.float32)  # (building runs no collective)
 
 
-def _with_config(src: str, dst, **changes) -> str:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return str(dst)
-
-
 def test_static_activation_scales_load(ckpts, tmp_path):
     """A compressed-tensors checkpoint with static per-tensor activation scales: `input_scale`
     of q, k and v is one per fused layer (the largest), and the output is unchanged (the
@@ -179,7 +171,7 @@ def test_static_activation_scales_load(ckpts, tmp_path):
     ({"quant_method": "awq", "bits": 4}, "'awq', bits 4"),
 ])
 def test_unsupported_quantization_is_refused_by_name(ckpts, tmp_path, qc, named):
-    q = _with_config(ckpts["dynamic"][0], tmp_path / "q", quantization_config=qc)
+    q = _copy_with_config(ckpts["dynamic"][0], tmp_path / "q", quantization_config=qc)
     with pytest.raises(ValueError, match=re.escape(named) + ".*Loaded: FP8 block-wise"):
         ModelConfig.from_pretrained(q)
 
@@ -187,7 +179,7 @@ def test_unsupported_quantization_is_refused_by_name(ckpts, tmp_path, qc, named)
 def test_fp8_config_on_plain_weights_and_fp8_on_a_model_without_fp8_layers_are_refused(ckpts, tmp_path):
     from workers.make_fp8 import quantization_config
 
-    q = _with_config(ckpts["dynamic"][0], tmp_path / "q", quantization_config=quantization_config("fp8-channel"))
+    q = _copy_with_config(ckpts["dynamic"][0], tmp_path / "q", quantization_config=quantization_config("fp8-channel"))
     with pytest.raises(ValueError, match="quantization_config says FP8, but this weight is stored as torch.float32"):
         _load(q)
     with pytest.raises(ValueError, match="--quantization 'int4'"):

@@ -21,7 +21,7 @@ from cluster.engine.loop import Engine
 from tests.fixtures import gloo_rank
 from tests.test_engine import PROMPTS, greedy, hf_greedy
 from tests.test_llama_model import _free_port
-from tests.test_mla import ATOL_HF, Cache, _logits, _prompts
+from tests.test_mla import Cache, _logits, _prompts, check_prefill_and_decode
 from workers.loader import load_model
 from workers.make_fp8 import dequantize_checkpoint, quantize_checkpoint
 from workers.make_model import make_model
@@ -66,20 +66,7 @@ def test_prefill_and_decode_logits_match_transformers_on_the_dequantized_weights
     assert moe.experts.w13.dtype == moe.experts.w2.dtype == torch.float8_e4m3fn  # with their scales
     assert attn.kv_b_proj.weight.dtype == torch.float32  # dequantized at load (DENSE_AT_LOAD)
     hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32, attn_implementation="eager").eval()
-    prompts = _prompts(cfg.vocab_size)
-    cache = Cache(cfg, 32, len(prompts))
-    logits = _logits(model, cache.step(prompts))
-    start, nxt = 0, []
-    with torch.no_grad():
-        for p in prompts:
-            ref = hf(p[None]).logits[0]
-            assert (logits[start : start + p.numel()] - ref).abs().max().item() < ATOL_HF, variant
-            nxt.append(logits[start + p.numel() - 1].argmax().view(1))
-            start += p.numel()
-        step = _logits(model, cache.step(nxt))  # DECODE: the absorbed path
-        for i, p in enumerate(prompts):
-            ref = hf(torch.cat([p, nxt[i]])[None]).logits[0, -1]
-            assert (step[i] - ref).abs().max().item() < ATOL_HF, variant
+    check_prefill_and_decode(cfg, model, hf, variant)
 
 
 def test_greedy_tokens_equal_transformers(ckpts):

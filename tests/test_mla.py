@@ -154,6 +154,11 @@ def test_prefill_and_decode_logits_match_transformers(model_dir, variant):
     path = model_dir(variant)
     cfg, model = _load(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    check_prefill_and_decode(cfg, model, hf, variant)
+
+
+def check_prefill_and_decode(cfg: ModelConfig, model, hf, variant: str) -> None:
+    """A prefill of three prompts and one decode step (the absorbed path) against `hf`."""
     prompts = _prompts(cfg.vocab_size)
     cache = Cache(cfg, 32, len(prompts))
     logits = _logits(model, cache.step(prompts))

@@ -66,9 +66,6 @@ _ACTIVATIONS = {"silu": F.silu, "swish": F.silu}
 
 # Checkpoint tensors that are not parameters here (RoPE tables are recomputed at start-up).
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$|rotary_emb\.cos_cached$|rotary_emb\.sin_cached$")
-# FP8 checkpoints name a weight's scale `weight_scale` (compressed-tensors) or `weight_scale_inv`
-# (block-wise); both load into the layer's `weight_scale` (workers/layers/fp8.py).
-_SCALE = re.compile(r"\.weight_scale_inv$")
 
 # (checkpoint name part, parameter name part, shard id) of the fused parameters.
 _FUSED = (
@@ -298,7 +295,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # shares model.embed_tokens.weight
-            target, shard_id = _SCALE.sub(".weight_scale", name), None
+            scale = fp8.SCALE.search(name)  # an FP8 weight's scale: into its layer's weight_scale / input_scale
+            target = name if scale is None else name[: scale.start()] + "." + fp8.scale_param(scale)
+            shard_id = None
             for ckpt_part, param_part, sid in _FUSED:
                 if ckpt_part in name:
                     target, shard_id = target.replace(ckpt_part, param_part), sid
