@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from attention import torch_ops
-from attention.triton_decode import LOG2E, dot_precision, paged_decode
+from attention.triton_decode import LOG2E, compute_dtype, dot_precision, paged_decode
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +72,14 @@ def torch_varlen_available() -> bool:
     return _torch_varlen_params() is not None
 
 
-def flash_shapes_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether both FlashAttention paths take these shapes and dtypes."""
+def flash_shapes_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, widen: bool = False) -> bool:
+    """Whether both FlashAttention paths take these shapes and dtypes. `widen`: the caller
+    gathers K/V and widens an FP8 cache to q's dtype (the prefill does; flash-attn's paged
+    decode reads the cache as it is)."""
     d, dv = q.shape[-1], v_cache.shape[-1]
     return (
         q.dtype in (torch.float16, torch.bfloat16)
-        and k_cache.dtype == q.dtype
+        and (k_cache.dtype == q.dtype or widen and compute_dtype(q, k_cache) == q.dtype)
         and d == dv == k_cache.shape[-1]
         and d <= 256
         and d % 8 == 0
@@ -203,13 +205,13 @@ class RaggedFlashExtend:
         self._plans = _PlanCache()
 
     def __call__(self, q, k_cache, v_cache, token_table, q_lens, kv_lens, scaling, causal=True):
-        if not flash_shapes_ok(q, k_cache, v_cache) or min(kv_lens, default=1) == 0:
+        if not flash_shapes_ok(q, k_cache, v_cache, widen=True) or min(kv_lens, default=1) == 0:
             return paged_extend_triton(q, k_cache, v_cache, token_table, q_lens, kv_lens, scaling, causal)
         plan = self._plans.get(token_table, q_lens, kv_lens)
         if not q.is_contiguous():  # e.g. a slice of a fused qkv projection
             q = q.contiguous()
-        k = k_cache[plan.kv_slots]
-        v = v_cache[plan.kv_slots]
+        k = k_cache[plan.kv_slots].to(q.dtype)  # (an FP8 cache widened; its scales are the caller's)
+        v = v_cache[plan.kv_slots].to(q.dtype)
         return self._varlen(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scaling, causal)
 
 
@@ -307,7 +309,7 @@ def _extend_kernel(
                 K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
                 mask=mask_n[:, None] & mask_d[None, :],
                 other=0.0,
-            )
+            ).to(q.dtype)  # (an FP8 cache widened; its scales are the caller's)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
             if CAUSAL:
                 keep = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -324,7 +326,7 @@ def _extend_kernel(
                 V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
                 mask=mask_n[:, None] & mask_dv[None, :],
                 other=0.0,
-            )
+            ).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -352,8 +354,7 @@ class TritonExtend:
             raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
         if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or token_table.stride(-1) != 1:
             raise ValueError("paged_extend_triton needs K/V caches and a table with a contiguous last dim")
-        if q.dtype != k_cache.dtype:
-            q = q.to(k_cache.dtype)
+        q = q.to(compute_dtype(q, k_cache))
         if q.stride(-1) != 1:
             q = q.contiguous()
         plan = self._plans.get(token_table, q_lens, kv_lens)
@@ -372,7 +373,7 @@ class TritonExtend:
             token_table.stride(0),
             GROUP=heads // kv_heads, HEAD_DIM=head_dim, V_DIM=v_dim, CAUSAL=bool(causal),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-            DOT_PREC=dot_precision(k_cache.dtype),
+            DOT_PREC=dot_precision(q.dtype),
             num_warps=4, num_stages=2,
         )
         return out

@@ -43,6 +43,7 @@ import torch
 from attention.base import AttentionLayer
 from attention.metadata import AttentionMetadata
 from attention.mla_ops import merge_attn_states, ragged_attention_lse
+from attention.paged import scale_output
 
 if TYPE_CHECKING:
     from workers.forward_batch import ForwardBatch
@@ -128,13 +129,15 @@ def mla_extend(meta: AttentionMetadata | None, plan: MHAChunkPlan | None, q, k, 
     if save_kv_cache:
         _save(pool, layer, forward_batch, k)
     lens = meta.extend_seq_lens_cpu
-    # The new tokens over themselves (causal), from the in-batch entries just written.
-    k_new, v_new = layer.expand_kv(k[:, 0])
+    # The new tokens over themselves (causal), from the in-batch entries just written, as a
+    # read of the cache would return them (an FP8 cache rounds them: a token attends to the
+    # same values whether its keys came in its own chunk or an earlier one).
+    k_new, v_new = layer.expand_kv(pool.readback(k[:, 0], layer.layer_id))
     out, lse = ragged_attention_lse(q, k_new, v_new, lens, lens, layer.scaling, causal=True)
     # Then the cached prefix, chunk by chunk: every prefix token precedes every new token.
-    cache = pool.get_key_buffer(layer.layer_id)
+    cache, scale = pool.get_key_buffer(layer.layer_id), pool.k_scales[layer.layer_id]
     for chunk in plan.chunks:
-        k_c, v_c = layer.expand_kv(cache[chunk.slots, 0].to(q.dtype))
+        k_c, v_c = layer.expand_kv(scale_output(cache[chunk.slots, 0].to(q.dtype), scale))
         out_c, lse_c = ragged_attention_lse(q, k_c, v_c, lens, chunk.kv_lens, layer.scaling, causal=False)
         out, lse = merge_attn_states(out, lse, out_c, lse_c)
     return out.to(q.dtype).reshape(q.shape[0], -1)
@@ -150,8 +153,10 @@ def mla_decode(meta: AttentionMetadata | None, kernels, page_size: int, q, k, la
     pool = _pool(forward_batch)
     if save_kv_cache:
         _save(pool, layer, forward_batch, k)
+    # An FP8 latent's scale: folded into the softmax scale (keys) and the output (values).
+    scale = pool.k_scales[layer.layer_id]
     out = kernels.mla_decode(
-        q, pool.get_key_buffer(layer.layer_id), meta.page_table, meta.cache_seqlens_int32, layer.scaling,
+        q, pool.get_key_buffer(layer.layer_id), meta.page_table, meta.cache_seqlens_int32, layer.scaling * scale,
         page_size, c,
     )
-    return out.to(q.dtype).reshape(q.shape[0], -1)
+    return scale_output(out.to(q.dtype), scale).reshape(q.shape[0], -1)

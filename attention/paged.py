@@ -4,6 +4,7 @@ buffers. Subclasses choose the kernels (`_extend_kernel`, `_decode_kernel`) and 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,20 @@ def should_skip_kv_cache(
     (an earlier `not layer.is_causal and kv_pool is None` escape hatch was removed: a missing
     pool is a caller's bug and fails loudly instead of choosing a path)."""
     return is_embedding and chunked_prefill_size == -1 and disable_radix_cache and not use_mla
+
+
+def cache_scales(layer: AttentionLayer, pool) -> tuple[AttentionLayer, float]:
+    """(layer as its kernels see it, factor of their output) for a read of `pool`'s layer: an
+    FP8 cache's K scale folds into the softmax scale and its V scale multiplies the output
+    (`workers.kv_quant`), so kernels read FP8 as it is stored. (layer, 1.0) otherwise."""
+    ks, vs = pool.scales(layer.layer_id)
+    if ks != 1.0:
+        layer = dataclasses.replace(layer, scaling=layer.scaling * ks)
+    return layer, vs
+
+
+def scale_output(out: torch.Tensor, factor: float) -> torch.Tensor:
+    return out if factor == 1.0 else out.mul_(factor)
 
 
 class PagedAttentionBackend(GraphMetadataBuffers, AttentionBackend):
@@ -93,14 +108,15 @@ class PagedAttentionBackend(GraphMetadataBuffers, AttentionBackend):
             loc = forward_batch.extras["encoder_out_cache_loc"]
             pool.set_kv_buffer(layer.layer_id, loc, k, v)
         k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        layer, v_scale = cache_scales(layer, pool)
         if forward_batch.forward_mode.is_decode():
             # One query per request over its own encoder_lens[i] keys: the decode kernel, which
             # reads only the page table and lengths (static buffers under graph replay).
-            return self._decode_kernel(q, k_cache, v_cache, meta.encoder_view(), layer)
+            return scale_output(self._decode_kernel(q, k_cache, v_cache, meta.encoder_view(), layer), v_scale)
         q_lens = meta.extend_seq_lens_cpu
-        return self._extend_kernel(
+        return scale_output(self._extend_kernel(
             q, k_cache, v_cache, meta.encoder_token_table, q_lens, meta.encoder_lens_cpu, layer, False
-        )
+        ), v_scale)
 
     def _attend_uncached(self, q, k, v, layer, meta: AttentionMetadata):
         """The embedding fast path: each request's new tokens attend over their own raw K/V.
@@ -123,6 +139,7 @@ class PagedAttentionBackend(GraphMetadataBuffers, AttentionBackend):
                 self._save(layer, forward_batch, k, v)
             pool = forward_batch.kv_pool
             k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+            layer, v_scale = cache_scales(layer, pool)
             mixed = self.mixed
             if mixed is not None and layer.is_causal:
                 # Decodes through the paged decode kernel, prefill pieces through the ragged
@@ -141,6 +158,7 @@ class PagedAttentionBackend(GraphMetadataBuffers, AttentionBackend):
                     q, k_cache, v_cache, meta.token_table, meta.extend_seq_lens_cpu,
                     meta.cache_seqlens_cpu, layer, layer.is_causal,
                 )
+            return scale_output(out, v_scale).reshape(q.shape[0], -1)
         return out.reshape(q.shape[0], -1)
 
 
@@ -155,10 +173,11 @@ class PagedAttentionBackend(GraphMetadataBuffers, AttentionBackend):
         if save_kv_cache:
             self._save(layer, forward_batch, k, v)
         pool = forward_batch.kv_pool
+        cached, v_scale = cache_scales(layer, pool)
         out = self._decode_kernel(
-            q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), meta, layer
+            q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), meta, cached
         )
-        return out.reshape(q.shape[0], -1)
+        return scale_output(out, v_scale).reshape(q.shape[0], -1)
 
 
 @dataclass

@@ -82,6 +82,12 @@ def stage1_launch(programs_per_split: int, dtype: torch.dtype) -> tuple[int, int
     return DECODE_BLOCK_N, 4, 2
 
 
+def compute_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
+    """The dtype a kernel's products run in: the cache's (a float32 cache wants float32 q), but
+    an FP8 cache is widened to q's dtype as it is loaded (`workers.kv_quant`)."""
+    return q.dtype if cache.dtype == torch.float8_e4m3fn else cache.dtype
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 caches get true float32 products (tf32 would cost ~1e-3 relative error)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -205,7 +211,10 @@ def _decode_stage1(
 
 @triton.jit
 def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PREC: tl.constexpr):
-    """One block of keys into the online softmax: (m_i, l_i, acc) updated."""
+    """One block of keys into the online softmax: (m_i, l_i, acc) updated. An FP8 cache's
+    block is widened to q's dtype here (its scales are folded into sm_scale and the output)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
     s = tl.where(mask_n[None, :], s, float("-inf"))
     # Every block holds at least one key, so m_new is finite.
@@ -347,8 +356,7 @@ def paged_decode(
         out = q.new_empty(batch, heads, v_dim)
     if batch == 0:
         return out
-    if q.dtype != k_cache.dtype:
-        q = q.to(k_cache.dtype)
+    q = q.to(compute_dtype(q, k_cache))
     if q.stride(-1) != 1:
         q = q.contiguous()
     if num_splits is None:
@@ -357,7 +365,7 @@ def paged_decode(
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(v_dim))
-    auto_n, auto_warps, auto_stages = stage1_launch(batch * kv_heads, k_cache.dtype)
+    auto_n, auto_warps, auto_stages = stage1_launch(batch * kv_heads, q.dtype)
     block_n, num_warps, num_stages = block_n or auto_n, num_warps or auto_warps, num_stages or auto_stages
     use_pdl = pdl.enabled(q.device)
     # The last-arriving program merges; past the counters (e.g. 32 KV heads x 2,049 requests)
@@ -378,7 +386,7 @@ def paged_decode(
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
-        DOT_PREC=dot_precision(k_cache.dtype), PDL=use_pdl, MERGE=merge,
+        DOT_PREC=dot_precision(q.dtype), PDL=use_pdl, MERGE=merge,
         BLOCK_S=block_s, BLOCK_G=block_g, CHUNK_S=min(block_s, max(1, 8192 // (block_g * block_dv))),
         EARLY=use_pdl and batch == 1,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
@@ -403,6 +411,7 @@ __all__ = [
     "token_table_to_page_table",
     "split_bounds",
     "dot_precision",
+    "compute_dtype",
     "LOG2E",
     "DECODE_BLOCK_N",
 ]

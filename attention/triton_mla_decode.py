@@ -19,6 +19,7 @@ from attention.triton_decode import (
     LOG2E,
     VARYING,
     choose_num_splits,
+    compute_dtype,
     dot_precision,
     merge_splits,
     split_bounds,
@@ -69,8 +70,9 @@ def _mla_stage1(
             mask_n = offs_n < end
             page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
             row = KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kvt
-            lat = tl.load(row + offs_l[None, :], mask=mask_n[:, None] & mask_l[None, :], other=0.0)
-            pe = tl.load(row + LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+            # (an FP8 cache widened to q's dtype: its scale is folded into sm_scale and the output)
+            lat = tl.load(row + offs_l[None, :], mask=mask_n[:, None] & mask_l[None, :], other=0.0).to(q_lat.dtype)
+            pe = tl.load(row + LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(q_pe.dtype)
             s = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PREC)
             s = tl.dot(q_pe, tl.trans(pe), s, input_precision=DOT_PREC) * sm_scale_log2
             s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -112,8 +114,7 @@ def mla_decode(
         out = q.new_empty(batch, heads, lora)
     if batch == 0:
         return out
-    if q.dtype != kv_cache.dtype:
-        q = q.to(kv_cache.dtype)
+    q = q.to(compute_dtype(q, kv_cache))
     if q.stride(-1) != 1:
         q = q.contiguous()
     head_blocks = triton.cdiv(heads, MLA_BLOCK_H)
@@ -121,7 +122,7 @@ def mla_decode(
         num_splits = choose_num_splits(batch * head_blocks, page_table.shape[1] * page_size, q.device)
     mid_o = torch.empty(batch, heads, num_splits, lora, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
-    block_n = MLA_BLOCK_N // 2 if kv_cache.dtype == torch.float32 else MLA_BLOCK_N
+    block_n = MLA_BLOCK_N // 2 if q.dtype == torch.float32 else MLA_BLOCK_N
     use_pdl = pdl.enabled(q.device)
     _mla_stage1[(batch, head_blocks, num_splits)](
         q, kv_cache, page_table, cache_seqlens, mid_o, mid_lse,
@@ -136,7 +137,7 @@ def mla_decode(
         BLOCK_L=max(16, triton.next_power_of_2(lora)),
         BLOCK_R=max(16, triton.next_power_of_2(max(rope, 1))),
         BLOCK_N=block_n,
-        DOT_PREC=dot_precision(kv_cache.dtype), PDL=use_pdl,
+        DOT_PREC=dot_precision(q.dtype), PDL=use_pdl,
         num_warps=8 if lora >= 256 else 4, num_stages=2, launch_pdl=use_pdl,
     )
     merge_splits(mid_o, mid_lse, cache_seqlens, out, block_n)

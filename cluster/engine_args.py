@@ -37,6 +37,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: quantize the linear weights of an unquantized checkpoint at load (one scale per "
                         "output channel); FP8 checkpoints (block-wise, compressed-tensors) load as they are")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8"],
+                   help="fp8_e4m3 (or fp8): the KV cache in FP8, one byte per value with a scale per layer (the "
+                        "checkpoint's kv_cache_scheme scales, else 1.0): twice the tokens in the same memory; "
+                        "auto: the model's dtype")
     p.add_argument("--tp", type=int, default=1, dest="tp_size")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--kv-cache-tokens", type=int, default=None)
@@ -73,7 +77,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_ARG_NAMES = (
-    "tokenizer", "served_model_name", "device", "dtype", "quantization", "tp_size", "page_size", "kv_cache_tokens",
+    "tokenizer", "served_model_name", "device", "dtype", "quantization", "kv_cache_dtype", "tp_size", "page_size", "kv_cache_tokens",
     "mem_fraction", "gpus_per_rank", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
     "mixed_prefill_tokens", "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len",
     "max_waiting",

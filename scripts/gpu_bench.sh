@@ -9,7 +9,9 @@
 # two replicas sharing the GPU, KV store on).
 # l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts).
 # FP8 (issue 25): l8fp8 (batch 1/64, --quantization fp8) l8fp8serve (in-process serve workload) l8fp8http
-# (through `manta serve --quantization fp8`) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8).
+# (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
+# FP8_HTTP_MODES picks) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8) l8kvfp8 (batch 1/64 with the FP8 KV cache,
+# and the logits error it adds: scripts/kv_fp8_error.py).
 # (default: build tests profile l8 l8serve dsv2 spec). Each writes JSON to ${OUT:-/tmp/out};
 # models are built once under /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
 set -uo pipefail
@@ -77,7 +79,8 @@ for s in $stages; do
     tests) python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_rope_store.py tests/test_gemv.py tests/test_argmax_kernel.py \
              tests/test_decode_prep_kernels.py tests/test_sampler.py \
              tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_speculative.py \
-             tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_fp8.py 2>&1 | grep -v "Warning\|warn" \
+             tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_fp8.py \
+             tests/test_gpu_kv_fp8.py 2>&1 | grep -v "Warning\|warn" \
              | tee "$OUT/tests.log" ;;
     compiles) python3 scripts/compiles_after_start.py llama; python3 scripts/compiles_after_start.py deepseek_v2 ;;
     sweep) python3 -m attention.bench_kernels --sweep 2>&1 | tee "$OUT/decode_sweep.txt" ;;
@@ -96,10 +99,21 @@ for s in $stages; do
     l8fp8serve) build /tmp/l8 --preset llama-3.1-8b
         $M bench serve --model /tmp/l8 $F --quantization fp8 --num-prompts 200 --input-len 1024 --output-len 1024 \
           --request-rate 16 --out "$OUT/l8_serve_fp8.json" ;;
-    l8fp8http) serve_model  # `manta serve --quantization fp8`, defaults otherwise (KV store on)
-        KV=${KV_DIR:-/tmp/kvstore}; rm -rf "$KV"
-        serve_start fp8 $F --quantization fp8 --kv-store $KV --kv-store-disk-gb ${KV_DISK_GB:-8} \
-          && { http_bench l8_http_fp8; serve_stop; }; rm -rf "$KV" ;;
+    l8fp8http) serve_model  # `manta serve` bf16 / --quantization fp8 / + --kv-cache-dtype fp8_e4m3, KV store on
+        KV=${KV_DIR:-/tmp/kvstore}
+        for mode in ${FP8_HTTP_MODES:-bf16 fp8 fp8kv}; do rm -rf "$KV"
+          case $mode in bf16) q= ;; fp8) q="--quantization fp8" ;; fp8kv) q="--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
+            kv) q="--kv-cache-dtype fp8_e4m3" ;; esac
+          serve_start "$mode" $F $q --kv-store $KV --kv-store-disk-gb ${KV_DISK_GB:-8} \
+            && { http_bench "l8_http_$mode"; serve_stop; }
+        done; rm -rf "$KV" ;;
+    l8kvfp8) build /tmp/l8 --preset llama-3.1-8b  # the FP8 KV cache: decode steps, and the logits error it adds
+        $M bench latency --model /tmp/l8 $F --kv-cache-dtype fp8_e4m3 --batch 1 64 --steps 48 --input-len 512 \
+          --out "$OUT/l8_latency_kvfp8.json"
+        $M bench latency --model /tmp/l8 $F --quantization fp8 --kv-cache-dtype fp8_e4m3 --batch 1 64 --steps 48 \
+          --input-len 512 --out "$OUT/l8_latency_fp8_kvfp8.json"
+        python3 scripts/kv_fp8_error.py /tmp/l8 $F --kv-cache-tokens 32768 --num-prompts 16 --input-len 1024 --out "$OUT/l8_kvfp8_error.json" \
+          2>&1 | grep -v "INFO\|Warning" | tail -6 ;;
     dsv2fp8) build /tmp/dsv2fp8 --preset deepseek-v2-lite --quantization fp8-block  # DeepSeek-V3's FP8 format
         $M bench latency --model /tmp/dsv2fp8 $F --batch 1 16 --steps 24 --input-len 512 --out "$OUT/dsv2_latency_fp8.json" ;;
     l8prefill) build /tmp/l8 --preset llama-3.1-8b  # prefill MFU against the dense bf16 peak (issue 26)

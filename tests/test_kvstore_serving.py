@@ -145,15 +145,17 @@ def page_file(root: Path, key: str) -> Path:
 
 
 @pytest.mark.slow
-def test_prefix_prefilled_on_one_replica_is_loaded_by_another(no_store_after, tmp_path, llama_dir):
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_prefix_prefilled_on_one_replica_is_loaded_by_another(no_store_after, tmp_path, llama_dir, kv_dtype):
     """Replica A prefills a long prompt and writes its pages; replica B, asked the same prompt
     (round robin), loads them from the store: its prefill computes only the last token, its
-    greedy output equals A's, and the metrics show the hits."""
+    greedy output equals A's, and the metrics show the hits. An FP8 KV cache's pages move as
+    they are (one byte a value)."""
     from cluster.api.metrics import ServerMetrics
     from cluster.launch import ClusterOptions, ServingCluster
     from cluster.router import RouterOptions
 
-    cfg = engine_config(llama_dir, tmp_path / "kv")
+    cfg = engine_config(llama_dir, tmp_path / "kv", kv_cache_dtype=kv_dtype)
     metrics = ServerMetrics()
     cluster = ServingCluster(ClusterOptions(engine=cfg, replicas=2, namespace=NS,
                                             router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from workers import kv_quant
 from workers.models.registry import get_model_class
 from workers.parallel import TPGroup
 
@@ -122,6 +123,9 @@ def load_model(
         reader.refuse_quantized_tensors(fp8=quant is not None and not quant.quantize_at_load)
         with torch.no_grad():
             loaded = model.load_weights(reader)
+        # An FP8 KV cache's per-layer scales, where the checkpoint has them (workers/kv_quant.py).
+        model.kv_cache_scales = (kv_quant.checkpoint_kv_scales(reader.names(), reader.get_tensor)
+                                 if kv_quant.is_fp8(model_config.kv_dtype) else {})
     finally:
         reader.close()
     missing = expected_shards(model) - loaded

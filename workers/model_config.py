@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from workers import kv_quant
 from workers.parallel import divide, kv_head_placement
 from workers.pooling import PoolingConfig, load_pooling_config
 from workers.quantization import QuantSpec, quant_spec
@@ -98,6 +99,13 @@ class ModelConfig:
     matryoshka_dimensions: tuple[int, ...] | None = None
     # FP8 weights (`workers/quantization.py`): the checkpoint's format, or --quantization fp8.
     quant: QuantSpec | None = None
+    # --kv-cache-dtype: "auto" (the model's dtype) or "fp8_e4m3" (`workers/kv_quant.py`).
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's storage dtype."""
+        return kv_quant.kv_dtype(self.kv_cache_dtype, self.dtype)
 
     def quant_for(self, *modules: str) -> QuantSpec | None:
         """The spec of the linear layer made of the checkpoint modules `modules` (one, or the
@@ -111,7 +119,7 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str, dtype: str | torch.dtype | None = None,
-                        quantization: str | None = None) -> ModelConfig:
+                        quantization: str | None = None, kv_cache_dtype: str | None = None) -> ModelConfig:
         """Read `model_dir/config.json` (local files only). Raises ValueError for an
         architecture no model class is registered for, or a quantization it cannot load."""
         from transformers import AutoConfig
@@ -119,11 +127,12 @@ class ModelConfig:
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise ValueError(f"{model_dir!r} has no config.json")
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        return cls.from_hf_config(hf_config, model_dir, dtype, quantization)
+        return cls.from_hf_config(hf_config, model_dir, dtype, quantization, kv_cache_dtype)
 
     @classmethod
     def from_hf_config(
-        cls, hf_config: Any, model_dir: str, dtype: str | torch.dtype | None = None, quantization: str | None = None
+        cls, hf_config: Any, model_dir: str, dtype: str | torch.dtype | None = None, quantization: str | None = None,
+        kv_cache_dtype: str | None = None,
     ) -> ModelConfig:
         from workers.models.registry import supported_architectures
 
@@ -137,6 +146,7 @@ class ModelConfig:
                 f"supported: {', '.join(supported_architectures())}"
             )
         quant = quant_spec(hf_config, model_dir, quantization)
+        kv_quant.kv_dtype(kv_cache_dtype, torch.float32)  # refuses an unknown --kv-cache-dtype here
         num_heads = int(_first_attr(hf_config, "num_attention_heads", "decoder_attention_heads", "n_head"))
         hidden = int(_first_attr(hf_config, "hidden_size", "d_model", "n_embd"))
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
@@ -189,6 +199,7 @@ class ModelConfig:
             ),
             matryoshka_dimensions=_matryoshka(hf_config),
             quant=quant,
+            kv_cache_dtype=kv_cache_dtype or "auto",
         )
 
     # ---- MLA (DeepSeek-V2/V3) head shapes; only meaningful when use_mla ----

@@ -64,6 +64,7 @@ class RunnerOptions:
     device: str = "cpu"
     dtype: str | None = None
     quantization: str | None = None  # "fp8": quantize an unquantized checkpoint's linear weights at load
+    kv_cache_dtype: str = "auto"  # "fp8_e4m3": the KV cache in FP8 with per-layer scales (workers/kv_quant.py)
     page_size: int = 1
     kv_cache_tokens: int | None = None
     mem_fraction: float = 0.85
@@ -109,7 +110,8 @@ class ModelRunner:
         self.device = torch.device(opts.device if opts.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         default_dtype = "float32" if self.device.type == "cpu" else None
         self.model_config = ModelConfig.from_pretrained(opts.model, dtype=opts.dtype or default_dtype,
-                                                        quantization=opts.quantization)
+                                                        quantization=opts.quantization,
+                                                        kv_cache_dtype=opts.kv_cache_dtype)
         self.dtype = self.model_config.dtype
         torch.manual_seed(opts.seed)
         self.model = load_model(self.model_config, self.tp, self.device, self.dtype)
@@ -208,9 +210,10 @@ class ModelRunner:
             per_token += kv_bytes_per_token(self.drafter.model_config, self.tp.size)
         ps = self.opts.page_size
         num_pages = self._kv_tokens(per_token) // ps + 1  # + the reserved page 0
-        pool = make_kv_pool(self.model_config, self.tp.size, num_pages, ps, self.device)
-        logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, ps,
-                    pool.bytes_per_token() * pool.num_slots / 2**20)
+        pool = make_kv_pool(self.model_config, self.tp.size, num_pages, ps, self.device,
+                            getattr(self.model, "kv_cache_scales", None))
+        logger.info("KV pool: %d pages x %d tokens, %.1f MiB, %s", num_pages, ps,
+                    pool.bytes_per_token() * pool.num_slots / 2**20, str(pool.dtype).removeprefix("torch."))
         return pool
 
     @property

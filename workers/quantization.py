@@ -131,8 +131,8 @@ def _compressed_tensors_spec(qc: dict, model_dir: str) -> QuantSpec:
     if fmt not in ("float-quantized", "naive-quantized"):
         raise _refuse(model_dir, qc, f"compressed-tensors format {fmt!r} (only float-quantized FP8)")
     if qc.get("kv_cache_scheme"):
-        logger.info("%s: kv_cache_scheme %s is not used: the KV cache stays in the model's dtype (its k/v scales "
-                    "are skipped)", model_dir, qc["kv_cache_scheme"])
+        logger.info("%s: kv_cache_scheme %s: its per-layer k/v scales are used with --kv-cache-dtype fp8_e4m3 "
+                    "(else the KV cache stays in the model's dtype)", model_dir, qc["kv_cache_scheme"])
     groups = list((qc.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise _refuse(model_dir, qc, f"{len(groups)} config groups (one is supported)")

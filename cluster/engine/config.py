@@ -33,6 +33,9 @@ class EngineConfig:
     # "fp8": quantize an unquantized checkpoint's linear weights at load (workers/quantization.py);
     # an FP8 checkpoint needs nothing (its config says so).
     quantization: str | None = None
+    # "fp8_e4m3": the KV cache in FP8 with per-layer scales (workers/kv_quant.py); "auto": the
+    # model's dtype.
+    kv_cache_dtype: str = "auto"
     tp_size: int = 1
     page_size: int = 1
     # KV capacity in tokens. None: sized from memory (cpu: 65536 tokens; cuda: mem_fraction).

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=8)
 def _identity(model: str, dtype: str | None, device: str, page_size: int, tp_size: int,
-              quantization: str | None = None) -> tuple | None:
+              quantization: str | None = None, kv_cache_dtype: str = "auto") -> tuple | None:
     """(fingerprint, layout, bytes of one store key) of a replica, or None when its KV cannot
     be shared as pages (encoder models, encoder-decoder, hybrid linear attention). Computed
     once per process and replica shape (reads config.json and 1 MiB of each weight file)."""
@@ -28,15 +28,17 @@ def _identity(model: str, dtype: str | None, device: str, page_size: int, tp_siz
     from workers.model_config import ModelConfig
 
     mc = ModelConfig.from_pretrained(model, dtype=dtype or ("float32" if device == "cpu" else None),
-                                     quantization=quantization)
+                                     quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     if mc.is_encoder_decoder or mc.linear_attn_layers or not mc.is_causal or mc.is_embedding_model:
         return None
     layout = "mla" if mc.use_mla else "mha"
     # Weights quantized at load compute other K/V than the checkpoint's own: another fingerprint.
     weights = str(mc.dtype) + (f"+{quantization}" if quantization and mc.quant and mc.quant.quantize_at_load else "")
+    if mc.kv_dtype != mc.dtype:  # an FP8 cache: other bytes per page (its scales follow from the checkpoint)
+        weights += f"/kv:{str(mc.kv_dtype).removeprefix('torch.')}"
     fingerprint = model_fingerprint(model, weights, page_size, tp_size, layout, weights_identity(model))
     width = mc.kv_lora_rank + mc.qk_rope_head_dim if mc.use_mla else mc.per_rank_kv_heads(tp_size) * mc.head_dim
-    key_bytes = page_size * len(mc.full_attn_layers) * width * mc.dtype.itemsize
+    key_bytes = page_size * len(mc.full_attn_layers) * width * mc.kv_dtype.itemsize
     return fingerprint, layout, key_bytes
 
 
@@ -49,7 +51,7 @@ def replica_identity(config: EngineConfig) -> tuple | None:
         return None  # and a loaded prefix without the draft's K/V would starve its proposals
     try:
         return _identity(config.model, config.dtype, config.device, config.page_size, config.tp_size,
-                         config.quantization)
+                         config.quantization, config.kv_cache_dtype)
     except Exception as exc:  # the engine reports a checkpoint it cannot load; the store just stays off
         logger.warning("KV store off: cannot fingerprint %s (%s: %s)", config.model, type(exc).__name__, exc)
         return None

@@ -88,6 +88,7 @@ def runner_options(config: EngineConfig) -> RunnerOptions:
         device=config.device,
         dtype=config.dtype,
         quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
         page_size=config.page_size,
         kv_cache_tokens=config.kv_cache_tokens,
         mem_fraction=config.mem_fraction,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from attention import pdl
+from workers import kv_quant
 from workers.layers import fused
 
 
@@ -32,9 +33,9 @@ from workers.layers import fused
 def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, loc_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_cos,
+    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_cos, k_inv_scale, v_inv_scale,
     HQ: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t, h): token t's q head h (h < HQ) or k/v head h - HQ."""
     pdl.launch_dependents(PDL)
@@ -61,18 +62,29 @@ def _rope_store_kernel(
     if not is_q:
         loc = tl.load(loc_ptr + t).to(tl.int64)
         kc = kc_ptr + loc * stride_kcs + kh * stride_kch
-        tl.store(kc + offs, y1, mask=mask)
-        tl.store(kc + HALF + offs, y2, mask=mask)
+        _store_cache(kc + offs, y1, k_inv_scale, mask, FP8)
+        _store_cache(kc + HALF + offs, y2, k_inv_scale, mask, FP8)
         offs_v = tl.arange(0, BLOCK_DV)
         vmask = offs_v < DV
         v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + offs_v, mask=vmask)
-        tl.store(vc_ptr + loc * stride_vcs + kh * stride_vch + offs_v, v, mask=vmask)
+        _store_cache(vc_ptr + loc * stride_vcs + kh * stride_vch + offs_v, v, v_inv_scale, vmask, FP8)
+
+
+@triton.jit
+def _store_cache(ptr, x, inv_scale, mask, FP8: tl.constexpr):
+    """Store x as the cache keeps it: as it is, or (FP8) x / scale saturated (`workers.kv_quant`)."""
+    if FP8:
+        tl.store(ptr, tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(tl.float8e4nv), mask=mask)
+    else:
+        tl.store(ptr, x, mask=mask)
 
 
 def can_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              cos_cache: torch.Tensor) -> bool:
-    """Whether the kernel takes these tensors (else: rope, then the plain write)."""
-    return (q.is_cuda and q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+    """Whether the kernel takes these tensors (else: rope, then the plain write): caches of the
+    activations' dtype, or FP8."""
+    return (q.is_cuda and q.dtype == k.dtype == v.dtype and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and cos_cache.is_contiguous() and cos_cache.shape[-1] * 2 == q.shape[-1] == k.shape[-1])
@@ -80,9 +92,11 @@ def can_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
 
 def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos_cache: torch.Tensor, sin_cache: torch.Tensor, loc: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> None:
     """In place: q [T, Hq, D] and k [T, Hk, D] rotated; k_cache[loc] = rotated k,
-    v_cache[loc] = v [T, Hk, Dv]. cos/sin caches: [max_pos, D/2] float32."""
+    v_cache[loc] = v [T, Hk, Dv] (FP8 caches: divided by k_scale / v_scale and saturated).
+    cos/sin caches: [max_pos, D/2] float32."""
     T, HQ, D = q.shape
     HK, DV = k.shape[1], v.shape[2]
     if T == 0:
@@ -92,14 +106,21 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         q, k, v, positions, loc, cos_cache, sin_cache, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos_cache.stride(0),
+        1.0 / k_scale, 1.0 / v_scale,
         HQ=HQ, HALF=D // 2, DV=DV, BLOCK_HALF=triton.next_power_of_2(D // 2),
-        BLOCK_DV=triton.next_power_of_2(DV), PDL=use_pdl, num_warps=1, launch_pdl=use_pdl,
+        BLOCK_DV=triton.next_power_of_2(DV), FP8=k_cache.dtype == torch.float8_e4m3fn, PDL=use_pdl, num_warps=1,
+        launch_pdl=use_pdl,
     )
 
 
-def rope_and_store_kv_ref(positions, q, k, v, cos_cache, sin_cache, loc, k_cache, v_cache):
+def rope_and_store_kv_ref(positions, q, k, v, cos_cache, sin_cache, loc, k_cache, v_cache, k_scale=1.0,
+                          v_scale=1.0):
     """The unfused reference: returns rotated (q, k) and writes the caches as the backend does."""
     q, k = fused.rope(positions, q, k, cos_cache, sin_cache)
-    k_cache[loc] = k
-    v_cache[loc] = v
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k_cache.view(torch.uint8)[loc] = kv_quant.quantize(k, k_scale).view(torch.uint8)
+        v_cache.view(torch.uint8)[loc] = kv_quant.quantize(v, v_scale).view(torch.uint8)
+    else:
+        k_cache[loc] = k
+        v_cache[loc] = v
     return q, k

@@ -183,7 +183,7 @@ class RotaryEmbedding(nn.Module):
 
             if rope_store.can_fuse(q, k, v, k_cache, v_cache, self.cos_cache):
                 rope_store.rope_and_store_kv(positions, q, k, v, self.cos_cache, self.sin_cache, store.loc,
-                                             k_cache, v_cache)
+                                             k_cache, v_cache, *pool.scales(layer))
                 pool.write_count += 1
                 return q, k
         q, k = fused.rope(positions, q, k, self.cos_cache, self.sin_cache)

@@ -351,8 +351,8 @@ class DeepseekV2ForCausalLM(nn.Module):
             layer = _LAYER.match(name)
             if _IGNORED.search(name) or (layer and int(layer.group(1)) >= self.config.num_layers):
                 continue
-            if self.config.quant is not None and fp8.KV_SCALE.search(name):
-                continue  # (workers/layers/fp8.py: the KV cache stays in the model's dtype)
+            if fp8.KV_SCALE.search(name):
+                continue  # an FP8 KV cache's scales: read by the loader (workers/kv_quant.py)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             scale = fp8.SCALE.search(name)

@@ -291,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[tuple[str, Any]] = set()
         for name in reader.names():
-            if _IGNORED.search(name) or self.config.quant is not None and fp8.KV_SCALE.search(name):
+            if _IGNORED.search(name) or fp8.KV_SCALE.search(name):  # (KV-cache scales: workers/kv_quant.py)
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # shares model.embed_tokens.weight
