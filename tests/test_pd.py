@@ -44,20 +44,25 @@ def ray_local():
 class PD:
     """A disaggregated cluster behind the HTTP server."""
 
-    def __init__(self, model: str, root, prefill_tp: int, decode_tp: int, oracle: str | None = None, **engine):
-        """oracle: the checkpoint transformers runs for the expected tokens (default: model)."""
+    def __init__(self, model: str, root, prefill_tp: int, decode_tp: int, oracle: str | None = None,
+                 sides: dict | None = None, **engine):
+        """oracle: the checkpoint transformers runs for the expected tokens (default: model);
+        sides: the replica counts (default one prefill and one decode replica)."""
         cfg = EngineConfig(**{**dict(model=model, page_size=16, kv_cache_tokens=2048, max_running_requests=8,
                                      kv_store=str(root), kv_store_host_gb=0.01, kv_store_disk_gb=0.05,
                                      kv_host_cache_gb=0.004), **engine})
         self.model, self.oracle = model, oracle or model
         self.metrics = ServerMetrics()
         self.cluster = ServingCluster(ClusterOptions(
-            engine=cfg, replicas=0, prefill_replicas=1, decode_replicas=1, prefill_tp=prefill_tp,
+            engine=cfg, **(sides or dict(replicas=0, prefill_replicas=1, decode_replicas=1)), prefill_tp=prefill_tp,
             decode_tp=decode_tp, router=RouterOptions(stats_interval_s=0.2)), self.metrics)
         self.router = self.cluster.start()
-        self.server = BackgroundServer(build_app(self.router, self.metrics))
-        self.prefill = next(h for h in self.router.replicas.values() if h.role == "prefill")
-        self.decode = next(h for h in self.router.replicas.values() if h.role == "decode")
+        self.server = BackgroundServer(build_app(self.router, self.metrics, admin=self.cluster))
+        self.find_sides()
+
+    def find_sides(self) -> None:
+        self.prefill = next((h for h in self.router.replicas.values() if h.role == "prefill"), None)
+        self.decode = next((h for h in self.router.replicas.values() if h.role == "decode"), None)
 
     def close(self) -> None:
         self.server.stop()
@@ -154,6 +159,50 @@ def test_an_fp8_checkpoint_disaggregated_across_tp_sizes(ray_local, tmp_path):
         _check_pd(pd, range(3))
     finally:
         pd.close()
+
+
+def test_admin_api_turns_a_mixed_deployment_into_prefill_and_decode(ray_local, tmp_path):
+    """`POST /admin/replicas {"role": ...}` adds a prefill and a decode replica beside a mixed
+    one; from then on requests go through both (pages over NIXL, transformers' tokens); the
+    decode replica removed, the mixed replica serves them whole again. Bad roles are a 400
+    naming the field."""
+    import httpx
+
+    pd = PD(str(tiny_model_dir(None, "llama")), tmp_path / "kv", 1, 1, sides=dict(replicas=1))
+    url = pd.server.url + "/admin/replicas"
+    try:
+        assert pd.prefill is None and pd.decode is None
+        for body, param in (({"role": "prefil"}, "role"), ({"role": "decode", "tp": 2}, "tp")):
+            bad = httpx.post(url, json=body, timeout=30)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        assert httpx.post(url, content=b"{nope", timeout=30).status_code == 400
+        for role in ("prefill", "decode"):
+            added = httpx.post(url, json={"role": role}, timeout=300)
+            assert added.status_code == 201, added.text
+            assert {r["name"]: r["role"] for r in added.json()["replicas"]}[added.json()["name"]] == role
+        pd.find_sides()
+        _check_pd(pd, range(3))  # through both sides, over NIXL
+        removed = httpx.delete(f"{url}/{pd.decode.name}", timeout=300)
+        assert removed.status_code == 200, removed.text
+        before = pd.handoff(pd.prefill)["handed_off"]
+        texts, want = pd.complete([prompt_ids(40, 9)])
+        assert texts == want and pd.handoff(pd.prefill)["handed_off"] == before  # served whole, by the mixed one
+    finally:
+        pd.close()
+
+
+def test_admin_roles_need_the_kv_store():
+    from cluster.api.admin import _role
+    from cluster.api.errors import APIError
+
+    cfg = EngineConfig(model="m", page_size=16)
+    assert _role(b"", cfg) == "mixed" and _role(b'{"role": "mixed"}', cfg) == "mixed"
+    with pytest.raises(APIError) as err:
+        _role(b'{"role": "prefill"}', cfg)
+    assert err.value.status == 400 and err.value.param == "role" and "KV store" in err.value.message
+    with pytest.raises(APIError):
+        _role(b'{"role": "decode"}', EngineConfig(model="m", page_size=4, kv_store="/tmp/kv"))
+    assert _role(b'{"role": "decode"}', EngineConfig(model="m", page_size=16, kv_store="/tmp/kv")) == "decode"
 
 
 def test_a_full_prefill_queue_sends_the_request_whole_to_the_decode_replica(ray_local, tmp_path):

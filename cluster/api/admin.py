@@ -5,7 +5,11 @@ Behind `--api-key` like every route but /health. Routes:
 - `GET /admin/replicas`: each replica's name, health, whether it is draining, its requests in
   flight and the stats it last reported.
 - `POST /admin/replicas`: start one more replica (its ranks placed and loaded; this answers
-  once it serves, 201 with its name) and put it into rotation.
+  once it serves, 201 with its name) and put it into rotation. An optional JSON body
+  `{"role": "mixed" | "prefill" | "decode"}` (default mixed) grows either side of a disaggregated
+  deployment, or makes one: once a prefill and a decode replica are in rotation, generation goes
+  through both (`cluster.pd_route`). Prefill and decode replicas need the KV store and pages of at
+  least 16 tokens, as `--prefill-replicas` does (400 naming `role` otherwise).
 - `DELETE /admin/replicas/{name}?drain_timeout_s=S`: take it out of rotation for new requests,
   wait up to S seconds (default 60) for the requests it is serving to finish, then stop it.
   Requests still running after S end with an error. The last replica in rotation is refused
@@ -20,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from cluster.api.errors import APIError
@@ -31,6 +35,36 @@ START_TIMEOUT_S = 600.0
 
 def _json(body: dict, status: int = 200) -> Response:
     return Response(json.dumps(body, default=str), status_code=status, media_type="application/json")
+
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+def _role(body: bytes, engine) -> str:
+    """The role a POST asks for (mixed without a body); APIError 400 naming the field."""
+    if not body.strip():
+        return "mixed"
+    try:
+        req = json.loads(body)
+    except ValueError as exc:
+        raise APIError(400, f"the body is not JSON: {exc}") from exc
+    if not isinstance(req, dict):
+        raise APIError(400, 'the body is a JSON object: {"role": ...}')
+    extra = sorted(set(req) - {"role"})
+    if extra:
+        raise APIError(400, f"unknown field {extra[0]!r} (the body takes \"role\")", param=extra[0])
+    role = req.get("role", "mixed")
+    if role not in ROLES:
+        raise APIError(400, f"role {role!r}: one of {', '.join(ROLES)}", param="role")
+    if role != "mixed":
+        from cluster.engine.kv_offload import MIN_PAGE_TOKENS
+
+        if engine.kv_store is None or engine.page_size < MIN_PAGE_TOKENS:
+            raise APIError(400, f"a {role} replica moves KV pages through the KV store: this server runs "
+                                f"{'without it' if engine.kv_store is None else f'pages of {engine.page_size} tokens'}"
+                                f" (disaggregation needs the store and pages of >= {MIN_PAGE_TOKENS} tokens)",
+                           param="role")
+    return role
 
 
 def add_admin_routes(routes: APIRouter, cluster) -> None:
@@ -45,9 +79,10 @@ def add_admin_routes(routes: APIRouter, cluster) -> None:
         return _json({"replicas": describe()})
 
     @routes.post("/admin/replicas")
-    async def add_replica() -> Response:
+    async def add_replica(request: Request) -> Response:
+        role = _role(await request.body(), cluster.options.engine)
         try:
-            name, actor = await asyncio.to_thread(cluster.start_replica, START_TIMEOUT_S)
+            name, actor = await asyncio.to_thread(cluster.start_replica, START_TIMEOUT_S, role)
         except Exception as exc:
             raise APIError(503, f"a new replica did not start: {type(exc).__name__}: {exc}",
                            "service_unavailable") from exc
