@@ -30,6 +30,7 @@ from tests.test_gpu_kernels import (  # noqa: E402
     ref_attention,
     ref_mla,
 )
+from tests.test_kv_fp8 import llama, mla  # noqa: E402,F401 (fixtures: checkpoints with KV scales)
 from workers import kv_quant  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -93,8 +94,9 @@ def test_prefill_on_fp8(impl, shape, heads, kv_heads, dim, causal):
     assert_close(got, ref_attention(q, kref, vref, tt, q_lens, kv_lens, scale, causal), BF16)
 
 
+@pytest.mark.parametrize("scales", [(0.125, 0.0625), (0.0234, 0.0371)], ids=["dyadic", "arbitrary"])
 @pytest.mark.parametrize("tokens,hq,hk,d", [(1, 32, 8, 128), (7, 12, 4, 64), (33, 5, 1, 80)])
-def test_rope_store_writes_fp8(tokens, hq, hk, d):
+def test_rope_store_writes_fp8(tokens, hq, hk, d, scales):
     """The fused write stores exactly the FP8 bytes the pool's write would store for the rotated
     k (which the kernel also leaves in k) and for v, saturated, no NaN; other slots untouched.
     (The rotation itself: tests/test_rope_store.py.)"""
@@ -110,8 +112,8 @@ def test_rope_store_writes_fp8(tokens, hq, hk, d):
     loc = torch.randperm(256, device="cuda")[:tokens]
     kc, vc = torch.zeros(256, hk, d, dtype=FP8, device="cuda"), torch.zeros(256, hk, d, dtype=FP8, device="cuda")
     assert can_fuse(q, k, v, kc, vc, rope.cos_cache)
-    rope_and_store_kv(positions, q, k, v, rope.cos_cache, rope.sin_cache, loc, kc, vc, 0.125, 0.0625)
-    for cache, x, scale in ((kc, k, 0.125), (vc, v, 0.0625)):
+    rope_and_store_kv(positions, q, k, v, rope.cos_cache, rope.sin_cache, loc, kc, vc, *scales)
+    for cache, x, scale in ((kc, k, scales[0]), (vc, v, scales[1])):
         assert torch.equal(cache[loc].view(torch.uint8), kv_quant.quantize(x, scale).view(torch.uint8))
         assert cache.float().abs().max().item() == 448.0 and not cache.float().isnan().any()  # saturated
         untouched = torch.ones(256, dtype=torch.bool, device="cuda")
@@ -128,16 +130,24 @@ def dirs(tmp_path_factory):
     return {arch: tiny_model_dir(tmp_path_factory, arch) for arch in ("llama", "deepseek_v2")}
 
 
+@pytest.fixture(scope="module")
+def scaled(llama, mla):  # noqa: F811
+    """The CPU tests' checkpoints with per-layer KV scales: the engine folds them (under CUDA
+    graphs too) and the fused RoPE + store kernel writes with them."""
+    return {"llama": llama, "deepseek_v2": mla}
+
+
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
-def test_gpu_float32_greedy_with_fp8_kv_equals_cpu(dirs, arch):
-    """float32 activations, the FP8 cache, CUDA graphs and page 16 on the GPU: the CPU engine's
-    greedy tokens (both read the same FP8 values through their own kernels)."""
+def test_gpu_float32_greedy_with_fp8_kv_equals_cpu(scaled, arch):
+    """float32 activations, the FP8 cache with the checkpoint's per-layer scales, CUDA graphs and
+    page 16 on the GPU: the CPU engine's greedy tokens (both read the same FP8 values through
+    their own kernels)."""
     from cluster.engine.config import EngineConfig
     from cluster.engine.loop import Engine
     from tests.test_engine import PROMPTS, greedy, run_staggered
 
     def tokens(**kw):
-        engine = Engine(EngineConfig(model=str(dirs[arch]), page_size=16, kv_cache_dtype="fp8_e4m3", **kw))
+        engine = Engine(EngineConfig(model=str(scaled[arch]), page_size=16, kv_cache_dtype="fp8_e4m3", **kw))
         try:
             return [r.token_ids for r in run_staggered(engine, PROMPTS, greedy())]
         finally:

@@ -251,3 +251,42 @@ def test_tp2_equals_tp1_with_fp8_kv(llama, mla, which):
     finally:
         tp2.shutdown()
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_scale_layouts_and_arbitrary_values(llama, tmp_path):
+    """ModelOpt's names (`self_attn.k_proj.k_scale`, `self_attn.attn.v_scale`) are read too, and
+    a scale that is no power of two is written as x * (1 / scale) in float32 everywhere: the
+    oracle rounds x / scale, which lands one FP8 step apart only on a rounding edge."""
+    other = tmp_path / "modelopt"
+    shutil.copytree(llama, other)
+    f = next(other.glob("*.safetensors"))
+    tensors = {k: v for k, v in load_file(f).items() if not k.endswith(("k_scale", "v_scale"))}
+    tensors["model.layers.0.self_attn.k_proj.k_scale"] = torch.tensor(0.0234)
+    tensors["model.layers.0.self_attn.attn.v_scale"] = torch.tensor(0.0371)
+    save_file(tensors, f)
+    cfg, model = _load(str(other))
+    assert model.kv_cache_scales == {0: {"k": pytest.approx(0.0234), "v": pytest.approx(0.0371)}}
+    pool = make_kv_pool(cfg, 1, 8, 4, "cpu", model.kv_cache_scales)
+    assert pool.scales(1) == (1.0, 1.0)  # a layer without scales
+    x = torch.randn(3, pool.num_kv_heads, pool.head_dim)
+    pool.set_kv_buffer(0, torch.tensor([4, 5, 6]), x, x)
+    oracle = _round(x, pool.scales(0)[0])
+    steps = (pool.k_buffer[0][4:7].float() * pool.scales(0)[0] - oracle).abs()
+    assert (steps <= oracle.abs() * 0.125 + 2**-9 * 0.0234).all() and (steps > 0).float().mean() < 0.01
+
+
+def test_store_identity_follows_the_scales(llama, tmp_path, monkeypatch):
+    """A copy of the checkpoint recalibrated with other KV scales writes other FP8 bytes: its
+    pages are not the original's, even where the weights' identity cannot tell the two apart
+    (it reads each file's size and first MiB, where a large checkpoint's scales need not be)."""
+    import kvstore.keys
+    from cluster.engine.kv_store_link import _identity
+
+    other = tmp_path / "recalibrated"
+    shutil.copytree(llama, other)
+    _with_scales(other, {0: (1 / 32, 1 / 16), 1: (1 / 8, 1 / 128)})
+    monkeypatch.setattr(kvstore.keys, "weights_identity", lambda path: "same weights")
+    ident = _identity.__wrapped__  # (not the per-process memo)
+    assert ident(llama, "float32", "cpu", 16, 1)[0] == ident(str(other), "float32", "cpu", 16, 1)[0]
+    assert ident(llama, "float32", "cpu", 16, 1, None, "fp8_e4m3")[0] != \
+        ident(str(other), "float32", "cpu", 16, 1, None, "fp8_e4m3")[0]

@@ -22,18 +22,25 @@ write and in the fused RoPE + store kernel.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import re
 from collections.abc import Iterable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # --kv-cache-dtype values: "auto" keeps the model's dtype.
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": FP8, "fp8": FP8}
 
-# A checkpoint's KV-cache scales: layer index, and which of K or V.
-_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
+# A checkpoint's KV-cache scales: layer index, and which of K or V. compressed-tensors:
+# self_attn.k_scale; ModelOpt: self_attn.k_proj.k_scale or self_attn.attn.k_scale; older
+# exports: self_attn.k_proj.output_scale.
+_SCALE_NAME = re.compile(
+    r"layers\.(\d+)\.self_attn\.(?:(?:attn\.|[kv]_proj\.)?([kv])_scale|([kv])_proj\.output_scale)$")
 
 
 def kv_dtype(kv_cache_dtype: str | None, model_dtype: torch.dtype) -> torch.dtype:
@@ -50,9 +57,9 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x (any float dtype) -> FP8 values of x / scale, saturated (a cast alone turns values past
-    the largest FP8 into NaN on some devices)."""
-    y = x.float() if scale == 1.0 else x.float() / scale
-    return y.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    the largest FP8 into NaN on some devices). Computed as x * (1 / scale) in float32, as the
+    fused RoPE + store kernel computes it, so every write path stores the same bytes."""
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -73,6 +80,8 @@ def checkpoint_kv_scales(names: Iterable[str], read) -> dict[int, dict[str, floa
     for name in names:
         m = _SCALE_NAME.search(name)
         if m is None:
+            if re.search(r"[._](k|v)_scale$", name):  # a KV-cache scale in a layout not read: say so
+                logger.warning("%s: a KV-cache scale this loader does not place; that layer keeps 1.0", name)
             continue
         t = read(name).float()
         if t.numel() != 1:
@@ -82,6 +91,13 @@ def checkpoint_kv_scales(names: Iterable[str], read) -> dict[int, dict[str, floa
             raise ValueError(f"{name}: KV-cache scale {value} (must be positive and finite)")
         scales.setdefault(int(m.group(1)), {})[m.group(2) or m.group(3)] = value
     return scales
+
+
+def scales_id(scales: dict[int, dict[str, float]]) -> str:
+    """A short digest of a checkpoint's KV-cache scales: pages written under other scales are
+    other bytes (the store's fingerprint includes it)."""
+    text = ";".join(f"{i}:{s.get('k', 1.0)!r}:{s.get('v', 1.0)!r}" for i, s in sorted(scales.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def pool_scales(checkpoint: dict[int, dict[str, float]] | None, layers: tuple[int, ...],

@@ -24,6 +24,7 @@ from workers.forward_batch import ForwardBatch, ForwardMode
 from workers.grammar_masks import GrammarMatchers
 from workers.kv_messages import KVOffloadOptions
 from workers.kv_offload import make_rank_offload
+from workers.kv_quant import is_fp8
 from workers.loader import load_model
 from workers.memory_pool import KVPool, ReqToTokenPool, kv_bytes_per_token, make_kv_pool
 from workers.messages import StepPlan, StepResult, TokenLogprobs
@@ -98,6 +99,14 @@ class RunnerOptions:
         return self.max_running_requests * per_request
 
 
+def _check_kv_dtype(mc: ModelConfig, device: torch.device) -> None:
+    """An FP8 KV cache needs FP8 loads in the GPU's kernels (compute capability 8.9: Ada, Hopper)."""
+    if is_fp8(mc.kv_dtype) and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"--kv-cache-dtype {mc.kv_cache_dtype}: this GPU (sm_{major}{minor}) has no FP8; it needs "
+                         "compute capability 8.9 or newer (Ada, Hopper)")
+
+
 class ModelRunner:
     """One rank's step loop over its `ModelPipeline` (the target model; the draft model of
     speculative decoding is a second pipeline, in `DraftRunner`): `launch` runs a plan's forward
@@ -113,6 +122,7 @@ class ModelRunner:
                                                         quantization=opts.quantization,
                                                         kv_cache_dtype=opts.kv_cache_dtype)
         self.dtype = self.model_config.dtype
+        _check_kv_dtype(self.model_config, self.device)
         torch.manual_seed(opts.seed)
         self.model = load_model(self.model_config, self.tp, self.device, self.dtype)
         self.max_context_len = min(opts.max_context_len or self.model_config.max_context_len,

@@ -34,12 +34,25 @@ def _identity(model: str, dtype: str | None, device: str, page_size: int, tp_siz
     layout = "mla" if mc.use_mla else "mha"
     # Weights quantized at load compute other K/V than the checkpoint's own: another fingerprint.
     weights = str(mc.dtype) + (f"+{quantization}" if quantization and mc.quant and mc.quant.quantize_at_load else "")
-    if mc.kv_dtype != mc.dtype:  # an FP8 cache: other bytes per page (its scales follow from the checkpoint)
-        weights += f"/kv:{str(mc.kv_dtype).removeprefix('torch.')}"
+    if mc.kv_dtype != mc.dtype:  # an FP8 cache: other bytes per page, under the checkpoint's scales
+        weights += f"/kv:{str(mc.kv_dtype).removeprefix('torch.')}:{_kv_scales_id(model)}"
     fingerprint = model_fingerprint(model, weights, page_size, tp_size, layout, weights_identity(model))
     width = mc.kv_lora_rank + mc.qk_rope_head_dim if mc.use_mla else mc.per_rank_kv_heads(tp_size) * mc.head_dim
     key_bytes = page_size * len(mc.full_attn_layers) * width * mc.kv_dtype.itemsize
     return fingerprint, layout, key_bytes
+
+
+def _kv_scales_id(model: str) -> str:
+    """Digest of the checkpoint's KV-cache scales (`workers.kv_quant`): a copy recalibrated with
+    other scales has the same weights' identity but writes other FP8 bytes."""
+    from workers.kv_quant import checkpoint_kv_scales, scales_id
+    from workers.loader import CheckpointReader
+
+    reader = CheckpointReader(model)
+    try:
+        return scales_id(checkpoint_kv_scales(reader.names(), reader.get_tensor))
+    finally:
+        reader.close()
 
 
 def replica_identity(config: EngineConfig) -> tuple | None:
