@@ -19,11 +19,12 @@ import torch
 from kvstore import keys as K
 from kvstore.actor import get_or_create_store
 from kvstore.bench import bench_store
-from kvstore.client import KVStoreClient, agree_on_pages
+from kvstore.client import KVStoreClient
 from kvstore.file_tier import HEADER_BYTES, SUFFIX
 from kvstore.file_tier import file_bytes as page_file_bytes
 from kvstore.pages import pool_page_bytes
 from kvstore.probe import StoreProbe
+from kvstore.transfer import agree_on_pages
 from workers.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from workers.parallel import TPGroup
 

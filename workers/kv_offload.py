@@ -274,8 +274,8 @@ class RankKVOffload:
             self._cv.notify_all()
 
     def _load(self, load: KVLoad) -> int:
-        from kvstore.client import agree_on_pages
         from kvstore.pages import scatter_pages
+        from kvstore.transfer import agree_on_pages
 
         n_local, rows = 0, []
         try:
@@ -496,7 +496,7 @@ class NullKVOffload:
         self.jobs: dict[str, None] = {}
 
     def run(self, plan, result) -> None:
-        from kvstore.client import agree_on_pages
+        from kvstore.transfer import agree_on_pages
 
         for rid in plan.finished_rids:
             self.jobs.pop(rid, None)

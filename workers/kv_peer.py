@@ -86,7 +86,7 @@ class PeerLeases:
         """Publish a hand-off's pages in the host tier with their crc32s, taken now (on its I/O
         thread: off the path of the decode rank that will ask for them). A key the tier held
         already keeps its own row, whose checksum `locate` takes itself."""
-        from kvstore.client import checksums
+        from kvstore.transfer import checksums
 
         host = self.off.host
         used = sum(self.off.key_bytes)
@@ -124,7 +124,7 @@ class PeerLeases:
                 break
             host.unpin(rows)
             time.sleep(0.002)
-        from kvstore.client import checksums
+        from kvstore.transfer import checksums
 
         used = sum(self.off.key_bytes)
         t1 = time.monotonic()
@@ -358,7 +358,7 @@ class PeerReader:
 
     def _read(self, source, remote_agent: str, local, remote, deadline: float, crcs: list[int], views) -> int:
         """One READ of every page; returns the leading pages whose crc32 matches."""
-        from kvstore.client import checksums, nixl_transfer
+        from kvstore.transfer import checksums, nixl_transfer
 
         t0 = time.monotonic()
         left = deadline - t0
