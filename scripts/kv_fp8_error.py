@@ -29,11 +29,11 @@ from workers.sampling_params import SamplingParams
 def first_logits(config, prompts: list[list[int]]) -> torch.Tensor:
     """[prompts, vocab] float32: the logits of each prompt's last position."""
     engine = Engine(config)
+    model = engine.workers.runner.model
     try:
-        runner = engine.workers.runner
         captured: list[torch.Tensor] = []
-        original = runner.model.compute_logits
-        runner.model.compute_logits = lambda h: (lambda x: captured.append(x.float().cpu()) or x)(original(h))
+        original = model.compute_logits
+        model.compute_logits = lambda h: (lambda x: captured.append(x.float().cpu()) or x)(original(h))
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         rows = []
         for p in prompts:  # one at a time: each step's logits are one prompt's
@@ -43,7 +43,7 @@ def first_logits(config, prompts: list[list[int]]) -> torch.Tensor:
         return torch.stack(rows)
     finally:
         engine.shutdown()
-        del engine, runner
+        del engine, model  # (the capture closure is a cycle through the model: collected below)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the next engine sizes its KV pool from free memory
