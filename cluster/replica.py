@@ -238,6 +238,7 @@ class Replica:
                 "tp_size": self.config.tp_size, "group": self.group.describe(),
                 "attention": self.group.attention, "model": self.config.model,
                 "kv_pages": self.group.num_pages, "page_size": self.config.page_size,
+                "kv_cache_dtype": self.config.kv_cache_dtype,
                 "max_context_len": self.engine.max_context_len if self.engine else 0,
                 "vocab_size": self.engine.model_config.vocab_size if self.engine else 0,
                 "is_encoder_decoder": bool(self.engine and self.engine.model_config.is_encoder_decoder),

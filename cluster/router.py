@@ -121,6 +121,7 @@ class Router:
                                             kv_source=info.get("kv_source"))
         if self.metrics is not None:
             self.metrics.init_replica(name, self.options.policy)
+            self.metrics.set_kv_capacity(name, info)
         logger.info("router: replica %s added", name)
 
     def remove_replica(self, name: str) -> ReplicaHandle | None:

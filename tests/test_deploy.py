@@ -316,6 +316,9 @@ def test_every_dashboard_metric_is_exported_by_a_live_server(live):
     assert not now_exported, f"{now_exported} are exported now: remove them from PENDING_METRICS"
     for replica in ("replica-0", "replica-1"):
         assert f'manta:time_to_first_token_seconds_bucket{{le="0.001",replica="{replica}"}}' in text
+        capacity = re.search(rf'manta:kv_cache_capacity_tokens{{kv_cache_dtype="auto",replica="{replica}"}} (\S+)',
+                             text)
+        assert capacity and float(capacity.group(1)) > 0 and float(capacity.group(1)) % 16 == 0, text
 
 
 @pytest.mark.slow

@@ -476,7 +476,11 @@ def test_server_metrics_unit(stack):
     assert reg.get_sample_value("manta:prefix_cache_query_tokens_total", {"replica": "r0"}) == 100
     assert reg.get_sample_value("manta:router_requests_total", {"policy": "cache_aware", "replica": "r0"}) == 1
     assert reg.get_sample_value("manta:request_errors_total", {"code": "503"}) == 1
+    m.set_kv_capacity("r0", {"kv_pages": 9, "page_size": 16, "kv_cache_dtype": "fp8_e4m3"})  # page 0 reserved
+    capacity = {"replica": "r0", "kv_cache_dtype": "fp8_e4m3"}
+    assert reg.get_sample_value("manta:kv_cache_capacity_tokens", capacity) == 128
     m.remove_replica("r0")
+    assert reg.get_sample_value("manta:kv_cache_capacity_tokens", capacity) is None
     for name in ("manta:num_requests_running", "manta:kv_cache_usage_perc", "manta:prefix_cache_hit_tokens_total"):
         assert reg.get_sample_value(name, {"replica": "r0"}) is None
     assert reg.get_sample_value("manta:prompt_tokens_total", {"replica": "r0"}) == 10  # history stays

@@ -119,6 +119,11 @@ class ServerMetrics:
         self.kv_cache_usage = Gauge(
             "manta:kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1).", ["replica"], registry=r
         )
+        self.kv_cache_capacity = Gauge(
+            "manta:kv_cache_capacity_tokens", "Tokens a replica's KV cache holds (its pages, each rank), by the "
+            "cache's storage dtype (--kv-cache-dtype: an FP8 cache holds twice a 16-bit one's).",
+            ["replica", "kv_cache_dtype"], registry=r
+        )
         self.ttft = Histogram(
             "manta:time_to_first_token_seconds", "Time from the HTTP server receiving a request to its first token "
             "reaching the server (queueing in the server, router and replica included).",
@@ -298,6 +303,12 @@ class ServerMetrics:
         if "spec_draft_tokens" in stats:
             self._spec.set(replica, stats)
 
+    def set_kv_capacity(self, replica: str, info: dict) -> None:
+        """From a replica's `info()`: its KV pages (page 0 is reserved) x page size, by dtype."""
+        if info.get("kv_pages") and info.get("page_size"):
+            self.kv_cache_capacity.labels(replica, info.get("kv_cache_dtype") or "auto").set(
+                (info["kv_pages"] - 1) * info["page_size"])
+
     def init_replica(self, replica: str, policy: str | None = None) -> None:
         """Export a replica's series at 0 from the start (rate() sees the first event, and the
         dashboard's panels show 0 rather than no data). Idempotent."""
@@ -324,7 +335,7 @@ class ServerMetrics:
         """Drop a departed replica's state series (gauges, polled counters, route counts).
         Latency histograms and token counters keep their history: they are server-side totals."""
         for g in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
-                  self.replica_healthy, self.replica_restarts):
+                  self.replica_healthy, self.replica_restarts, self.kv_cache_capacity):
             g.remove_by_labels({"replica": replica})
         self.router_requests.remove_by_labels({"replica": replica})
         self.router_retries.remove_by_labels({"replica": replica})

@@ -151,6 +151,10 @@ def build() -> dash_b.Dashboard:
         [(f"max by (replica) (manta:kv_cache_usage_perc{{{REPLICA}}})", "{{replica}}")], "percentunit",
         max_val=1))
     n.panel(timeseries(
+        "KV cache capacity", "Tokens each replica's KV cache holds, by its storage dtype (--kv-cache-dtype).",
+        [(f"max by (replica, kv_cache_dtype) (manta:kv_cache_capacity_tokens{{{REPLICA}}})",
+          "{{replica}} {{kv_cache_dtype}}")], "short"))
+    n.panel(timeseries(
         "Prefix-cache hit rate", "Prompt tokens found in the replicas' radix caches / prompt tokens looked "
         "up (no data while nothing is looked up).",
         [(_ratio("manta:prefix_cache_hit_tokens_total", "manta:prefix_cache_query_tokens_total"), "hit rate")],
