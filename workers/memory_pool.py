@@ -76,10 +76,11 @@ class KVPool(ABC):
     def _raw(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.view(torch.uint8) if self.quantized else buf
 
-    def readback(self, x: torch.Tensor, layer_id: int, which: int = 0) -> torch.Tensor:
-        """What a read of `x` written to layer `layer_id` gives back (x itself unless FP8):
-        attention over in-batch values that must equal attention over the cache."""
-        return kv_quant.roundtrip(x, self.scales(layer_id)[which]) if self.quantized else x
+    def readback(self, x: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """What a read of keys `x` written to layer `layer_id` gives back (x itself unless FP8;
+        MLA's latent is scaled as keys): attention over in-batch values that must equal
+        attention over the cache."""
+        return kv_quant.roundtrip(x, self.k_scales[layer_id]) if self.quantized else x
 
 
 class MHATokenToKVPool(KVPool):
