@@ -135,6 +135,16 @@ class DequantizedSlice:
 # parameters and loaders
 
 
+def refuse_k_split(owner: str, k_start: int, cols: int, block_k: int, full_k: int) -> None:
+    """A row-parallel shard [k_start, k_start + cols) of a block-wise FP8 weight's K (`full_k`
+    columns) must start on a block edge, and end on one unless it is the last: its scales are
+    per block. ValueError naming `owner` otherwise."""
+    if k_start % block_k or (cols % block_k and k_start + cols < full_k):
+        raise ValueError(f"{owner}: tensor parallelism cuts K at column {k_start} (+{cols}), inside a "
+                         f"{block_k}-wide FP8 block of the checkpoint: use a TP size that splits K into whole "
+                         f"{block_k}-column blocks")
+
+
 def make_weight(layer: nn.Module, rows: int, cols: int, device, shard_ids: tuple, spec: QuantSpec,
                 k_start: int = 0) -> nn.Parameter:
     """The FP8 `weight` of `layer` (returned), with `layer.weight_scale` (and for static
@@ -142,10 +152,7 @@ def make_weight(layer: nn.Module, rows: int, cols: int, device, shard_ids: tuple
     of the checkpoint's K (row-parallel layers), which must start a block."""
     if spec.method == "block":
         block_k = spec.block[1]
-        if k_start % block_k or (cols % block_k and k_start + cols < getattr(layer, "in_features", cols)):
-            raise ValueError(f"{type(layer).__name__}: tensor parallelism cuts K at column {k_start} "
-                             f"(+{cols}), inside a {block_k}-wide FP8 block of the checkpoint: use a TP "
-                             f"size that splits K into whole {block_k}-column blocks")
+        refuse_k_split(type(layer).__name__, k_start, cols, block_k, getattr(layer, "in_features", cols))
     else:
         block_k = cols
     layer.block_k = block_k

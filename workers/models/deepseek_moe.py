@@ -80,10 +80,8 @@ class DeepseekExperts(nn.Module):
         self.scales: dict | None = None  # the grouped GEMM's FP8 arguments
         if self.quant is not None:
             bk = self.quant.block[1] if self.quant.method == "block" else None
-            if bk and self.start % bk:
-                raise ValueError(f"DeepseekExperts: tensor parallelism cuts the experts' down_proj K at column "
-                                 f"{self.start}, inside a {bk}-wide FP8 block: use a TP size that splits "
-                                 f"moe_intermediate_size ({inter}) into whole {bk}-column blocks")
+            if bk:
+                fp8.refuse_k_split("DeepseekExperts (down_proj)", self.start, local, bk, inter)
             self.block_k13, self.block_k2 = bk or hidden, bk or local
             self.w13_scale = make_param((num_experts, 2 * local, -(-hidden // self.block_k13)), torch.float32, device,
                                         self._load_w13_scale, w13_ids)
