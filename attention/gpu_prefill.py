@@ -79,7 +79,7 @@ def flash_shapes_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     d, dv = q.shape[-1], v_cache.shape[-1]
     return (
         q.dtype in (torch.float16, torch.bfloat16)
-        and (k_cache.dtype == q.dtype or widen and compute_dtype(q, k_cache) == q.dtype)
+        and (k_cache.dtype == q.dtype or widen and k_cache.dtype == torch.float8_e4m3fn)
         and d == dv == k_cache.shape[-1]
         and d <= 256
         and d % 8 == 0

@@ -10,6 +10,7 @@ from pathlib import Path
 from attention.kernel_options import KernelOptions
 from cluster.engine.config import EngineConfig, default_cache_dir
 from cluster.kv_store_setup import add_kv_store_args, kv_store_config_from_args
+from workers.kv_quant import KV_CACHE_DTYPES
 
 DEFAULT_MODEL_ARCH = "llama"
 
@@ -37,7 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: quantize the linear weights of an unquantized checkpoint at load (one scale per "
                         "output channel); FP8 checkpoints (block-wise, compressed-tensors) load as they are")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="fp8_e4m3 (or fp8): the KV cache in FP8, one byte per value with a scale per layer (the "
                         "checkpoint's kv_cache_scheme scales, else 1.0): twice the tokens in the same memory; "
                         "auto: the model's dtype")
@@ -77,7 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_ARG_NAMES = (
-    "tokenizer", "served_model_name", "device", "dtype", "quantization", "kv_cache_dtype", "tp_size", "page_size", "kv_cache_tokens",
+    "tokenizer", "served_model_name", "device", "dtype", "quantization", "kv_cache_dtype", "tp_size", "page_size",
+    "kv_cache_tokens",
     "mem_fraction", "gpus_per_rank", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
     "mixed_prefill_tokens", "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len",
     "max_waiting",

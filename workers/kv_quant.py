@@ -36,6 +36,8 @@ FP8_MAX = 448.0
 # --kv-cache-dtype values: "auto" keeps the model's dtype.
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": FP8, "fp8": FP8}
 
+# Any KV-cache scale tensor (no weight's: models skip them, the loader reads them).
+KV_SCALE = re.compile(r"\.[kv]_scale$|\.[kv]_proj\.output_scale$")
 # A checkpoint's KV-cache scales: layer index, and which of K or V. compressed-tensors:
 # self_attn.k_scale; ModelOpt: self_attn.k_proj.k_scale or self_attn.attn.k_scale; older
 # exports: self_attn.k_proj.output_scale.
@@ -80,7 +82,7 @@ def checkpoint_kv_scales(names: Iterable[str], read) -> dict[int, dict[str, floa
     for name in names:
         m = _SCALE_NAME.search(name)
         if m is None:
-            if re.search(r"[._](k|v)_scale$", name):  # a KV-cache scale in a layout not read: say so
+            if KV_SCALE.search(name):  # a KV-cache scale in a layout not read: say so
                 logger.warning("%s: a KV-cache scale this loader does not place; that layer keeps 1.0", name)
             continue
         t = read(name).float()

@@ -68,9 +68,6 @@ def quantize_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, to
 
 # A checkpoint's scale tensors, named for the weight they belong to.
 SCALE = re.compile(r"\.(weight_scale_inv|weight_scale|input_scale)$")
-# FP8 KV-cache scales (compressed-tensors' kv_cache_scheme; older exports' k/v_proj output
-# scales): no weight's; the loader reads them for --kv-cache-dtype fp8_e4m3 (workers/kv_quant.py).
-KV_SCALE = re.compile(r"\.(k_scale|v_scale)$|\.[kv]_proj\.output_scale$")
 
 
 def scale_param(match: re.Match) -> str:

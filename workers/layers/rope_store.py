@@ -84,7 +84,7 @@ def can_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     """Whether the kernel takes these tensors (else: rope, then the plain write): caches of the
     activations' dtype, or FP8."""
     return (q.is_cuda and q.dtype == k.dtype == v.dtype and k_cache.dtype == v_cache.dtype
-            and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+            and (k_cache.dtype == q.dtype or kv_quant.is_fp8(k_cache.dtype))
             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and cos_cache.is_contiguous() and cos_cache.shape[-1] * 2 == q.shape[-1] == k.shape[-1])
@@ -108,7 +108,7 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos_cache.stride(0),
         1.0 / k_scale, 1.0 / v_scale,
         HQ=HQ, HALF=D // 2, DV=DV, BLOCK_HALF=triton.next_power_of_2(D // 2),
-        BLOCK_DV=triton.next_power_of_2(DV), FP8=k_cache.dtype == torch.float8_e4m3fn, PDL=use_pdl, num_warps=1,
+        BLOCK_DV=triton.next_power_of_2(DV), FP8=kv_quant.is_fp8(k_cache.dtype), PDL=use_pdl, num_warps=1,
         launch_pdl=use_pdl,
     )
 
@@ -117,7 +117,7 @@ def rope_and_store_kv_ref(positions, q, k, v, cos_cache, sin_cache, loc, k_cache
                           v_scale=1.0):
     """The unfused reference: returns rotated (q, k) and writes the caches as the backend does."""
     q, k = fused.rope(positions, q, k, cos_cache, sin_cache)
-    if k_cache.dtype == torch.float8_e4m3fn:
+    if kv_quant.is_fp8(k_cache.dtype):
         k_cache.view(torch.uint8)[loc] = kv_quant.quantize(k, k_scale).view(torch.uint8)
         v_cache.view(torch.uint8)[loc] = kv_quant.quantize(v, v_scale).view(torch.uint8)
     else:

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from attention.mla import MLAAttentionLayer
+from workers import kv_quant
 from workers.layers import fp8
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import (
@@ -351,7 +352,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             layer = _LAYER.match(name)
             if _IGNORED.search(name) or (layer and int(layer.group(1)) >= self.config.num_layers):
                 continue
-            if fp8.KV_SCALE.search(name):
+            if kv_quant.KV_SCALE.search(name):
                 continue  # an FP8 KV cache's scales: read by the loader (workers/kv_quant.py)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.base import AttentionLayer
+from workers import kv_quant
 from workers.layers import fp8, one_row
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import (
@@ -291,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[tuple[str, Any]] = set()
         for name in reader.names():
-            if _IGNORED.search(name) or fp8.KV_SCALE.search(name):  # (KV-cache scales: workers/kv_quant.py)
+            if _IGNORED.search(name) or kv_quant.KV_SCALE.search(name):  # (KV-cache scales: the loader's)
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # shares model.embed_tokens.weight
