@@ -8,7 +8,8 @@
 # mixed against prefill + decode, 2048-token prompts) l8route (`manta bench routing`: round robin / tree / events,
 # two replicas sharing the GPU, KV store on).
 # l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts).
-# FP8 (issue 25): l8fp8 (batch 1/64, --quantization fp8) l8fp8serve (in-process serve workload) l8fp8http
+# FP8 (issue 25): l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
+# (`bench_gemv --fp8`) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
 # FP8_HTTP_MODES picks) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8) l8kvfp8 (batch 1/64 with the FP8 KV cache,
 # and the logits error it adds: scripts/kv_fp8_error.py).
@@ -85,6 +86,11 @@ for s in $stages; do
     compiles) python3 scripts/compiles_after_start.py llama; python3 scripts/compiles_after_start.py deepseek_v2 ;;
     sweep) python3 -m attention.bench_kernels --sweep 2>&1 | tee "$OUT/decode_sweep.txt" ;;
     gemv) python3 -m workers.layers.bench_gemv --out "$OUT/gemv_sweep.json" 2>&1 | grep -v Warning ;;
+    gemvfp8) python3 -m workers.layers.bench_gemv --fp8 --out "$OUT/gemv_sweep_fp8.json" 2>&1 | grep -v Warning ;;
+    l8fp8ab) build /tmp/l8 --preset llama-3.1-8b  # FP8 batch 1: fused one-row kernels (MANTA_GEMV=1) or not
+        for v in ${L8AB:-"MANTA_GEMV=0" "MANTA_GEMV=1"}; do echo "--- $v"
+          env $v $M bench latency --model /tmp/l8 $F --quantization fp8 --batch 1 --steps 48 --input-len 512 \
+            --out "$OUT/l8_latency_fp8_${v//[ =]/_}.json" 2>&1 | grep -v Warning | tail -4; done ;;
     l8ab) build /tmp/l8 --preset llama-3.1-8b  # batch 1 with the one-row kernels / PDL switched off
         for v in ${L8AB:-"MANTA_GEMV=0 MANTA_PDL=0" "MANTA_PDL=0" "MANTA_GEMV=1"}; do echo "--- $v"
           env $v $M bench latency --model /tmp/l8 $F --batch 1 --steps 48 --input-len 512 \

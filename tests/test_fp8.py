@@ -246,3 +246,41 @@ def test_kv_cache_scales_are_skipped(ckpts, tmp_path):
     ref, _ = run_prefill(_load(ckpts["fp8-channel"][0])[1], mc, 1, _prompts(), page_size=4)
     got, _ = run_prefill(model, mc, 1, _prompts(), page_size=4)
     assert torch.equal(got, ref)
+
+
+def test_one_row_entry_points_take_fp8_weights_with_row_scales():
+    """The batch-1 entry points (`workers.layers.one_row`) off the kernel (CPU) on an FP8 weight
+    with per-row scales (`fp8.row_scale`): the unfused ops on the dequantized weight."""
+    from workers.layers import fused, one_row
+
+    g = torch.Generator().manual_seed(4)
+    q, s = fp8.quantize_rows(torch.randn(16, 24, generator=g))
+    q2, s2 = fp8.quantize_rows(torch.randn(10, 16, generator=g))
+    wd, wd2 = dequantize(q, s, 24), dequantize(q2, s2, 16)
+    x, res, b = torch.randn(1, 48, generator=g), torch.randn(1, 16, generator=g), torch.randn(16, generator=g)
+    nw = torch.rand(24, generator=g) + 0.5
+    torch.testing.assert_close(one_row.linear(x[:, :24], q, b, scale=s), torch.nn.functional.linear(x[:, :24], wd, b))
+    torch.testing.assert_close(one_row.silu_mul_linear(x, q, b, scale=s),
+                               torch.nn.functional.linear(fused._silu_and_mul(x), wd, b))
+    y, summed = one_row.add_rms_norm_linear(x[:, :24], x[:, 24:], nw, 1e-6, q, None, scale=s)
+    h, want_s = fused._add_rms_norm(x[:, :24], x[:, 24:], nw, 1e-6)
+    torch.testing.assert_close(y, torch.nn.functional.linear(h, wd))
+    torch.testing.assert_close(summed, want_s)
+    row = one_row.linear_add(x, q, None, res, silu_mul=True, scale=s)
+    torch.testing.assert_close(row.row, res + torch.nn.functional.linear(fused._silu_and_mul(x), wd))
+    torch.testing.assert_close(one_row.norm_linear(row, nw[:16], 1e-6, q2, None, scale=s2),
+                               torch.nn.functional.linear(fused._rms_norm(row.row, nw[:16], 1e-6), wd2))
+
+
+def test_row_scale_is_per_row_scales_only(ckpts):
+    """`fp8.row_scale`: the per-row scales of per-channel / per-tensor / at-load layers (the one-row
+    kernels take them), None for block-wise and unquantized layers."""
+    for kind, per_row in [("fp8-channel", True), ("fp8-tensor", True), ("fp8-block", False), ("dynamic", True)]:
+        _, model = _load(ckpts[kind][0], "fp8" if kind == "dynamic" else None)
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        scale = fp8.row_scale(qkv)
+        assert (scale is not None) == per_row
+        if per_row:
+            assert scale is qkv.weight_scale and scale.shape == (qkv.weight.shape[0], 1)
+    _, plain = _load(ckpts["dynamic"][0])
+    assert fp8.row_scale(plain.model.layers[0].self_attn.qkv_proj) is None

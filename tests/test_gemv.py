@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 
 from attention.arrival import arrival_counters  # noqa: E402
 from tests.triton_interpreter import install_interpreter_shims  # noqa: E402
-from workers.layers import fused, gemv, one_row  # noqa: E402
+from workers.layers import fp8, fused, gemv, one_row  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 gpu_only = pytest.mark.skipif(INTERPRET, reason="needs a real CUDA device")
@@ -295,3 +295,93 @@ def test_launch_configs_are_checked():
                 dict(block_n=4, block_k=64, split_k=3)]:
         with pytest.raises(ValueError, match="power of two"):
             gemv.GemvConfig(**bad)
+
+
+# FP8 weights with one scale per row (`--quantization fp8`, per-channel / per-tensor checkpoints):
+# the same kernel widens each element and scales each row's sum; the reference is the unfused ops
+# on the dequantized weight (`fp8.dequantize`). Real devices only (the interpreter has no FP8).
+
+
+def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(FP8 weight, per-row scales [N, 1], the dequantized weight in float32)."""
+    q, s = fp8.quantize_rows(w.float())
+    return q, s, fp8.dequantize(q, s, q.shape[1])
+
+
+@gpu_only
+@pytest.mark.parametrize("mode,residual", CASES)
+@pytest.mark.parametrize("n,k", [(1, 64), (37, 1000), (130, 768)])
+@pytest.mark.parametrize("config", CONFIGS + [gemv.GemvConfig(8, 2048, 1), gemv.GemvConfig(4, 512, 4)],
+                         ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}{'d' if c.use_dot else ''}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_fp8_weight_equals_dequantized_product(mode, residual, n, k, config, dtype):
+    if config.use_dot and dtype == torch.float16 and mode == gemv.ADD_RMS:
+        pytest.skip("refused: the tensor-core path would overflow float16 (test_gemv_equals_unfused_ops)")
+    x, w, b, r, nw = _inputs(mode, n, k, dtype, bias=n % 2 == 1, residual=residual, seed=n * k + mode + 7)
+    q, s, wd = _fp8(w)
+    y, res_sum = gemv.gemv(x, q, b, mode=mode, residual=r, norm_weight=nw, eps=1e-5, scale=s, config=config)
+    want, want_s = _reference(mode, x, wd, b, r, nw, 1e-5)
+    assert y.shape == (1, n) and y.dtype == dtype
+    torch.testing.assert_close(y.float(), want, **TOL)
+    if want_s is not None:
+        _assert_same_rounded_sum(res_sum, want_s)
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+@gpu_only
+@pytest.mark.parametrize("mode", [gemv.PLAIN, gemv.SILU_MUL])
+@pytest.mark.parametrize("config", ADD_CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}")
+def test_fp8_product_added_to_the_residual_then_normed_fp8_product(mode, config):
+    """The batch-1 layer's chain on FP8 weights: `gemv_add` (down_proj) then a `NORM` product (the
+    next qkv) with its RoPE epilogue, against the dequantized unfused ops."""
+    dtype, n, k, hq, hk, d = torch.bfloat16, 96, 520, 4, 2, 16
+    x, w, b, _, _ = _inputs(mode, n, k, dtype, bias=True, residual=False, seed=mode + config.split_k)
+    q, s, wd = _fp8(w)
+    g = torch.Generator().manual_seed(3)
+    res = torch.randn(1, n, generator=g).to(dtype).to(DEVICE)
+    summed, sq = gemv.gemv_add(x, q, b, res, mode=mode, scale=s, config=config)
+    want_s = (_reference(mode, x, wd, b, None, None, 0.0)[0].to(dtype).float() + res.float()).to(dtype)
+    torch.testing.assert_close(summed.float(), want_s.float(), **TOL)
+    torch.testing.assert_close(sq.sum(), summed.float().pow(2).sum(), rtol=1e-5, atol=1e-4)
+    w2 = (torch.randn((hq + 2 * hk) * d, n, generator=g) / n**0.5).to(dtype).to(DEVICE)
+    q2, s2, wd2 = _fp8(w2)
+    nw = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(DEVICE)
+    freqs = torch.arange(16, dtype=torch.float32)[:, None] * (1e4 ** (-torch.arange(d // 2) / (d // 2)))
+    cos, sin = freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+    caches = [torch.zeros(8, hk, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    pos, loc = torch.tensor([5], device=DEVICE), torch.tensor([3], device=DEVICE, dtype=torch.int32)
+    y, _ = gemv.gemv(summed, q2, mode=gemv.NORM, norm_weight=nw, eps=1e-5, square_sums=sq, scale=s2,
+                     rope=one_row.RopeKV(pos, loc, cos, sin, *caches, hq, hk, d), config=config)
+    plain = F.linear(fused._rms_norm(summed, nw, 1e-5).float(), wd2).to(dtype)
+    want = one_row._rope_kv(plain, one_row.RopeKV(pos, loc.long(), cos, sin, *want_caches, hq, hk, d))
+    torch.testing.assert_close(y.float(), want.float(), **TOL)
+    for got_c, want_c in zip(caches, want_caches):
+        torch.testing.assert_close(got_c.float(), want_c.float(), **TOL)
+
+
+def test_fp8_weight_arguments_are_checked():
+    x, w, *_ = _inputs(gemv.PLAIN, 8, 64, torch.bfloat16, False, False, 0)
+    q, s, _ = _fp8(w.cpu())
+    q, s = q.to(DEVICE), s.to(DEVICE)
+    with pytest.raises(ValueError, match="needs float32 scales"):
+        gemv.gemv(x, q)
+    with pytest.raises(ValueError, match="needs float32 scales"):
+        gemv.gemv(x, q, scale=s.expand(8, 2).contiguous())  # block scales: not this kernel's
+    with pytest.raises(ValueError, match="scales are for float8"):
+        gemv.gemv(x, w, scale=s)
+    with pytest.raises(ValueError, match="a torch.float32 weight"):
+        gemv.gemv(x, w.float())
+
+
+def test_applies_to_fp8_weights_with_row_scales():
+    q, s, _ = _fp8(torch.randn(8, 16))
+    row = torch.zeros(1, 16, dtype=torch.bfloat16)
+    assert not one_row.applies(row, q, s)  # CPU tensors
+    if not INTERPRET:
+        q, s, row = q.cuda(), s.cuda(), row.cuda()
+        assert one_row.applies(row, q, s) and one_row.applies(row.half(), q, s)
+        assert not one_row.applies(row, q, None)  # no scale
+        assert not one_row.applies(row, q, s.expand(8, 2))  # block-wise
+        assert not one_row.applies(row.float(), q, s)
+        assert not one_row.applies(row.expand(2, 16), q, s)

@@ -79,3 +79,39 @@ def test_gpu_bf16_fp8_kernels_close_to_float32(dirs, name, prompts, bound):
     got, tokens = _first_logits(dirs[name], "bfloat16", prompts)
     assert (tokens < A8_MIN_M) == (bound == 0.05)
     assert (got - ref).abs().max().item() < bound * ref.abs().max().item()
+
+
+def test_gpu_batch1_fp8_takes_the_fused_one_row_kernels(dirs, monkeypatch):
+    """A per-channel FP8 Llama at batch 1 in bf16: every product goes through the fused one-row
+    kernel on FP8 weights (`workers.layers.gemv`, norms, SiLU, RoPE and the residual add in its
+    prologues and epilogues; eager steps, to read each one's logits), and each step's logits stay as close to float32 as the unfused FP8
+    products' (`MANTA_GEMV=0`), up to the first token where either run leaves float32's."""
+    from attention.kernel_options import KernelOptions
+    from workers.layers import gemv
+
+    scaled = []
+    launch = gemv._launch
+    monkeypatch.setattr(gemv, "_launch", lambda *a: scaled.append(a[-1] is not None) or launch(*a))
+
+    def run(dtype: str, fused: bool = True) -> tuple[list[torch.Tensor], list[int]]:
+        engine = Engine(EngineConfig(model=str(dirs["llama_channel"]), device="cuda", dtype=dtype, page_size=4,
+                                     disable_cuda_graph=True, kernels=KernelOptions(one_row_gemv=fused)))
+        runner = engine.workers.runner
+        captured = []
+        original = runner.model.compute_logits
+        runner.model.compute_logits = lambda h, o=original, c=captured: c.append(o(h)) or c[-1]
+        out = engine.generate([PROMPTS[1]], greedy(12))
+        return [t.float().cpu() for t in captured], out[0].token_ids
+
+    ref_logits, ref_tokens = run("float32")
+    assert not any(scaled)  # float32: the dequantize-and-multiply path
+    got = {}
+    for fused in (True, False):
+        scaled.clear()
+        got[fused] = run("bfloat16", fused)
+        assert any(scaled) == fused  # (the LM head stays bf16)
+    for logits, tokens in got.values():
+        same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+        for step in range(min(same + 1, len(tokens))):  # the prefill, then decode steps on the same tokens as float32
+            scale = ref_logits[step].abs().max().item()
+            assert (logits[step] - ref_logits[step]).abs().max().item() < 0.05 * scale, step

@@ -1,5 +1,5 @@
 """Time the one-row linear kernel against cuBLAS inside CUDA graphs:
-`python -m workers.layers.bench_gemv [--out FILE.json] [--quick]`.
+`python -m workers.layers.bench_gemv [--out FILE.json] [--quick] [--fp8]`.
 
 For each matrix of a Llama-3.1-8B decoder step at batch 1 (bf16), one graph replays the op on
 a rotation of weight copies larger than L2 (as a step reads 32 layers' weights, never the same
@@ -10,6 +10,9 @@ one twice in a row), so every figure is a DRAM-bound in-graph time, launch gaps 
 - each Triton launch configuration, in PLAIN mode for the plain products (o_proj, LM head)
   and with the shape's prologue for the others (what replaces `unfused`); `*-default` is
   `gemv.choose_config`'s choice.
+
+`--fp8`: the weights are FP8 with one scale per row (`--quantization fp8`); `cublas` is then
+`fp8_gemm.gemv`, the unfused FP8 product the fused kernel replaces.
 
 Prints microseconds per op, GB/s of weight read, and the fraction of the measured copy
 bandwidth; writes every result to JSON.
@@ -24,7 +27,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from workers.layers import fused, gemv
+from workers.layers import fp8 as fp8_layer
+from workers.layers import fp8_gemm, fused, gemv
 from workers.layers.gemv import GemvConfig
 from workers.roofline import measure_copy_bandwidth
 
@@ -45,13 +49,15 @@ FMA = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 4), (16, 51
 DOT = [(64, 128, 4), (64, 256, 3), (32, 256, 4), (128, 128, 3)]
 FUSED_FMA = [(8, 512, 8), (16, 512, 8), (32, 256, 8), (32, 512, 8), (64, 128, 8), (64, 256, 8), (128, 64, 8),
              (128, 128, 8), (64, 128, 4), (32, 256, 4)]
+FP8_FMA = [(4, 2048, 4), (8, 1024, 4), (8, 1024, 8), (16, 1024, 8), (4, 4096, 8), (8, 2048, 8)]  # (--fp8)
+FP8_FUSED_FMA = [(16, 1024, 8), (32, 512, 8), (64, 256, 8), (8, 1024, 8), (32, 1024, 8)]
 FUSED_DOT = [(bn, bk, w) for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
 
 
-def sweep_configs(k: int, quick: bool) -> list[GemvConfig]:
+def sweep_configs(k: int, quick: bool, fp8: bool = False) -> list[GemvConfig]:
     out = []
     for split in (1, 2, 4, 8):
-        for bn, bk, warps in FMA[:3] if quick else FMA:
+        for bn, bk, warps in (FMA[:3] if quick else FMA) + (FP8_FMA if fp8 else []):
             if k // split >= bk:
                 out.append(GemvConfig(bn, bk, split, warps, 3))
         if not quick and k // split >= 512:
@@ -62,10 +68,11 @@ def sweep_configs(k: int, quick: bool) -> list[GemvConfig]:
     return out
 
 
-def fused_configs(k: int) -> list[GemvConfig]:
+def fused_configs(k: int, fp8: bool = False) -> list[GemvConfig]:
     out = []
     for split in (1, 2):
-        out += [GemvConfig(bn, bk, split, w, 3) for bn, bk, w in FUSED_FMA if k // split >= bk]
+        out += [GemvConfig(bn, bk, split, w, 3) for bn, bk, w in (FP8_FUSED_FMA if fp8 else []) + FUSED_FMA
+                if k // split >= bk]
         out += [GemvConfig(bn, bk, split, w, 3, use_dot=True) for bn, bk, w in FUSED_DOT if k // split >= max(bk, 2048)]
     return out
 
@@ -90,12 +97,17 @@ def time_in_graph(op, weights: list[torch.Tensor], calls: int, replays: int = 10
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
-def bench_shape(name: str, mode: int, n: int, k: int, quick: bool, copy_gbs: float) -> list[dict]:
+def bench_shape(name: str, mode: int, n: int, k: int, quick: bool, copy_gbs: float, fp8: bool = False) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     dtype = torch.bfloat16
-    nbytes = n * k * 2
+    nbytes = n * k * (1 if fp8 else 2)
     copies = max(2, math.ceil(400e6 / nbytes))
     weights = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5 for _ in range(copies)]
+    scale = None
+    if fp8:  # one scale per row, shared by the copies (what is timed is reading the weights)
+        quantized = [fp8_layer.quantize_rows(w) for w in weights]
+        weights, scale = [q for q, _ in quantized], quantized[0][1]
+        del quantized
     width = 2 * k if mode == gemv.SILU_MUL else k
     x = torch.randn(1, width, device="cuda", dtype=dtype, generator=gen)
     r = torch.randn(1, k, device="cuda", dtype=dtype, generator=gen)
@@ -108,17 +120,17 @@ def bench_shape(name: str, mode: int, n: int, k: int, quick: bool, copy_gbs: flo
                             of_copy=nbytes / us / 1e3 / copy_gbs, config=None if config is None else vars(config)))
 
     h = x[:, :k] if mode == gemv.SILU_MUL else x
-    default = gemv.choose_config(n, k, x.device, mode, name.endswith("+add"))
+    default = gemv.choose_config(n, k, x.device, mode, name.endswith("+add"), fp8)
     if name.endswith("+add") or mode == gemv.NORM:
         add = name.endswith("+add")
         sq = torch.rand(1024, device="cuda", dtype=torch.float32, generator=gen) * k / 1024
         res = torch.randn(1, n, device="cuda", dtype=dtype, generator=gen)
-        configs = sweep_configs(k, quick) + ([] if add else [GemvConfig(bn, bk, 1, w, 3) for bn, bk, w in FUSED_FMA])
+        configs = sweep_configs(k, quick, fp8) + ([] if add else [GemvConfig(bn, bk, 1, w, 3) for bn, bk, w in FUSED_FMA])
 
         def op(w, cfg):
             if add:
-                return gemv.gemv_add(x, w, None, res, mode=mode, config=cfg)
-            return gemv.gemv(x, w, mode=mode, norm_weight=nw, eps=1e-5, square_sums=sq, config=cfg)
+                return gemv.gemv_add(x, w, None, res, mode=mode, scale=scale, config=cfg)
+            return gemv.gemv(x, w, mode=mode, norm_weight=nw, eps=1e-5, square_sums=sq, scale=scale, config=cfg)
         for cfg in dict.fromkeys([*configs, default]):
             try:
                 us = time_in_graph(lambda w, cfg=cfg: op(w, cfg), weights, calls)
@@ -129,35 +141,37 @@ def bench_shape(name: str, mode: int, n: int, k: int, quick: bool, copy_gbs: flo
         del weights
         torch.cuda.empty_cache()
         return results
-    record("cublas", time_in_graph(lambda w: F.linear(h, w), weights, calls))
+    def product(a, w):  # what the model runs unfused
+        return fp8_gemm.gemv(a, w, scale, k) if fp8 else F.linear(a, w)
+    record("cublas", time_in_graph(lambda w: product(h, w), weights, calls))
     if mode == gemv.ADD_RMS:
-        record("unfused", time_in_graph(lambda w: F.linear(fused.add_rms_norm(h, r, nw, 1e-5)[0], w), weights, calls),
+        record("unfused", time_in_graph(lambda w: product(fused.add_rms_norm(h, r, nw, 1e-5)[0], w), weights, calls),
                prologue=mode)
     elif mode == gemv.SILU_MUL:
-        record("unfused", time_in_graph(lambda w: F.linear(fused.silu_and_mul(x), w), weights, calls), prologue=mode)
+        record("unfused", time_in_graph(lambda w: product(fused.silu_and_mul(x), w), weights, calls), prologue=mode)
     if mode == gemv.PLAIN:
-        for cfg in dict.fromkeys([*sweep_configs(k, quick), default]):
+        for cfg in dict.fromkeys([*sweep_configs(k, quick, fp8), default]):
             try:
-                us = time_in_graph(lambda w, cfg=cfg: gemv.gemv(h, w, config=cfg), weights, calls)
+                us = time_in_graph(lambda w, cfg=cfg: gemv.gemv(h, w, scale=scale, config=cfg), weights, calls)
             except Exception as e:  # noqa: BLE001 - a launch that does not fit (registers, shared memory): skip it
                 print(f"  skip {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
                 continue
             record("triton-default" if cfg == default else "triton", us, cfg)
     else:
-        for cfg in dict.fromkeys([*(fused_configs(k)[:4] if quick else fused_configs(k)), default]):
+        for cfg in dict.fromkeys([*(fused_configs(k, fp8)[:4] if quick else fused_configs(k, fp8)), default]):
             try:
                 us = time_in_graph(lambda w, cfg=cfg: gemv.gemv(x, w, mode=mode, residual=r, norm_weight=nw, eps=1e-5,
-                                                                config=cfg), weights, calls)
+                                                                scale=scale, config=cfg), weights, calls)
             except Exception as e:  # noqa: BLE001
                 print(f"  skip {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
                 continue
             record("triton-fused-default" if cfg == default else "triton-fused", us, cfg, prologue=mode)
         if mode == gemv.ADD_RMS:  # the norm as its own one-row kernel, then the plain product
-            plain = gemv.choose_config(n, k, x.device)
+            plain = gemv.choose_config(n, k, x.device, fp8=fp8)
 
             def split_norm(w, plain=plain):
                 h1, _ = gemv.add_rms_norm(x, r, nw, 1e-5)
-                gemv.gemv(h1, w, config=plain)
+                gemv.gemv(h1, w, scale=scale, config=plain)
             record("triton-norm+plain", time_in_graph(split_norm, weights, calls), plain, prologue=mode)
     del weights
     torch.cuda.empty_cache()
@@ -176,6 +190,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="a few launch configurations only")
     parser.add_argument("--only", nargs="*", type=int, default=None, help="indices into SHAPES")
+    parser.add_argument("--fp8", action="store_true", help="FP8 weights with one scale per row")
     args = parser.parse_args()
     copy_gbs = measure_copy_bandwidth(torch.device("cuda")) / 1e9
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s")
@@ -184,14 +199,17 @@ def main() -> None:
     for i, (name, mode, n, k) in enumerate(SHAPES):
         if args.only is not None and i not in args.only:
             continue
-        rows = bench_shape(name, mode, n, k, args.quick, copy_gbs)
+        if args.fp8 and name == "lm_head":
+            continue  # (not quantized)
+        rows = bench_shape(name, mode, n, k, args.quick, copy_gbs, args.fp8)
         everything += rows
         shown = [r for r in rows if r["kind"] in ("cublas", "unfused", "triton-norm+plain") or r["kind"].endswith("default")]
         shown += sorted((r for r in rows if r["kind"] in ("triton", "triton-fused")), key=lambda r: r["us"])[:6]
         print("\n".join(_fmt(r) for r in shown), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), copy_gb_s=copy_gbs, results=everything), f, indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_gb_s=copy_gbs, fp8=args.fp8, results=everything), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

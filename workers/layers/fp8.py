@@ -40,6 +40,15 @@ def is_fp8(weight: torch.Tensor) -> bool:
     return weight.dtype == FP8
 
 
+def row_scale(layer: nn.Module) -> torch.Tensor | None:
+    """`layer.weight_scale` where its weight is FP8 with one scale per row (per-channel and
+    per-tensor checkpoints, `--quantization fp8`): what the one-row kernels take
+    (`workers.layers.one_row`). None for unquantized and block-wise layers."""
+    if not is_fp8(layer.weight) or layer.weight_scale.shape[1] != 1:
+        return None
+    return layer.weight_scale
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch.Tensor:
     """float32 [N, K] from an FP8 weight and its [N, ceil(K / block_k)] scales."""
     k = weight.shape[1]

@@ -29,6 +29,11 @@ K may be split over SPLIT_K programs per block of rows: each writes a float32 pa
 last to arrive (an atomic counter per row block, reset by that program, so CUDA-graph replays
 need no memset) adds them up in order and stores the row. No second kernel.
 
+The weight may be FP8 (float8_e4m3fn) with one float32 scale per output row (per-channel and
+per-tensor checkpoints, `--quantization fp8`): each element is widened in registers and the
+row's scale multiplies its sum at the end, so an FP8 layer at batch 1 keeps every fusion above
+and reads half the bytes. (Block-wise scales, DeepSeek-V3's, stay on `fp8_gemm.gemv`.)
+
 `GemvConfig` is the launch; `choose_config` picks one from the shape (measured on the H200 with
 `python -m workers.layers.bench_gemv`, BENCHMARKS.md). Everything else (more rows, CPU, float32)
 uses the unfused torch ops: `workers.layers.one_row` says which and holds the callers' entry
@@ -73,19 +78,26 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} = {v}: a power of two (block_n at least 2)")
 
 
+# FP8 weights: columns per program by (prologue, adds to the residual); absent: twice bf16's
+FP8_BLOCK_K: dict[tuple[int, bool], int] = {}
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count if index >= 0 else 132
 
 
-def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN, adds: bool = False) -> GemvConfig:
+def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN, adds: bool = False,
+                  fp8: bool = False) -> GemvConfig:
     """The launch for an N x K weight, from the in-graph sweep on the H200 (`bench_gemv`,
     BENCHMARKS.md): FMA over 4 rows x 1024 columns per program for plain and `NORM` products (8
     rows for wide plain outputs); with a full-row prologue, more rows per program (each prologue
     element is loaded once per program, so few rows per program spend load bandwidth on it):
     32 x 256 for ADD_RMS, 8 x 512 for SiLU. The residual-adding epilogue (`adds`) is slower on
     4 x 1024 programs (o_proj 12.1 vs 9.6 us at 4 x 512) and fastest with SiLU on 16 x 512.
-    K is split over programs only when the row blocks are fewer than half the SMs."""
+    K is split over programs only when the row blocks are fewer than half the SMs. FP8 weights
+    (one byte an element): FP8_BLOCK_K's columns per program, so a tile reads as many bytes
+    (`bench_gemv --fp8`)."""
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
     sms = _num_sms(index if device.type == "cuda" else -1)
     block_n, block_k, warps = {PLAIN: (4, 1024, 4), ADD_RMS: (32, 256, 8), SILU_MUL: (8, 512, 8), NORM: (4, 1024, 4)}[mode]
@@ -93,6 +105,8 @@ def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN, adds:
         block_n, block_k = 8, 256 if n >= 65536 else 512
     if adds:
         block_n, block_k = (16, 512) if mode == SILU_MUL else (4, 512)
+    if fp8:
+        block_k = FP8_BLOCK_K.get((mode, adds), 2 * block_k)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     split = 1
     while triton.cdiv(n, block_n) * split < sms // 2 and split < 8 and k // (2 * split) >= block_k:
@@ -208,12 +222,12 @@ def _store_rope(Y, B, KC, VC, y, cos, sin, loc, pid_n, stride_kcs, stride_kch, s
 
 @triton.jit
 def _gemv_kernel(
-    X, R, NW, W, B, Y, S, Part, SqPart, Counters, SqIn, Res, SqOut,
+    X, R, NW, W, WS, B, Y, S, Part, SqPart, Counters, SqIn, Res, SqOut,
     Pos, Loc, Cos, Sin, KC, VC,
     N, K, stride_wn, eps, n_sq, stride_cos, stride_kcs, stride_kch, stride_vcs, stride_vch,
     MODE: tl.constexpr, HAS_R: tl.constexpr, WRITE_S: tl.constexpr, HAS_BIAS: tl.constexpr,
     ADD_RES: tl.constexpr, SQ_BLOCK: tl.constexpr,
-    ROPE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
+    ROPE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, W_SCALED: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
     PDL: tl.constexpr,
@@ -236,6 +250,9 @@ def _gemv_kernel(
     # The weights are never written: the first tile is requested before waiting for the inputs
     # (PDL), and every iteration requests the next tile before using the current one.
     w = _load_tile(w_rows, k_lo + offs_k, k_lo < k_hi, k_hi, rmask, EVEN_N and EVEN_K)
+    ws = tl.zeros([BLOCK_N], tl.float32)
+    if W_SCALED:  # an FP8 weight's per-row scales (never written either)
+        ws = tl.load(WS + rows, mask=rmask, other=0.0)
     pdl.wait(PDL)
     # What the end needs from earlier kernels is requested now, to arrive during the loop.
     if MODE == 3:
@@ -270,8 +287,8 @@ def _gemv_kernel(
         p0, p1, p2 = n0, n1, n2
         sq += sq_k
         if USE_DOT:
-            xt = tl.where(pad_rows[:, None] == 0, xv[None, :], 0.0).to(w.dtype)
-            acc = tl.dot(xt, tl.trans(w), acc)
+            xt = tl.where(pad_rows[:, None] == 0, xv[None, :], 0.0).to(X.dtype.element_ty)
+            acc = tl.dot(xt, tl.trans(w.to(X.dtype.element_ty)), acc)
         else:
             acc += w.to(tl.float32) * xv[None, :]
         w = w_next
@@ -301,6 +318,8 @@ def _gemv_kernel(
                 total += tl.load(Part + j * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
                 if MODE == 1:
                     total_sq += tl.load(SqPart + pid_n * SPLIT_K + j + tl.arange(0, 1), cache_modifier=".cg")
+            if W_SCALED:
+                total = total * ws
             if MODE == 1:
                 total = total * tl.rsqrt(tl.sum(total_sq, 0) / K + eps)
             if MODE == 3:
@@ -312,6 +331,8 @@ def _gemv_kernel(
                 _store_rows(X, Y, B, Res, SqOut, total, res, rows, rmask, pid_n, HAS_BIAS, ADD_RES)
             tl.atomic_xchg(Counters + pid_n, 0)
     else:
+        if W_SCALED:
+            y = y * ws
         if MODE == 1:
             y = y * tl.rsqrt(sq_sum / K + eps)
         if MODE == 3:
@@ -376,9 +397,11 @@ def gemv(
     square_sums: torch.Tensor | None = None,
     rope: RopeKV | None = None,
     out_dtype: torch.dtype | None = None,
+    scale: torch.Tensor | None = None,
     config: GemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x: [1, K] ([1, 2K] for SILU_MUL); weight: [N, K] with contiguous rows -> ([1, N],
+    """x: [1, K] ([1, 2K] for SILU_MUL); weight: [N, K] with contiguous rows (bf16/fp16 as x,
+    or float8_e4m3fn with `scale` [N, 1] float32: W = weight * scale per row) -> ([1, N],
     residual sum [1, K] for ADD_RMS with a residual, else None). NORM takes x's `square_sums`
     (from `gemv_add`) and the norm's weight. With `rope` the weight is a qkv projection's:
     the output's q and k heads come out rotated and its k and v heads are written to the
@@ -388,7 +411,8 @@ def gemv(
         raise ValueError("gemv: NORM needs the square sums of its input row (gemv_add's)")
     if out_dtype not in (None, x.dtype) and (mode != PLAIN or rope is not None):
         raise ValueError("gemv: out_dtype is for plain products")
-    return _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, None, config, rope, out_dtype)
+    return _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, None, config, rope, out_dtype,
+                   scale)
 
 
 def gemv_add(
@@ -398,17 +422,18 @@ def gemv_add(
     residual: torch.Tensor,
     *,
     mode: int = PLAIN,
+    scale: torch.Tensor | None = None,
     config: GemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s = residual + f(x) W^T (+ b) as [1, N], float32 sums of s^2 over its blocks of rows):
     the product's output added to the residual stream, with what a `NORM` product needs of s.
-    `mode` is PLAIN or SILU_MUL."""
+    `mode` is PLAIN or SILU_MUL; `scale` as in `gemv`."""
     if mode not in (PLAIN, SILU_MUL):
         raise ValueError(f"gemv_add: prologue {mode} (PLAIN or SILU_MUL)")
     if residual.numel() != weight.shape[0] or residual.dtype != x.dtype:
         raise ValueError(f"gemv_add: residual of {residual.numel()} {residual.dtype} for {weight.shape[0]} "
                          f"{x.dtype} outputs")
-    return _launch(x, weight, bias, mode, None, None, 0.0, None, residual.contiguous(), config, None, None)
+    return _launch(x, weight, bias, mode, None, None, 0.0, None, residual.contiguous(), config, None, None, scale)
 
 
 def _rope_args(rope: RopeKV | None, n: int, block_n: int, dtype: torch.dtype) -> tuple[list, dict, int]:
@@ -433,14 +458,29 @@ def _rope_args(rope: RopeKV | None, n: int, block_n: int, dtype: torch.dtype) ->
     return ptrs, dict(ROPE=True, HQ=rope.num_q_heads, HK=rope.num_kv_heads, HALF=half), block_n
 
 
-def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_to, config, rope, out_dtype):
+def _check_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """A weight of x's dtype, or FP8 with one float32 scale per row."""
+    if weight.dtype == torch.float8_e4m3fn:
+        if scale is None or scale.dtype != torch.float32 or scale.shape != (weight.shape[0], 1):
+            got = None if scale is None else (tuple(scale.shape), scale.dtype)
+            raise ValueError(f"gemv: an FP8 weight of {weight.shape[0]} rows needs float32 scales [{weight.shape[0]}, 1]"
+                             f" (one per row), got {got}")
+    elif scale is not None:
+        raise ValueError(f"gemv: a scale for a {weight.dtype} weight (scales are for float8_e4m3fn weights)")
+    elif weight.dtype != x.dtype:
+        raise ValueError(f"gemv: a {weight.dtype} weight for a {x.dtype} input")
+
+
+def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_to, config, rope, out_dtype, scale):
     n, k = weight.shape
     x = x.contiguous()
+    _check_weight(x, weight, scale)
     if x.shape[-1] != (2 * k if mode == SILU_MUL else k):
         raise ValueError(f"gemv: input of width {x.shape[-1]} for a weight of {k} columns (mode {mode})")
     if mode in (ADD_RMS, NORM) and norm_weight is None:
         raise ValueError("gemv: a norm prologue needs the norm's weight")
-    cfg = config or _logged_choice(n, k, x.device, mode, add_to is not None)
+    fp8 = scale is not None
+    cfg = config or _logged_choice(n, k, x.device, mode, add_to is not None, fp8)
     if cfg.use_dot and mode in (ADD_RMS, NORM) and x.dtype == torch.float16:
         raise ValueError("gemv: the tensor-core path rounds the un-normalised row to the input dtype, "
                          "which overflows float16")
@@ -461,14 +501,14 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
     use_pdl = pdl.enabled(x.device)
     _gemv_kernel[(blocks, cfg.split_k)](
         x, residual.contiguous() if has_r else x, norm_weight if norm_weight is not None else x,
-        weight, bias if bias is not None else weight, y, s if s is not None else y,
+        weight, scale if fp8 else y, bias if bias is not None else y, y, s if s is not None else y,
         part, sq_part, counters,
         square_sums if square_sums is not None else y, add_to if add_to is not None else y,
         sq_out if sq_out is not None else y,
         *[p if p is not None else y for p in rope_ptrs[:6]],
         n, k, weight.stride(0), eps, n_sq, *rope_ptrs[6:],
         MODE=mode, HAS_R=has_r, WRITE_S=has_r, HAS_BIAS=bias is not None,
-        ADD_RES=add_to is not None, SQ_BLOCK=triton.next_power_of_2(n_sq), **rope_consts,
+        ADD_RES=add_to is not None, SQ_BLOCK=triton.next_power_of_2(n_sq), **rope_consts, W_SCALED=fp8,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
         PDL=use_pdl,
@@ -489,8 +529,8 @@ def _override(n: int, k: int) -> GemvConfig | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _logged_choice(n: int, k: int, device: torch.device, mode: int, adds: bool) -> GemvConfig:
-    cfg = _override(n, k) or choose_config(n, k, device, mode, adds)
-    logger.info("one-row linear %d x %d (prologue %d%s): Triton GEMV %s (PDL %s)", n, k, mode,
+def _logged_choice(n: int, k: int, device: torch.device, mode: int, adds: bool, fp8: bool = False) -> GemvConfig:
+    cfg = _override(n, k) or choose_config(n, k, device, mode, adds, fp8)
+    logger.info("one-row linear %d x %d%s (prologue %d%s): Triton GEMV %s (PDL %s)", n, k, " FP8" if fp8 else "", mode,
                 ", adds to the residual" if adds else "", cfg, pdl.enabled(device))
     return cfg

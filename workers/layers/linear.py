@@ -264,12 +264,13 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank calls this (it is a collective at tp > 1)."""
-        if fp8.is_fp8(self.weight):
+        scale = fp8.row_scale(self)
+        if fp8.is_fp8(self.weight) and scale is None:  # block-wise FP8: no one-row fusions
             y = matmul(self, x, self.bias if self.tp.size == 1 else None)
             return y if self.tp.size == 1 else self._reduce(y)
         if self.tp.size == 1:
-            return one_row.linear(x, self.weight, self.bias)
-        return self._reduce(one_row.linear(x, self.weight))
+            return one_row.linear(x, self.weight, self.bias, scale=scale)
+        return self._reduce(one_row.linear(x, self.weight, scale=scale))
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(y)
@@ -278,11 +279,12 @@ class RowParallelLinear(nn.Module):
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(silu(gate) * up) for gate_up = [gate | up] (this rank's slices): the
         activation fused into the product at batch 1 on CUDA."""
-        if fp8.is_fp8(self.weight):
+        scale = fp8.row_scale(self)
+        if fp8.is_fp8(self.weight) and scale is None:
             return self.forward(fused.silu_and_mul(gate_up))
         if self.tp.size == 1:
-            return one_row.silu_mul_linear(gate_up, self.weight, self.bias)
-        return self._reduce(one_row.silu_mul_linear(gate_up, self.weight, None))
+            return one_row.silu_mul_linear(gate_up, self.weight, self.bias, scale=scale)
+        return self._reduce(one_row.silu_mul_linear(gate_up, self.weight, None, scale=scale))
 
 
 class ReplicatedLinear(nn.Module):

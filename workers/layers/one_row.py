@@ -1,8 +1,8 @@
 """Entry points for a model's linear layers that fuse the op before them at batch 1 on CUDA.
 
 Each takes the unfused path's arguments and runs one `workers.layers.gemv` kernel when
-`applies` (one row, CUDA, bf16/fp16; the kernel options' `one_row_gemv`, which `MANTA_GEMV=0`
-turns off for comparisons), else the
+`applies` (one row, CUDA, bf16/fp16; a weight of that dtype, or FP8 with one scale per row;
+the kernel options' `one_row_gemv`, which `MANTA_GEMV=0` turns off for comparisons), else the
 torch ops the CPU path and larger batches use. This module imports no Triton: the kernel module
 is imported on the first CUDA call.
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from attention import kernel_options
-from workers.layers import fused
+from workers.layers import fp8, fused
 
 
 def enabled() -> bool:
@@ -29,10 +29,23 @@ def enabled() -> bool:
     return kernel_options.current().one_row_gemv
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True where `gemv` runs: one row, CUDA, bf16/fp16 matching the weight, contiguous rows."""
-    return (enabled() and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
+def applies(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """True where `gemv` runs: one row, CUDA, bf16/fp16, a weight with contiguous rows of x's
+    dtype or FP8 with one scale per row (`scale`, the layer's `weight_scale`)."""
+    if fp8.is_fp8(weight):
+        fits = scale is not None and scale.dim() == 2 and scale.shape[1] == 1 and scale.dtype == torch.float32
+    else:
+        fits = x.dtype == weight.dtype
+    return (enabled() and fits and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
             and x.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1)
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             scale: torch.Tensor | None) -> torch.Tensor:
+    """The unfused product: F.linear, or an FP8 weight's with its per-row `scale`."""
+    if scale is None:
+        return F.linear(x, weight, bias)
+    return fp8.linear(x, weight, scale, weight.shape[1], bias)
 
 
 class Summed(NamedTuple):
@@ -79,66 +92,71 @@ def _gemv():
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """F.linear (then cast to `out_dtype`), through `gemv` where it applies: one kernel."""
-    if applies(x, weight):
-        return _gemv().gemv(x, weight, bias, out_dtype=out_dtype)[0]
-    y = F.linear(x, weight, bias)
+           out_dtype: torch.dtype | None = None, *, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear (then cast to `out_dtype`), through `gemv` where it applies: one kernel. `scale`:
+    an FP8 weight's per-row scales [N, 1] (in every entry point here)."""
+    if applies(x, weight, scale):
+        return _gemv().gemv(x, weight, bias, out_dtype=out_dtype, scale=scale)[0]
+    y = _product(x, weight, bias, scale)
     return y if out_dtype is None else y.to(out_dtype)
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None,
-                        rope: RopeKV | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        rope: RopeKV | None = None, *, scale: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(RMSNorm(x + residual)), x + residual); residual None: (linear(RMSNorm(x)), x).
     Where `gemv` applies: one kernel, or for wide outputs a one-row norm kernel and a plain
     product (`gemv.fuse_norm`); else the fused-elementwise norm and F.linear. With `rope` (a
     qkv product) the q, k heads come out rotated and k, v are in the caches."""
-    if applies(x, weight):
+    if applies(x, weight, scale):
         gemv = _gemv()
         if gemv.fuse_norm(*weight.shape):
             y, s = gemv.gemv(x, weight, bias, mode=gemv.ADD_RMS, residual=residual, norm_weight=norm_weight, eps=eps,
-                             rope=rope)
+                             rope=rope, scale=scale)
         else:
             h, s = gemv.add_rms_norm(x, residual, norm_weight, eps)
-            y = gemv.gemv(h, weight, bias, rope=rope)[0]
+            y = gemv.gemv(h, weight, bias, rope=rope, scale=scale)[0]
         return y, (x if s is None else s)
     if residual is None:
         h, s = fused.rms_norm(x, norm_weight, eps), x
     else:
         h, s = fused.add_rms_norm(x, residual, norm_weight, eps)
-    y = F.linear(h, weight, bias)
+    y = _product(h, weight, bias, scale)
     return (y if rope is None else _rope_kv(y, rope)), s
 
 
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:
     """linear(silu(gate) * up) for gate_up = [gate | up]: one kernel where `gemv` applies."""
-    if applies(gate_up, weight):
+    if applies(gate_up, weight, scale):
         gemv = _gemv()
-        return gemv.gemv(gate_up, weight, bias, mode=gemv.SILU_MUL)[0]
-    return F.linear(fused.silu_and_mul(gate_up), weight, bias)
+        return gemv.gemv(gate_up, weight, bias, mode=gemv.SILU_MUL, scale=scale)[0]
+    return _product(fused.silu_and_mul(gate_up), weight, bias, scale)
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, *,
-               silu_mul: bool = False) -> Summed:
+               silu_mul: bool = False, scale: torch.Tensor | None = None) -> Summed:
     """residual + linear(x) (x = silu(gate) * up of x = [gate | up] with `silu_mul`), rounded as
     the unfused add: one kernel that also sums the result's squares where `gemv` applies."""
-    if applies(x, weight):
+    if applies(x, weight, scale):
         gemv = _gemv()
-        return Summed(*gemv.gemv_add(x, weight, bias, residual, mode=gemv.SILU_MUL if silu_mul else gemv.PLAIN))
-    s = residual + F.linear(fused.silu_and_mul(x) if silu_mul else x, weight, bias)
+        return Summed(*gemv.gemv_add(x, weight, bias, residual, mode=gemv.SILU_MUL if silu_mul else gemv.PLAIN,
+                                     scale=scale))
+    s = residual + _product(fused.silu_and_mul(x) if silu_mul else x, weight, bias, scale)
     return Summed(s, s.float().pow(2).sum(-1))
 
 
 def norm_linear(summed: Summed, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                bias: torch.Tensor | None, rope: RopeKV | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None, rope: RopeKV | None = None, *,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
     """linear(RMSNorm(summed.row)), taking the row's squares from `summed` where `gemv` applies;
     `rope` as in `add_rms_norm_linear`."""
-    if applies(summed.row, weight):
+    if applies(summed.row, weight, scale):
         gemv = _gemv()
         return gemv.gemv(summed.row, weight, bias, mode=gemv.NORM, norm_weight=norm_weight, eps=eps,
-                         square_sums=summed.square_sums, rope=rope)[0]
-    y = F.linear(fused.rms_norm(summed.row, norm_weight, eps), weight, bias)
+                         square_sums=summed.square_sums, rope=rope, scale=scale)[0]
+    y = _product(fused.rms_norm(summed.row, norm_weight, eps), weight, bias, scale)
     return y if rope is None else _rope_kv(y, rope)
 
 

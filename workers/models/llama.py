@@ -202,19 +202,23 @@ class LlamaDecoderLayer(nn.Module):
         on CUDA without TP the products add to the residual themselves: (`one_row.Summed`, None)."""
         attn, mlp = self.self_attn, self.mlp
         row = x.row if isinstance(x, one_row.Summed) else x
-        if one_row.applies(row, attn.qkv_proj.weight):  # batch 1 on CUDA: each norm and the SiLU in a product
+        if self._one_row(row):  # batch 1 on CUDA: each norm and the SiLU in a product
             norm = self.input_layernorm
             rope = attn.rope_kv_target(positions, fb, rotary, row.dtype)
+            qkv_scale = fp8.row_scale(attn.qkv_proj)
             if isinstance(x, one_row.Summed):
-                qkv, residual = one_row.norm_linear(x, norm.weight, norm.eps, *_wb(attn.qkv_proj), rope), x.row
+                qkv = one_row.norm_linear(x, norm.weight, norm.eps, *_wb(attn.qkv_proj), rope, scale=qkv_scale)
+                residual = x.row
             else:
                 qkv, residual = one_row.add_rms_norm_linear(x, residual, norm.weight, norm.eps, *_wb(attn.qkv_proj),
-                                                            rope)
+                                                            rope, scale=qkv_scale)
             h = attn.o_proj(attn.attend(positions, qkv, fb, rotary, roped=rope is not None))
             norm = self.post_attention_layernorm
-            gate_up, residual = one_row.add_rms_norm_linear(h, residual, norm.weight, norm.eps, *_wb(mlp.gate_up_proj))
+            gate_up, residual = one_row.add_rms_norm_linear(h, residual, norm.weight, norm.eps, *_wb(mlp.gate_up_proj),
+                                                            scale=fp8.row_scale(mlp.gate_up_proj))
             if self.adds_residual:  # (o_proj's add stays in the norm kernel: measured faster, BENCHMARKS.md)
-                return one_row.linear_add(gate_up, *_wb(mlp.down_proj), residual, silu_mul=True), None
+                return one_row.linear_add(gate_up, *_wb(mlp.down_proj), residual, silu_mul=True,
+                                          scale=fp8.row_scale(mlp.down_proj)), None
             return mlp.down_proj.forward_silu_mul(gate_up), residual
         if isinstance(x, one_row.Summed):
             x, residual = x.row, None
@@ -225,6 +229,13 @@ class LlamaDecoderLayer(nn.Module):
         h = attn(positions, h, fb, rotary)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         return mlp(h), residual
+
+    def _one_row(self, row: torch.Tensor) -> bool:
+        """Whether every product of the layer takes the one-row kernels on this row (bf16
+        weights, or FP8 with a scale per row; not block-wise FP8)."""
+        return all(one_row.applies(row, layer.weight, fp8.row_scale(layer))
+                   for layer in (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
+                                 self.mlp.down_proj))
 
     @property
     def adds_residual(self) -> bool:
