@@ -311,7 +311,7 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @gpu_only
 @pytest.mark.parametrize("mode,residual", CASES)
 @pytest.mark.parametrize("n,k", [(1, 64), (37, 1000), (130, 768)])
-@pytest.mark.parametrize("config", CONFIGS + [gemv.GemvConfig(8, 2048, 1), gemv.GemvConfig(4, 512, 4)],
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[4], gemv.GemvConfig(8, 2048, 1)],
                          ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}{'d' if c.use_dot else ''}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemv_fp8_weight_equals_dequantized_product(mode, residual, n, k, config, dtype):
