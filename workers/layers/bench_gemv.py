@@ -49,15 +49,24 @@ FMA = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 4), (16, 51
 DOT = [(64, 128, 4), (64, 256, 3), (32, 256, 4), (128, 128, 3)]
 FUSED_FMA = [(8, 512, 8), (16, 512, 8), (32, 256, 8), (32, 512, 8), (64, 128, 8), (64, 256, 8), (128, 64, 8),
              (128, 128, 8), (64, 128, 4), (32, 256, 4)]
-FP8_FMA = [(4, 2048, 4), (8, 1024, 4), (8, 1024, 8), (16, 1024, 8), (4, 4096, 8), (8, 2048, 8)]  # (--fp8)
-FP8_FUSED_FMA = [(16, 1024, 8), (32, 512, 8), (64, 256, 8), (8, 1024, 8), (32, 1024, 8)]
+# --fp8: 16-column vectors per thread (GemvConfig.vec), and a few of bf16's [rows, columns] accumulators
+FP8_VEC = [(4, 1024, 4), (4, 512, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 8), (16, 1024, 8),
+           (4, 2048, 4), (2, 2048, 4)]
+FP8_FUSED_VEC = [(8, 512, 8), (16, 512, 8), (32, 256, 8), (32, 512, 8), (16, 1024, 8), (64, 256, 8), (8, 1024, 8),
+                 (4, 1024, 4), (64, 128, 8)]
+FP8_PLAIN_ACC = [(8, 256, 4), (8, 512, 4), (4, 1024, 4)]
+FP8_FUSED_ACC = [(8, 256, 4), (32, 256, 8), (16, 512, 8)]
 FUSED_DOT = [(bn, bk, w) for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
 
 
 def sweep_configs(k: int, quick: bool, fp8: bool = False) -> list[GemvConfig]:
+    if fp8:
+        return [GemvConfig(bn, bk, split, w, 3, vec=vec) for split in (1, 2)
+                for vec, launches in ((16, FP8_VEC[:3] if quick else FP8_VEC), (0, FP8_PLAIN_ACC))
+                for bn, bk, w in launches if k // split >= bk]
     out = []
     for split in (1, 2, 4, 8):
-        for bn, bk, warps in (FMA[:3] if quick else FMA) + (FP8_FMA if fp8 else []):
+        for bn, bk, warps in FMA[:3] if quick else FMA:
             if k // split >= bk:
                 out.append(GemvConfig(bn, bk, split, warps, 3))
         if not quick and k // split >= 512:
@@ -69,10 +78,13 @@ def sweep_configs(k: int, quick: bool, fp8: bool = False) -> list[GemvConfig]:
 
 
 def fused_configs(k: int, fp8: bool = False) -> list[GemvConfig]:
+    if fp8:
+        return [GemvConfig(bn, bk, split, w, 3, vec=vec) for split in (1, 2)
+                for vec, launches in ((16, FP8_FUSED_VEC), (0, FP8_FUSED_ACC)) for bn, bk, w in launches
+                if k // split >= bk]
     out = []
     for split in (1, 2):
-        out += [GemvConfig(bn, bk, split, w, 3) for bn, bk, w in (FP8_FUSED_FMA if fp8 else []) + FUSED_FMA
-                if k // split >= bk]
+        out += [GemvConfig(bn, bk, split, w, 3) for bn, bk, w in FUSED_FMA if k // split >= bk]
         out += [GemvConfig(bn, bk, split, w, 3, use_dot=True) for bn, bk, w in FUSED_DOT if k // split >= max(bk, 2048)]
     return out
 
@@ -125,7 +137,9 @@ def bench_shape(name: str, mode: int, n: int, k: int, quick: bool, copy_gbs: flo
         add = name.endswith("+add")
         sq = torch.rand(1024, device="cuda", dtype=torch.float32, generator=gen) * k / 1024
         res = torch.randn(1, n, device="cuda", dtype=dtype, generator=gen)
-        configs = sweep_configs(k, quick, fp8) + ([] if add else [GemvConfig(bn, bk, 1, w, 3) for bn, bk, w in FUSED_FMA])
+        configs = sweep_configs(k, quick, fp8)
+        if not add:
+            configs += fused_configs(k, fp8) if fp8 else [GemvConfig(bn, bk, 1, w, 3) for bn, bk, w in FUSED_FMA]
 
         def op(w, cfg):
             if add:
@@ -181,7 +195,7 @@ def bench_shape(name: str, mode: int, n: int, k: int, quick: bool, copy_gbs: flo
 def _fmt(r: dict) -> str:
     c = r["config"]
     cfg = "" if c is None else (f"n{c['block_n']} k{c['block_k']} s{c['split_k']} w{c['num_warps']} "
-                                f"st{c['num_stages']}{' dot' if c['use_dot'] else ''}")
+                                f"st{c['num_stages']}{' dot' if c['use_dot'] else ''}{' v' + str(c['vec']) if c['vec'] else ''}")
     return f"{r['shape']:<13} p{r['prologue']} {r['kind']:<15} {cfg:<28} {r['us']:8.1f} {r['gb_s']:7.0f} {100 * r['of_copy']:5.1f}%"
 
 

@@ -70,16 +70,20 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     use_dot: bool = False  # tensor-core dot against x padded to 16 rows (else FMA + row sums)
+    vec: int = 0  # FMA over vectors of `vec` columns summed per thread (0: a [block_n, block_k] accumulator)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "split_k"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1) or (name == "block_n" and v < 2):
                 raise ValueError(f"GemvConfig.{name} = {v}: a power of two (block_n at least 2)")
+        if self.vec and (self.vec & (self.vec - 1) or self.vec > self.block_k or self.use_dot):
+            raise ValueError(f"GemvConfig.vec = {self.vec}: a power of two up to block_k, not with use_dot")
 
 
-# FP8 weights: columns per program by (prologue, adds to the residual); absent: twice bf16's
-FP8_BLOCK_K: dict[tuple[int, bool], int] = {}
+# FP8 weights: (rows, columns, warps) per program by (prologue, adds to the residual, wide: n >= 16384),
+# summing 16-column vectors per thread; absent: bf16's launch
+FP8_LAUNCH: dict[tuple[int, bool, bool], tuple[int, int, int]] = {}
 
 
 @functools.lru_cache(maxsize=8)
@@ -96,8 +100,8 @@ def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN, adds:
     32 x 256 for ADD_RMS, 8 x 512 for SiLU. The residual-adding epilogue (`adds`) is slower on
     4 x 1024 programs (o_proj 12.1 vs 9.6 us at 4 x 512) and fastest with SiLU on 16 x 512.
     K is split over programs only when the row blocks are fewer than half the SMs. FP8 weights
-    (one byte an element): FP8_BLOCK_K's columns per program, so a tile reads as many bytes
-    (`bench_gemv --fp8`)."""
+    (one byte an element): FP8_LAUNCH, each thread summing 16 adjacent products (one 16-byte
+    load) as `fp8_gemm`'s GEMV does (`bench_gemv --fp8`)."""
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
     sms = _num_sms(index if device.type == "cuda" else -1)
     block_n, block_k, warps = {PLAIN: (4, 1024, 4), ADD_RMS: (32, 256, 8), SILU_MUL: (8, 512, 8), NORM: (4, 1024, 4)}[mode]
@@ -106,12 +110,12 @@ def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN, adds:
     if adds:
         block_n, block_k = (16, 512) if mode == SILU_MUL else (4, 512)
     if fp8:
-        block_k = FP8_BLOCK_K.get((mode, adds), 2 * block_k)
+        block_n, block_k, warps = FP8_LAUNCH.get((mode, adds, n >= 16384), (block_n, block_k, warps))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     split = 1
     while triton.cdiv(n, block_n) * split < sms // 2 and split < 8 and k // (2 * split) >= block_k:
         split *= 2
-    return GemvConfig(block_n, block_k, split, num_warps=warps, num_stages=3)
+    return GemvConfig(block_n, block_k, split, num_warps=warps, num_stages=3, vec=16 if fp8 else 0)
 
 
 @triton.jit
@@ -127,6 +131,18 @@ def _load_tile(w_rows, cols, live, k_hi, rmask, EVEN: tl.constexpr):
     if EVEN:
         return tl.load(w_rows + cols[None, :], mask=live & rmask[:, None], other=0.0)
     return tl.load(w_rows + cols[None, :], mask=live & rmask[:, None] & (cols < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_w(w_rows, cols, live, k_hi, rmask, EVEN: tl.constexpr, VEC: tl.constexpr):
+    """The weight tile at `cols`: [BLOCK_N, BLOCK_K], or with VEC [BLOCK_N, BLOCK_K / VEC, VEC]
+    (cols [BLOCK_K / VEC, VEC], w_rows [BLOCK_N, 1, 1])."""
+    if VEC == 0:
+        return _load_tile(w_rows, cols, live, k_hi, rmask, EVEN)
+    if EVEN:
+        return tl.load(w_rows + cols[None, :, :], mask=live & rmask[:, None, None], other=0.0)
+    return tl.load(w_rows + cols[None, :, :], mask=live & rmask[:, None, None] & (cols < k_hi)[None, :, :],
+                   other=0.0)
 
 
 @triton.jit
@@ -230,7 +246,7 @@ def _gemv_kernel(
     ROPE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, W_SCALED: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-    PDL: tl.constexpr,
+    VEC: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -245,11 +261,15 @@ def _gemv_kernel(
     chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * chunk
     k_hi = tl.minimum(k_lo + chunk, K)
-    w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
-    offs_k = tl.arange(0, BLOCK_K)
+    if VEC == 0:
+        w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
+        offs_k = tl.arange(0, BLOCK_K)
+    else:  # each thread sums VEC adjacent products (one 16-byte load of FP8) into one accumulator
+        w_rows = W + rows.to(tl.int64)[:, None, None] * stride_wn
+        offs_k = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     # The weights are never written: the first tile is requested before waiting for the inputs
     # (PDL), and every iteration requests the next tile before using the current one.
-    w = _load_tile(w_rows, k_lo + offs_k, k_lo < k_hi, k_hi, rmask, EVEN_N and EVEN_K)
+    w = _load_w(w_rows, k_lo + offs_k, k_lo < k_hi, k_hi, rmask, EVEN_N and EVEN_K, VEC)
     ws = tl.zeros([BLOCK_N], tl.float32)
     if W_SCALED:  # an FP8 weight's per-row scales (never written either)
         ws = tl.load(WS + rows, mask=rmask, other=0.0)
@@ -273,15 +293,17 @@ def _gemv_kernel(
     if USE_DOT:
         acc = tl.zeros([16, BLOCK_N], tl.float32)
         pad_rows = tl.arange(0, 16)
-    else:
+    elif VEC == 0:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    sq = tl.zeros([BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    sq = tl.zeros(offs_k.shape, tl.float32)
     # The prologue's inputs are requested an iteration ahead too: each iteration then waits
     # for one round trip (the weights'), not two in a row (the input's, then the weights').
     p0, p1, p2 = _prologue_load(X, R, NW, k_lo + offs_k, k_lo + offs_k < k_hi, K, MODE, HAS_R)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + offs_k
-        w_next = _load_tile(w_rows, cols + BLOCK_K, k0 + BLOCK_K < k_hi, k_hi, rmask, EVEN_N and EVEN_K)
+        w_next = _load_w(w_rows, cols + BLOCK_K, k0 + BLOCK_K < k_hi, k_hi, rmask, EVEN_N and EVEN_K, VEC)
         n0, n1, n2 = _prologue_load(X, R, NW, cols + BLOCK_K, cols + BLOCK_K < k_hi, K, MODE, HAS_R)
         xv, sq_k = _prologue(p0, p1, p2, MODE, HAS_R)
         p0, p1, p2 = n0, n1, n2
@@ -289,13 +311,15 @@ def _gemv_kernel(
         if USE_DOT:
             xt = tl.where(pad_rows[:, None] == 0, xv[None, :], 0.0).to(X.dtype.element_ty)
             acc = tl.dot(xt, tl.trans(w.to(X.dtype.element_ty)), acc)
-        else:
+        elif VEC == 0:
             acc += w.to(tl.float32) * xv[None, :]
+        else:
+            acc += tl.sum(w.to(tl.float32) * xv[None, :, :], 2)
         w = w_next
     if WRITE_S:  # the residual sum, once: by the first row block, for its slice of K
         if pid_n == 0:
             for k0 in range(k_lo, k_hi, BLOCK_K):
-                cols = k0 + offs_k
+                cols = k0 + tl.arange(0, BLOCK_K)
                 cmask = cols < k_hi
                 x = _load(X + cols, cmask, EVEN_K)
                 s = (x.to(tl.float32) + _load(R + cols, cmask, EVEN_K).to(tl.float32)).to(x.dtype)
@@ -304,7 +328,7 @@ def _gemv_kernel(
         y = tl.sum(tl.where(pad_rows[:, None] == 0, acc, 0.0), 0)
     else:
         y = tl.sum(acc, 1)
-    sq_sum = tl.sum(sq, 0)
+    sq_sum = tl.sum(sq)
     if SPLIT_K > 1:
         tl.store(Part + pid_k * N + rows, y, mask=rmask)
         if MODE == 1:
@@ -510,7 +534,7 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
         MODE=mode, HAS_R=has_r, WRITE_S=has_r, HAS_BIAS=bias is not None,
         ADD_RES=add_to is not None, SQ_BLOCK=triton.next_power_of_2(n_sq), **rope_consts, W_SCALED=fp8,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
-        SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
+        SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, VEC=cfg.vec,
         PDL=use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
     )
