@@ -82,8 +82,15 @@ class GemvConfig:
 
 
 # FP8 weights: (rows, columns, warps) per program by (prologue, adds to the residual, wide: n >= 16384),
-# summing 16-column vectors per thread; absent: bf16's launch
-FP8_LAUNCH: dict[tuple[int, bool, bool], tuple[int, int, int]] = {}
+# each thread summing 16-column vectors; the in-graph sweep on the H100 (`bench_gemv --fp8`,
+# BENCHMARKS.md): 8 x 1024 for the plain and SiLU products, 16 x 512 with a norm prologue, fp8_gemm's
+# 4 x 1024 for wide outputs. Absent: bf16's launch.
+FP8_LAUNCH: dict[tuple[int, bool, bool], tuple[int, int, int]] = {
+    (PLAIN, False, False): (8, 1024, 8), (PLAIN, True, False): (8, 1024, 8), (PLAIN, False, True): (4, 1024, 4),
+    (ADD_RMS, False, False): (16, 512, 8), (ADD_RMS, False, True): (4, 1024, 4),
+    (NORM, False, False): (16, 512, 8), (NORM, False, True): (4, 1024, 4),
+    (SILU_MUL, False, False): (8, 1024, 8), (SILU_MUL, True, False): (8, 1024, 8),
+}
 
 
 @functools.lru_cache(maxsize=8)
@@ -138,11 +145,13 @@ def _load_w(w_rows, cols, live, k_hi, rmask, EVEN: tl.constexpr, VEC: tl.constex
     """The weight tile at `cols`: [BLOCK_N, BLOCK_K], or with VEC [BLOCK_N, BLOCK_K / VEC, VEC]
     (cols [BLOCK_K / VEC, VEC], w_rows [BLOCK_N, 1, 1])."""
     if VEC == 0:
-        return _load_tile(w_rows, cols, live, k_hi, rmask, EVEN)
-    if EVEN:
-        return tl.load(w_rows + cols[None, :, :], mask=live & rmask[:, None, None], other=0.0)
-    return tl.load(w_rows + cols[None, :, :], mask=live & rmask[:, None, None] & (cols < k_hi)[None, :, :],
-                   other=0.0)
+        w = _load_tile(w_rows, cols, live, k_hi, rmask, EVEN)
+    elif EVEN:
+        w = tl.load(w_rows + cols[None, :, :], mask=live & rmask[:, None, None], other=0.0)
+    else:
+        w = tl.load(w_rows + cols[None, :, :], mask=live & rmask[:, None, None] & (cols < k_hi)[None, :, :],
+                    other=0.0)
+    return w
 
 
 @triton.jit
