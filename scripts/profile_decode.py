@@ -2,7 +2,7 @@
 and the GPU's kernels over a window of steady-state steps (busy time, the gaps between
 kernels, the kernels by total time).
 
-    python3 scripts/profile_decode.py MODEL_DIR [BATCH] [--prefill N] [--out FILE.json]
+    python3 scripts/profile_decode.py MODEL_DIR [BATCH] [--prefill N] [--quantization fp8] [--out FILE.json]
 
 --prefill N profiles MIXED steps instead: before each profiled step a new N-token prompt
 (max_tokens 1) joins the BATCH decoding requests, so every step computes N prompt tokens beside
@@ -78,10 +78,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--input-len", type=int, default=512, help="the decoding requests' prompt length")
     ap.add_argument("--prefill", type=int, default=0, help="a new prompt of this many tokens in every step")
+    ap.add_argument("--quantization", default=None, help="e.g. fp8: quantize the weights at load")
     ap.add_argument("--out")
     a = ap.parse_args()
     engine = Engine(EngineConfig(model=a.model, device="cuda", page_size=16, max_context_len=4096, mem_fraction=0.5,
-                                 chunked_prefill_size=max(2048, a.prefill), mixed_prefill_tokens=0))
+                                 chunked_prefill_size=max(2048, a.prefill), mixed_prefill_tokens=0,
+                                 quantization=a.quantization))
     runner = engine.workers.runner
     prompts = [[5 + (i * 7 + j) % 800 for j in range(a.input_len)] for i in range(a.batch)]
     params = SamplingParams(max_tokens=a.steps + 60, temperature=0.0, ignore_eos=True)
