@@ -15,9 +15,6 @@ What is left to choose is what a user or a benchmark needs:
 - `mixed_split` (`MANTA_MIXED_SPLIT=0`): a MIXED step runs its decode rows through their CUDA
   graph and its prompt pieces as a second, eager forward (`workers.pipeline`); off, the whole
   step runs as one eager forward (the baseline).
-- `gemv_prefetch` (`MANTA_GEMV_PREFETCH=0`): each one-row GEMV program asks L2 for the rest of its
-  weight slice before it waits on the kernel before it (sm_90 bulk prefetch), so a product's
-  weights stream in while attention or the previous product finishes.
 - `gemv_configs` (`MANTA_GEMV_CONFIGS="NxK:block_n,block_k,split_k,num_warps[,vec];..."`): launches to
   try for given product shapes (tuning).
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
@@ -41,14 +38,12 @@ class KernelOptions:
     one_row_gemv: bool = True
     pdl: bool = True
     mixed_split: bool = True
-    gemv_prefetch: bool = True
     gemv_configs: tuple[tuple[str, GemvLaunch], ...] = ()  # ("NxK", launch)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:
         return cls(one_row_gemv=environ.get("MANTA_GEMV") != "0", pdl=environ.get("MANTA_PDL") != "0",
                    mixed_split=environ.get("MANTA_MIXED_SPLIT") != "0",
-                   gemv_prefetch=environ.get("MANTA_GEMV_PREFETCH") != "0",
                    gemv_configs=parse_gemv_configs(environ.get("MANTA_GEMV_CONFIGS", "")))
 
     def gemv_launch(self, n: int, k: int) -> GemvLaunch | None:
@@ -57,8 +52,7 @@ class KernelOptions:
 
     def describe(self) -> str:
         parts = [f"one-row GEMV {'on' if self.one_row_gemv else 'off'}", f"PDL {'on' if self.pdl else 'off'}",
-                 f"MIXED split {'on' if self.mixed_split else 'off'}",
-                 f"GEMV L2 prefetch {'on' if self.gemv_prefetch else 'off'}"]
+                 f"MIXED split {'on' if self.mixed_split else 'off'}"]
         if self.gemv_configs:
             parts.append("GEMV launches " + "; ".join(f"{s}:{','.join(map(str, c))}" for s, c in self.gemv_configs))
         return ", ".join(parts)

@@ -155,15 +155,6 @@ def _load_w(w_rows, cols, live, k_hi, rmask, EVEN: tl.constexpr, VEC: tl.constex
 
 
 @triton.jit
-def _prefetch_l2(ptrs, nbytes):
-    """A hint: L2 fetches `nbytes` (a multiple of 16; nothing where <= 0) from each 16-byte aligned
-    address of `ptrs` (sm_90's bulk prefetch: no registers, no wait, no fault)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _prologue_load(X, R, NW, cols, cmask, K, MODE: tl.constexpr, HAS_R: tl.constexpr):
     """The prologue's inputs at `cols` as loaded (three tensors; unused ones repeat the first):
     requested an iteration ahead of their use, like the weights (see `_gemv_kernel`)."""
@@ -264,7 +255,7 @@ def _gemv_kernel(
     ROPE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, W_SCALED: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-    VEC: tl.constexpr, PREFETCH: tl.constexpr, W_BYTES: tl.constexpr, PDL: tl.constexpr,
+    VEC: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -291,13 +282,6 @@ def _gemv_kernel(
     ws = tl.zeros([BLOCK_N], tl.float32)
     if W_SCALED:  # an FP8 weight's per-row scales (never written either)
         ws = tl.load(WS + rows, mask=rmask, other=0.0)
-    if PREFETCH:  # the rest of this program's slice into L2, in PREFETCH pieces per row
-        rest = k_hi - k_lo - BLOCK_K
-        piece = tl.cdiv(tl.cdiv(rest, PREFETCH) * W_BYTES, 16) * 16 // W_BYTES  # elements, 16-byte multiples
-        first = tl.arange(0, PREFETCH)[None, :] * piece
-        nbytes = (tl.minimum(piece, rest - first) * W_BYTES) // 16 * 16
-        _prefetch_l2(W + rows.to(tl.int64)[:, None] * stride_wn + (k_lo + BLOCK_K) + first,
-                     tl.where(rmask[:, None], nbytes, 0))
     pdl.wait(PDL)
     # What the end needs from earlier kernels is requested now, to arrive during the loop.
     if MODE == 3:
@@ -560,25 +544,10 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
         ADD_RES=add_to is not None, SQ_BLOCK=triton.next_power_of_2(n_sq), **rope_consts, W_SCALED=fp8,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, VEC=cfg.vec,
-        PREFETCH=_prefetch_pieces(weight, cfg), W_BYTES=weight.element_size(), PDL=use_pdl,
+        PDL=use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
     )
     return (y, sq_out) if add_to is not None else (y, s)
-
-
-def _prefetch_pieces(weight: torch.Tensor, cfg: GemvConfig) -> int:
-    """Pieces per row of a program's L2 prefetch (`KernelOptions.gemv_prefetch`): one per thread
-    of the program, or 0 (none) off sm_90+ or where rows do not start on 16-byte boundaries."""
-    if not (kernel_options.current().gemv_prefetch and _bulk_prefetch(weight.device)):
-        return 0
-    if weight.data_ptr() % 16 or (weight.stride(0) * weight.element_size()) % 16:
-        return 0
-    return max(1, 32 * cfg.num_warps // cfg.block_n)
-
-
-@functools.lru_cache(maxsize=8)
-def _bulk_prefetch(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _override(n: int, k: int) -> GemvConfig | None:
