@@ -30,9 +30,12 @@ last to arrive (an atomic counter per row block, reset by that program, so CUDA-
 need no memset) adds them up in order and stores the row. No second kernel.
 
 The weight may be FP8 (float8_e4m3fn) with one float32 scale per output row (per-channel and
-per-tensor checkpoints, `--quantization fp8`): each element is widened in registers and the
-row's scale multiplies its sum at the end, so an FP8 layer at batch 1 keeps every fusion above
-and reads half the bytes. (Block-wise scales, DeepSeek-V3's, stay on `fp8_gemm.gemv`.)
+per-tensor checkpoints, `--quantization fp8`): the row's scale multiplies its sum at the end, so
+an FP8 layer at batch 1 keeps every fusion above and reads half the bytes. The FMA path widens
+each element in registers (`vec`: 16 adjacent products per thread, one 16-byte load); the
+tensor-core path (`use_dot`) multiplies FP8 by FP8, each BLOCK_K chunk of the prologue's output
+scaled to e4m3 by its own largest |x| (finer than vLLM's per-token activation scales), so the
+weights are never converted. (Block-wise scales, DeepSeek-V3's, stay on `fp8_gemm.gemv`.)
 
 `GemvConfig` is the launch; `choose_config` picks one from the shape (measured on the H200 with
 `python -m workers.layers.bench_gemv`, BENCHMARKS.md). Everything else (more rows, CPU, float32)
@@ -69,7 +72,7 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    use_dot: bool = False  # tensor-core dot against x padded to 16 rows (else FMA + row sums)
+    use_dot: bool = False  # tensor-core dot against x padded to 16 rows (else FMA + row sums); FP8: W8A8
     vec: int = 0  # FMA over vectors of `vec` columns summed per thread (0: a [block_n, block_k] accumulator)
 
     def __post_init__(self) -> None:
@@ -317,9 +320,14 @@ def _gemv_kernel(
         xv, sq_k = _prologue(p0, p1, p2, MODE, HAS_R)
         p0, p1, p2 = n0, n1, n2
         sq += sq_k
-        if USE_DOT:
+        if USE_DOT and W_SCALED:  # FP8 x FP8 tensor cores: this chunk of x scaled to e4m3 by its largest |x|
+            sx = tl.maximum(tl.max(tl.abs(xv), 0), 1e-30) / 448.0
+            xq = tl.minimum(tl.maximum(xv / sx, -448.0), 448.0)
+            xt = tl.where(pad_rows[:, None] == 0, xq[None, :], 0.0).to(W.dtype.element_ty)
+            acc += tl.dot(xt, tl.trans(w)) * sx
+        elif USE_DOT:
             xt = tl.where(pad_rows[:, None] == 0, xv[None, :], 0.0).to(X.dtype.element_ty)
-            acc = tl.dot(xt, tl.trans(w.to(X.dtype.element_ty)), acc)
+            acc = tl.dot(xt, tl.trans(w), acc)
         elif VEC == 0:
             acc += w.to(tl.float32) * xv[None, :]
         else:
@@ -514,7 +522,7 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
         raise ValueError("gemv: a norm prologue needs the norm's weight")
     fp8 = scale is not None
     cfg = config or _logged_choice(n, k, x.device, mode, add_to is not None, fp8)
-    if cfg.use_dot and mode in (ADD_RMS, NORM) and x.dtype == torch.float16:
+    if cfg.use_dot and not fp8 and mode in (ADD_RMS, NORM) and x.dtype == torch.float16:
         raise ValueError("gemv: the tensor-core path rounds the un-normalised row to the input dtype, "
                          "which overflows float16")
     rope_ptrs, rope_consts, block_n = _rope_args(rope, n, cfg.block_n, x.dtype)
