@@ -311,48 +311,20 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q, s, fp8.dequantize(q, s, q.shape[1])
 
 
-def _a8(xv: torch.Tensor, block_k: int) -> torch.Tensor:
-    """xv [1, K] float32 rounded as the FP8 tensor-core path does: each block_k chunk scaled to
-    e4m3 by its largest |x|, rounded to nearest, scaled back."""
-    out = torch.empty_like(xv)
-    for c0 in range(0, xv.shape[-1], block_k):
-        chunk = xv[:, c0 : c0 + block_k]
-        s = chunk.abs().amax().clamp(min=1e-30) / 448.0
-        out[:, c0 : c0 + block_k] = (chunk / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
-    return out
-
-
-def _reference_a8(mode, x, wd, b, r, nw, eps, block_k):
-    """The W8A8 product (`use_dot` on an FP8 weight): the prologue's output as the kernel holds it
-    (the norm's weight applied, 1/rms not yet), rounded by `_a8`, times the dequantized weight."""
-    rms = 1.0
-    if mode == gemv.SILU_MUL:
-        xv = fused._silu_and_mul(x).float()
-    elif mode == gemv.ADD_RMS:
-        s = (x.float() + r.float()).to(x.dtype).float() if r is not None else x.float()
-        xv, rms = s * nw.float(), torch.rsqrt(s.pow(2).mean() + eps)
-    else:
-        xv = x.float()
-    return F.linear(_a8(xv, block_k), wd) * rms + (0 if b is None else b.float())
-
-
 @gpu_only
 @pytest.mark.parametrize("mode,residual", CASES)
 @pytest.mark.parametrize("n,k", [(1, 64), (37, 1000), (130, 768)])
-@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[3], CONFIGS[4], gemv.GemvConfig(4, 1024, 1, vec=16),
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[4], gemv.GemvConfig(4, 1024, 1, vec=16),
                                     gemv.GemvConfig(8, 64, 2, vec=16), gemv.GemvConfig(32, 32, 1, vec=16)],
                          ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}{'d' if c.use_dot else ''}v{c.vec}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemv_fp8_weight_equals_dequantized_product(mode, residual, n, k, config, dtype):
-    """FMA paths: the unfused ops on the dequantized weight. Tensor-core paths (W8A8, also in
-    float16: x is scaled into e4m3's range): the same with x rounded per chunk (`_reference_a8`)."""
+    if config.use_dot and dtype == torch.float16 and mode == gemv.ADD_RMS:
+        pytest.skip("refused: the tensor-core path would overflow float16 (test_gemv_equals_unfused_ops)")
     x, w, b, r, nw = _inputs(mode, n, k, dtype, bias=n % 2 == 1, residual=residual, seed=n * k + mode + 7)
     q, s, wd = _fp8(w)
     y, res_sum = gemv.gemv(x, q, b, mode=mode, residual=r, norm_weight=nw, eps=1e-5, scale=s, config=config)
     want, want_s = _reference(mode, x, wd, b, r, nw, 1e-5)
-    if config.use_dot:
-        want = _reference_a8(mode, x, wd, b, r, nw, 1e-5, config.block_k)
-        assert (want - _reference(mode, x, wd, b, r, nw, 1e-5)[0]).abs().max() > 1e-3  # x was rounded
     assert y.shape == (1, n) and y.dtype == dtype
     torch.testing.assert_close(y.float(), want, **TOL)
     if want_s is not None:

@@ -56,8 +56,6 @@ FP8_VEC = [(4, 1024, 4), (4, 512, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (
 FP8_FUSED_VEC = [(8, 512, 8), (16, 512, 8), (32, 256, 8), (32, 512, 8), (16, 1024, 8), (64, 256, 8), (8, 1024, 8),
                  (4, 1024, 4), (64, 128, 8)]
 FP8_PLAIN_ACC = [(8, 256, 4), (8, 512, 4), (4, 1024, 4)]
-FP8_DOT = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (16, 256, 4), (32, 256, 4), (64, 256, 4), (128, 128, 4),
-           (32, 512, 4), (64, 128, 8), (128, 256, 8)]  # W8A8 tensor cores
 FP8_FUSED_ACC = [(8, 256, 4), (32, 256, 8), (16, 512, 8)]
 FUSED_DOT = [(bn, bk, w) for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
 
@@ -66,7 +64,7 @@ def sweep_configs(k: int, quick: bool, fp8: bool = False) -> list[GemvConfig]:
     if fp8:
         return [GemvConfig(bn, bk, split, w, 3, vec=vec) for split in (1, 2)
                 for vec, launches in ((16, FP8_VEC[:3] if quick else FP8_VEC), (0, FP8_PLAIN_ACC))
-                for bn, bk, w in launches if k // split >= bk] + fp8_dot_configs(k)
+                for bn, bk, w in launches if k // split >= bk]
     out = []
     for split in (1, 2, 4, 8):
         for bn, bk, warps in FMA[:3] if quick else FMA:
@@ -80,16 +78,11 @@ def sweep_configs(k: int, quick: bool, fp8: bool = False) -> list[GemvConfig]:
     return out
 
 
-def fp8_dot_configs(k: int) -> list[GemvConfig]:
-    return [GemvConfig(bn, bk, split, w, 3, use_dot=True) for split in (1, 2) for bn, bk, w in FP8_DOT
-            if k // split >= bk]
-
-
 def fused_configs(k: int, fp8: bool = False) -> list[GemvConfig]:
     if fp8:
         return [GemvConfig(bn, bk, split, w, 3, vec=vec) for split in (1, 2)
                 for vec, launches in ((16, FP8_FUSED_VEC), (0, FP8_FUSED_ACC)) for bn, bk, w in launches
-                if k // split >= bk] + fp8_dot_configs(k)
+                if k // split >= bk]
     out = []
     for split in (1, 2):
         out += [GemvConfig(bn, bk, split, w, 3) for bn, bk, w in FUSED_FMA if k // split >= bk]

@@ -30,12 +30,9 @@ last to arrive (an atomic counter per row block, reset by that program, so CUDA-
 need no memset) adds them up in order and stores the row. No second kernel.
 
 The weight may be FP8 (float8_e4m3fn) with one float32 scale per output row (per-channel and
-per-tensor checkpoints, `--quantization fp8`): the row's scale multiplies its sum at the end, so
-an FP8 layer at batch 1 keeps every fusion above and reads half the bytes. The FMA path widens
-each element in registers (`vec`: 16 adjacent products per thread, one 16-byte load); the
-tensor-core path (`use_dot`) multiplies FP8 by FP8, each BLOCK_K chunk of the prologue's output
-scaled to e4m3 by its own largest |x| (finer than vLLM's per-token activation scales), so the
-weights are never converted. (Block-wise scales, DeepSeek-V3's, stay on `fp8_gemm.gemv`.)
+per-tensor checkpoints, `--quantization fp8`): each element is widened in registers and the
+row's scale multiplies its sum at the end, so an FP8 layer at batch 1 keeps every fusion above
+and reads half the bytes. (Block-wise scales, DeepSeek-V3's, stay on `fp8_gemm.gemv`.)
 
 `GemvConfig` is the launch; `choose_config` picks one from the shape (measured on the H200 with
 `python -m workers.layers.bench_gemv`, BENCHMARKS.md). Everything else (more rows, CPU, float32)
@@ -72,7 +69,7 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    use_dot: bool = False  # tensor-core dot against x padded to 16 rows (else FMA + row sums); FP8: W8A8
+    use_dot: bool = False  # tensor-core dot against x padded to 16 rows (else FMA + row sums)
     vec: int = 0  # FMA over vectors of `vec` columns summed per thread (0: a [block_n, block_k] accumulator)
 
     def __post_init__(self) -> None:
@@ -84,15 +81,16 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.vec = {self.vec}: a power of two up to block_k, not with use_dot")
 
 
-# FP8 weights: (rows, columns, warps) per program by (prologue, adds to the residual, wide: n >= 16384),
-# each thread summing 16-column vectors; the in-graph sweep on the H100 (`bench_gemv --fp8`,
-# BENCHMARKS.md): 8 x 1024 for the plain and SiLU products, 16 x 512 with a norm prologue, fp8_gemm's
-# 4 x 1024 for wide outputs. Absent: bf16's launch.
-FP8_LAUNCH: dict[tuple[int, bool, bool], tuple[int, int, int]] = {
-    (PLAIN, False, False): (8, 1024, 8), (PLAIN, True, False): (8, 1024, 8), (PLAIN, False, True): (4, 1024, 4),
-    (ADD_RMS, False, False): (16, 512, 8), (ADD_RMS, False, True): (4, 1024, 4),
-    (NORM, False, False): (16, 512, 8), (NORM, False, True): (4, 1024, 4),
-    (SILU_MUL, False, False): (8, 1024, 8), (SILU_MUL, True, False): (8, 1024, 8),
+# FP8 weights: (rows, columns, warps, vec) per program by (prologue, adds to the residual, wide: n >=
+# 16384), from the in-graph sweep on the H100 (`bench_gemv --fp8`, BENCHMARKS.md): 16-column vectors
+# per thread (`vec`) on 8 x 1024 for the plain and SiLU products and 16 x 512 with a norm prologue;
+# the wide plain product (gate/up after the norm kernel) on bf16's 8 x 256 accumulator. Absent:
+# bf16's launch with 16-column vectors.
+FP8_LAUNCH: dict[tuple[int, bool, bool], tuple[int, int, int, int]] = {
+    (PLAIN, False, False): (8, 1024, 8, 16), (PLAIN, True, False): (8, 1024, 8, 16), (PLAIN, False, True): (8, 256, 4, 0),
+    (ADD_RMS, False, False): (16, 512, 8, 16), (ADD_RMS, False, True): (4, 1024, 4, 16),
+    (NORM, False, False): (16, 512, 8, 16), (NORM, False, True): (4, 1024, 4, 16),
+    (SILU_MUL, False, False): (8, 1024, 8, 16), (SILU_MUL, True, False): (8, 1024, 8, 16),
 }
 
 
@@ -110,8 +108,8 @@ def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN, adds:
     32 x 256 for ADD_RMS, 8 x 512 for SiLU. The residual-adding epilogue (`adds`) is slower on
     4 x 1024 programs (o_proj 12.1 vs 9.6 us at 4 x 512) and fastest with SiLU on 16 x 512.
     K is split over programs only when the row blocks are fewer than half the SMs. FP8 weights
-    (one byte an element): FP8_LAUNCH, each thread summing 16 adjacent products (one 16-byte
-    load) as `fp8_gemm`'s GEMV does (`bench_gemv --fp8`)."""
+    (one byte an element): FP8_LAUNCH, mostly with each thread summing 16 adjacent products (one
+    16-byte load) as `fp8_gemm`'s GEMV does (`bench_gemv --fp8`)."""
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
     sms = _num_sms(index if device.type == "cuda" else -1)
     block_n, block_k, warps = {PLAIN: (4, 1024, 4), ADD_RMS: (32, 256, 8), SILU_MUL: (8, 512, 8), NORM: (4, 1024, 4)}[mode]
@@ -119,13 +117,14 @@ def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN, adds:
         block_n, block_k = 8, 256 if n >= 65536 else 512
     if adds:
         block_n, block_k = (16, 512) if mode == SILU_MUL else (4, 512)
+    vec = 0
     if fp8:
-        block_n, block_k, warps = FP8_LAUNCH.get((mode, adds, n >= 16384), (block_n, block_k, warps))
+        block_n, block_k, warps, vec = FP8_LAUNCH.get((mode, adds, n >= 16384), (block_n, block_k, warps, 16))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     split = 1
     while triton.cdiv(n, block_n) * split < sms // 2 and split < 8 and k // (2 * split) >= block_k:
         split *= 2
-    return GemvConfig(block_n, block_k, split, num_warps=warps, num_stages=3, vec=16 if fp8 else 0)
+    return GemvConfig(block_n, block_k, split, num_warps=warps, num_stages=3, vec=min(vec, block_k))
 
 
 @triton.jit
@@ -320,14 +319,9 @@ def _gemv_kernel(
         xv, sq_k = _prologue(p0, p1, p2, MODE, HAS_R)
         p0, p1, p2 = n0, n1, n2
         sq += sq_k
-        if USE_DOT and W_SCALED:  # FP8 x FP8 tensor cores: this chunk of x scaled to e4m3 by its largest |x|
-            sx = tl.maximum(tl.max(tl.abs(xv), 0), 1e-30) / 448.0
-            xq = tl.minimum(tl.maximum(xv / sx, -448.0), 448.0)
-            xt = tl.where(pad_rows[:, None] == 0, xq[None, :], 0.0).to(W.dtype.element_ty)
-            acc += tl.dot(xt, tl.trans(w)) * sx
-        elif USE_DOT:
+        if USE_DOT:
             xt = tl.where(pad_rows[:, None] == 0, xv[None, :], 0.0).to(X.dtype.element_ty)
-            acc = tl.dot(xt, tl.trans(w), acc)
+            acc = tl.dot(xt, tl.trans(w.to(X.dtype.element_ty)), acc)
         elif VEC == 0:
             acc += w.to(tl.float32) * xv[None, :]
         else:
@@ -522,7 +516,7 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
         raise ValueError("gemv: a norm prologue needs the norm's weight")
     fp8 = scale is not None
     cfg = config or _logged_choice(n, k, x.device, mode, add_to is not None, fp8)
-    if cfg.use_dot and not fp8 and mode in (ADD_RMS, NORM) and x.dtype == torch.float16:
+    if cfg.use_dot and mode in (ADD_RMS, NORM) and x.dtype == torch.float16:
         raise ValueError("gemv: the tensor-core path rounds the un-normalised row to the input dtype, "
                          "which overflows float16")
     rope_ptrs, rope_consts, block_n = _rope_args(rope, n, cfg.block_n, x.dtype)
