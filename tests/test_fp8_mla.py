@@ -3,8 +3,9 @@ compressed-tensors per-channel, against transformers on the dequantized weights 
 either format on a CPU: see tests/test_fp8.py), prefill and the absorbed decode path; TP=2
 equals TP=1. The linear layers and the routed experts hold FP8 weights (the experts' loop
 dequantizes each expert it runs on the CPU; the grouped GEMM's FP8 tiles are checked on the GPU
-in tests/test_fused_moe.py); kv_b_proj is dequantized at load
-(`workers.models.deepseek.DENSE_AT_LOAD`)."""
+in tests/test_fused_moe.py); so does kv_b_proj, whose FP8 weight also makes the absorbed
+projections of decode (`workers.layers.fp8_heads`: dequantized per call on the CPU, one Triton
+kernel on the GPU, tests/test_fp8_heads.py)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def test_prefill_and_decode_logits_match_transformers_on_the_dequantized_weights
     moe = model.model.layers[1].mlp
     assert moe.shared_experts.down_proj.weight.dtype == torch.float8_e4m3fn
     assert moe.experts.w13.dtype == moe.experts.w2.dtype == torch.float8_e4m3fn  # with their scales
-    assert attn.kv_b_proj.weight.dtype == torch.float32  # dequantized at load (DENSE_AT_LOAD)
+    assert attn.kv_b_proj.weight.dtype == torch.float8_e4m3fn  # the absorbed projections' too
     hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32, attn_implementation="eager").eval()
     check_prefill_and_decode(cfg, model, hf, variant)
 

@@ -84,16 +84,6 @@ def scale_param(match: re.Match) -> str:
     return "input_scale" if match.group(1) == "input_scale" else "weight_scale"
 
 
-def checkpoint_slice(reader: Any, name: str, spec: QuantSpec | None, dense: bool) -> Any:
-    """The slice to load tensor `name` from: as stored, or for an FP8 weight of a layer kept
-    in the model's dtype (`dense`), dequantized with its scale (`DequantizedSlice`)."""
-    src = reader.get_slice(name)
-    if spec is None or not dense or src.get_dtype() != "F8_E4M3":
-        return src
-    return DequantizedSlice(src, reader.get_slice(name + ("_scale_inv" if spec.method == "block" else "_scale")),
-                            spec)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequantize(weight, scale).T (+ bias), in x's dtype."""
@@ -104,37 +94,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: 
         y = fp8_gemm.fp8_linear(flat if flat.is_contiguous() else flat.contiguous(), weight, scale, block_k, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, dequantize(weight, scale, block_k).to(x.dtype), bias)
-
-
-class DequantizedSlice:
-    """A checkpoint's FP8 weight read as plain weights: indexing it (rows, or rows and columns,
-    by slices) reads only those parts of the weight and of its scale and returns them
-    dequantized (float32). For layers that have no FP8 product yet, loaded into parameters of
-    the model's dtype."""
-
-    def __init__(self, weight: Any, scale: Any, spec: QuantSpec):
-        self.weight, self.scale, self.spec = weight, scale, spec
-
-    def get_shape(self) -> list[int]:
-        return list(self.weight.get_shape())
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        n, k = self.get_shape()
-        rows, cols = (index if isinstance(index, tuple) else (index, slice(None)))
-        r0, r1, _ = rows.indices(n)
-        c0, c1, _ = cols.indices(k)
-        w = self.weight[r0:r1, c0:c1].to(torch.float32)
-        shape = list(self.scale.get_shape())
-        if self.spec.method == "block":
-            bn, bk = self.spec.block
-            s = self.scale[r0 // bn : -(-r1 // bn), c0 // bk : -(-c1 // bk)].to(torch.float32)
-            s = s.repeat_interleave(bn, dim=0)[r0 % bn : r0 % bn + r1 - r0]
-            s = s.repeat_interleave(bk, dim=1)[:, c0 % bk : c0 % bk + c1 - c0]
-        elif not shape or shape in ([1], [1, 1]):
-            s = (self.scale[...] if not shape else self.scale[:]).reshape(-1)[0].to(torch.float32)
-        else:
-            s = self.scale[r0:r1].to(torch.float32).reshape(-1, 1)
-        return w * s
 
 
 # ---------------------------------------------------------------------------------------------

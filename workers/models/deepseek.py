@@ -43,7 +43,7 @@ from torch import nn
 
 from attention.mla import MLAAttentionLayer
 from workers import kv_quant
-from workers.layers import fp8
+from workers.layers import fp8, fp8_heads
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import (
     ColumnParallelLinear,
@@ -174,10 +174,10 @@ class DeepseekAttention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.lora + self.rope, bias, dtype, device,
                                                    quant=config.quant_for(p + "kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(self.lora, LORA_NORM_EPS, dtype, device)
-        # (Its weight is the absorbed projections of decode: kept in the model's dtype, an FP8
-        # checkpoint's dequantized at load — `DENSE_AT_LOAD`.)
+        # (Its weight is also the absorbed projections of decode: `absorb_query`, `absorb_output`.)
         self.kv_b_proj = ColumnParallelLinear(
-            self.lora, heads * (self.nope + self.v_dim), False, tp, dtype, device
+            self.lora, heads * (self.nope + self.v_dim), False, tp, dtype, device,
+            quant=config.quant_for(p + "kv_b_proj"),
         )
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, dtype, device,
                                         quant=config.quant_for(p + "o_proj"))
@@ -193,10 +193,22 @@ class DeepseekAttention(nn.Module):
             expand_kv=self.expand_kv,
         )
 
-    def _w_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, N, C], W_UV [H, V, C]) of this rank's heads: views of kv_b_proj.weight."""
-        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.lora)
-        return w[:, : self.nope], w[:, self.nope :]
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, H, N] -> [T, H, C]: each head's query through its W_UK (kv_b_proj's first N
+        rows of the head), into the latent space the cache holds."""
+        b = self.kv_b_proj
+        if fp8.is_fp8(b.weight):
+            return fp8_heads.into_latent(q_nope, b.weight, b.weight_scale, b.block_k, self.v_dim)
+        w_uk = b.weight.view(self.heads, self.nope + self.v_dim, self.lora)[:, : self.nope]
+        return torch.einsum("thn,hnc->thc", q_nope, w_uk)
+
+    def absorb_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's latent output [T, H, C] -> [T, H, V] through each head's W_UV."""
+        b = self.kv_b_proj
+        if fp8.is_fp8(b.weight):
+            return fp8_heads.out_of_latent(out, b.weight, b.weight_scale, b.block_k, self.nope)
+        w_uv = b.weight.view(self.heads, self.nope + self.v_dim, self.lora)[:, self.nope :]
+        return torch.einsum("thc,hvc->thv", out, w_uv)
 
     def expand_kv(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache entries [n, C + R] -> k [n, H, N + R] (k_pe shared by the heads), v [n, H, V]."""
@@ -225,10 +237,9 @@ class DeepseekAttention(nn.Module):
         backend = fb.attn_backend
         assert backend is not None
         if fb.forward_mode.is_decode():
-            w_uk, w_uv = self._w_kv_b()
-            q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+            q_lat = self.absorb_query(q_nope)
             out = backend.forward(torch.cat((q_lat, q_pe), dim=-1), entry, None, self.attn, fb)
-            out = torch.einsum("thc,hvc->thv", out.view(t, self.heads, self.lora), w_uv)
+            out = self.absorb_output(out.view(t, self.heads, self.lora))
         else:
             out = backend.forward(torch.cat((q_nope, q_pe), dim=-1), entry, None, self.attn, fb)
         return self.o_proj(out.reshape(t, self.heads * self.v_dim))
@@ -280,9 +291,6 @@ class DeepseekModel(nn.Module):
 
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$|rotary_emb\.cos_cached$|rotary_emb\.sin_cached$")
-# Layers with no FP8 product yet: an FP8 checkpoint's weights are dequantized at load into the
-# model's dtype (kv_b_proj: the absorbed projections of decode).
-DENSE_AT_LOAD = re.compile(r"\.self_attn\.kv_b_proj\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 # (checkpoint name part, parameter name part, shard id) of the fused gate/up parameters.
@@ -311,7 +319,7 @@ def _param_target(name: str) -> tuple[str, Any]:
 class DeepseekV2ForCausalLM(nn.Module):
     """DeepSeek-V2 and -V3 (the family is read from the config's architecture)."""
 
-    supports_fp8 = True  # FP8 linear layers; experts and kv_b_proj dequantized at load (DENSE_AT_LOAD)
+    supports_fp8 = True  # FP8 linear layers, routed experts and kv_b_proj (workers/layers/fp8*.py)
 
     def __init__(self, config: ModelConfig, tp: TPGroup, device: torch.device | str, dtype: torch.dtype):
         super().__init__()
@@ -359,15 +367,13 @@ class DeepseekV2ForCausalLM(nn.Module):
             scale = fp8.SCALE.search(name)
             target, shard_id = _param_target(name if scale is None else name[: scale.start()] + ".weight")
             if scale is not None:
-                if DENSE_AT_LOAD.search(name):
-                    continue  # read with its weight
                 if not target.endswith(".weight"):  # stacked experts: w13_scale, w2_scale
                     if scale.group(1) == "input_scale":
                         continue  # (static activation scales are not needed: workers/quantization.py)
                     target += "_scale"
                 else:
                     target = target[: -len("weight")] + fp8.scale_param(scale)
-            src = fp8.checkpoint_slice(reader, name, self.config.quant, dense=bool(DENSE_AT_LOAD.search(name)))
+            src = reader.get_slice(name)
             if target not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} matches no parameter of {self.config.architecture}"

@@ -138,10 +138,9 @@ class HybridMLAttention(DeepseekAttention):
         backend = fb.attn_backend
         assert backend is not None
         if fb.forward_mode.is_decode():
-            w_uk, w_uv = self._w_kv_b()
-            q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+            q_lat = self.absorb_query(q_nope)
             out = backend.forward(torch.cat((q_lat, q_pe), dim=-1), entry, None, self.attn, fb)
-            out = torch.einsum("thc,hvc->thv", out.view(t, self.heads, self.lora), w_uv)
+            out = self.absorb_output(out.view(t, self.heads, self.lora))
         else:
             out = backend.forward(torch.cat((q_nope, q_pe), dim=-1), entry, None, self.attn, fb)
         out = out.reshape(t, self.heads, self.v_dim)
