@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 
 from attention.arrival import arrival_counters  # noqa: E402
 from tests.triton_interpreter import install_interpreter_shims  # noqa: E402
-from workers.layers import fp8, fused, gemv, one_row  # noqa: E402
+from workers.layers import fp8, fused, gemv, gemv_launch, one_row  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 gpu_only = pytest.mark.skipif(INTERPRET, reason="needs a real CUDA device")
@@ -119,7 +119,7 @@ def test_norm_then_product_entry_point(wide):
     """`one_row.add_rms_norm_linear` on CUDA: fused prologue, or (wide outputs) the norm kernel and a
     plain product; both equal the unfused ops (under the interpreter: the gemv calls directly)."""
     n = 16384 if wide else 96
-    assert gemv.fuse_norm(n, 256) is not wide
+    assert gemv_launch.fuse_norm(n, 256) is not wide
     x, w, b, r, nw = _inputs(gemv.ADD_RMS, n, 256, torch.bfloat16, False, True, seed=n)
     if INTERPRET:
         h, s = gemv.add_rms_norm(x, r, nw, 1e-6)

@@ -9,7 +9,7 @@ one twice in a row), so every figure is a DRAM-bound in-graph time, launch gaps 
   kernel, then F.linear);
 - each Triton launch configuration, in PLAIN mode for the plain products (o_proj, LM head)
   and with the shape's prologue for the others (what replaces `unfused`); `*-default` is
-  `gemv.choose_config`'s choice.
+  `gemv_launch.choose_config`'s choice.
 
 `--fp8`: the weights are FP8 with one scale per row (`--quantization fp8`); `cublas` is then
 `fp8_gemm.gemv`, the unfused FP8 product the fused kernel replaces.
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from workers.layers import fp8 as fp8_layer
-from workers.layers import fp8_gemm, fused, gemv
-from workers.layers.gemv import GemvConfig
+from workers.layers import fp8_gemm, fused, gemv, gemv_launch
+from workers.layers.gemv_launch import GemvConfig
 from workers.roofline import measure_copy_bandwidth
 
 # (name, prologue, N, K) of a Llama-3.1-8B step at batch 1; "+add": the residual-adding epilogue
@@ -44,7 +44,7 @@ SHAPES = [
     ("o_proj+add", gemv.PLAIN, 4096, 4096),
     ("gate_up_proj", gemv.NORM, 28672, 4096),
     ("down_proj+add", gemv.SILU_MUL, 4096, 14336),
-    ("gate_up_plain", gemv.PLAIN, 28672, 4096),  # after the one-row norm kernel (`gemv.fuse_norm`)
+    ("gate_up_plain", gemv.PLAIN, 28672, 4096),  # after the one-row norm kernel (`gemv_launch.fuse_norm`)
 ]
 FMA = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 4), (16, 512, 8), (4, 1024, 4), (32, 256, 8)]
 DOT = [(64, 128, 4), (64, 256, 3), (32, 256, 4), (128, 128, 3)]
@@ -133,7 +133,7 @@ def bench_shape(name: str, mode: int, n: int, k: int, quick: bool, copy_gbs: flo
                             of_copy=nbytes / us / 1e3 / copy_gbs, config=None if config is None else vars(config)))
 
     h = x[:, :k] if mode == gemv.SILU_MUL else x
-    default = gemv.choose_config(n, k, x.device, mode, name.endswith("+add"), fp8)
+    default = gemv_launch.choose_config(n, k, x.device, mode, name.endswith("+add"), fp8)
     if name.endswith("+add") or mode == gemv.NORM:
         add = name.endswith("+add")
         sq = torch.rand(1024, device="cuda", dtype=torch.float32, generator=gen) * k / 1024
@@ -182,7 +182,7 @@ def bench_shape(name: str, mode: int, n: int, k: int, quick: bool, copy_gbs: flo
                 continue
             record("triton-fused-default" if cfg == default else "triton-fused", us, cfg, prologue=mode)
         if mode == gemv.ADD_RMS:  # the norm as its own one-row kernel, then the plain product
-            plain = gemv.choose_config(n, k, x.device, fp8=fp8)
+            plain = gemv_launch.choose_config(n, k, x.device, fp8=fp8)
 
             def split_norm(w, plain=plain):
                 h1, _ = gemv.add_rms_norm(x, r, nw, 1e-5)

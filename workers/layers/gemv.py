@@ -34,97 +34,27 @@ per-tensor checkpoints, `--quantization fp8`): each element is widened in regist
 row's scale multiplies its sum at the end, so an FP8 layer at batch 1 keeps every fusion above
 and reads half the bytes. (Block-wise scales, DeepSeek-V3's, stay on `fp8_gemm.gemv`.)
 
-`GemvConfig` is the launch; `choose_config` picks one from the shape (measured on the H200 with
-`python -m workers.layers.bench_gemv`, BENCHMARKS.md). Everything else (more rows, CPU, float32)
+`GemvConfig` is the launch; `gemv_launch.choose_config` picks one from the shape (measured on the
+H200 with `python -m workers.layers.bench_gemv`, BENCHMARKS.md). Everything else (more rows, CPU, float32)
 uses the unfused torch ops: `workers.layers.one_row` says which and holds the callers' entry
 points (it imports no Triton, so CPU installs without it load the models).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from attention import kernel_options, pdl
+from attention import pdl
 from attention.arrival import arrival_counters
+from workers.layers.gemv_launch import ADD_RMS, NORM, PLAIN, SILU_MUL, GemvConfig, logged_choice
 
 if TYPE_CHECKING:
     from workers.layers.one_row import RopeKV
-
-logger = logging.getLogger(__name__)
-
-PLAIN, ADD_RMS, SILU_MUL, NORM = 0, 1, 2, 3
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    use_dot: bool = False  # tensor-core dot against x padded to 16 rows (else FMA + row sums)
-    vec: int = 0  # FMA over vectors of `vec` columns summed per thread (0: a [block_n, block_k] accumulator)
-
-    def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "split_k"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1) or (name == "block_n" and v < 2):
-                raise ValueError(f"GemvConfig.{name} = {v}: a power of two (block_n at least 2)")
-        if self.vec and (self.vec & (self.vec - 1) or self.vec > self.block_k or self.use_dot):
-            raise ValueError(f"GemvConfig.vec = {self.vec}: a power of two up to block_k, not with use_dot")
-
-
-# FP8 weights: (rows, columns, warps, vec) per program by (prologue, adds to the residual, wide: n >=
-# 16384), from the in-graph sweep on the H100 (`bench_gemv --fp8`, BENCHMARKS.md): 16-column vectors
-# per thread (`vec`) on 8 x 1024 for the plain and SiLU products and 16 x 512 with a norm prologue;
-# the wide plain product (gate/up after the norm kernel) on bf16's 8 x 256 accumulator. Absent:
-# bf16's launch with 16-column vectors.
-FP8_LAUNCH: dict[tuple[int, bool, bool], tuple[int, int, int, int]] = {
-    (PLAIN, False, False): (8, 1024, 8, 16), (PLAIN, True, False): (8, 1024, 8, 16), (PLAIN, False, True): (8, 256, 4, 0),
-    (ADD_RMS, False, False): (16, 512, 8, 16), (ADD_RMS, False, True): (4, 1024, 4, 16),
-    (NORM, False, False): (16, 512, 8, 16), (NORM, False, True): (4, 1024, 4, 16),
-    (SILU_MUL, False, False): (8, 1024, 8, 16), (SILU_MUL, True, False): (8, 1024, 8, 16),
-}
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count if index >= 0 else 132
-
-
-def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN, adds: bool = False,
-                  fp8: bool = False) -> GemvConfig:
-    """The launch for an N x K weight, from the in-graph sweep on the H200 (`bench_gemv`,
-    BENCHMARKS.md): FMA over 4 rows x 1024 columns per program for plain and `NORM` products (8
-    rows for wide plain outputs); with a full-row prologue, more rows per program (each prologue
-    element is loaded once per program, so few rows per program spend load bandwidth on it):
-    32 x 256 for ADD_RMS, 8 x 512 for SiLU. The residual-adding epilogue (`adds`) is slower on
-    4 x 1024 programs (o_proj 12.1 vs 9.6 us at 4 x 512) and fastest with SiLU on 16 x 512.
-    K is split over programs only when the row blocks are fewer than half the SMs. FP8 weights
-    (one byte an element): FP8_LAUNCH, mostly with each thread summing 16 adjacent products (one
-    16-byte load) as `fp8_gemm`'s GEMV does (`bench_gemv --fp8`)."""
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
-    sms = _num_sms(index if device.type == "cuda" else -1)
-    block_n, block_k, warps = {PLAIN: (4, 1024, 4), ADD_RMS: (32, 256, 8), SILU_MUL: (8, 512, 8), NORM: (4, 1024, 4)}[mode]
-    if mode == PLAIN and n >= 16384:  # gate/up (28,672 rows): 8 x 512; the LM head: 8 x 256
-        block_n, block_k = 8, 256 if n >= 65536 else 512
-    if adds:
-        block_n, block_k = (16, 512) if mode == SILU_MUL else (4, 512)
-    vec = 0
-    if fp8:
-        block_n, block_k, warps, vec = FP8_LAUNCH.get((mode, adds, n >= 16384), (block_n, block_k, warps, 16))
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    split = 1
-    while triton.cdiv(n, block_n) * split < sms // 2 and split < 8 and k // (2 * split) >= block_k:
-        split *= 2
-    return GemvConfig(block_n, block_k, split, num_warps=warps, num_stages=3, vec=min(vec, block_k))
 
 
 @triton.jit
@@ -413,13 +343,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     return h, s
 
 
-def fuse_norm(n: int, k: int) -> bool:
-    """Whether an RMSNorm goes into the product's prologue (else `add_rms_norm`, then a plain
-    product). Each program loads the prologue's vectors for its rows: for wide outputs (gate/up
-    of an 8B model: 28,672 rows) that costs more than a separate one-row kernel (bench_gemv)."""
-    return n < 16384
-
-
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -515,7 +438,7 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
     if mode in (ADD_RMS, NORM) and norm_weight is None:
         raise ValueError("gemv: a norm prologue needs the norm's weight")
     fp8 = scale is not None
-    cfg = config or _logged_choice(n, k, x.device, mode, add_to is not None, fp8)
+    cfg = config or logged_choice(n, k, x.device, mode, add_to is not None, fp8)
     if cfg.use_dot and mode in (ADD_RMS, NORM) and x.dtype == torch.float16:
         raise ValueError("gemv: the tensor-core path rounds the un-normalised row to the input dtype, "
                          "which overflows float16")
@@ -550,22 +473,3 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
     )
     return (y, sq_out) if add_to is not None else (y, s)
-
-
-def _override(n: int, k: int) -> GemvConfig | None:
-    """The kernel options' launch for this shape (`MANTA_GEMV_CONFIGS`): launches to try in a
-    whole model step (a tuning knob; `bench_gemv` times one product alone, where a launch that
-    loads its whole slice of the weight before the PDL wait gains nothing)."""
-    launch = kernel_options.current().gemv_launch(n, k)
-    if launch is None:
-        return None
-    bn, bk, split, warps, *vec = launch
-    return GemvConfig(bn, bk, split, warps, 3, vec=vec[0] if vec else 0)
-
-
-@functools.lru_cache(maxsize=256)
-def _logged_choice(n: int, k: int, device: torch.device, mode: int, adds: bool, fp8: bool = False) -> GemvConfig:
-    cfg = _override(n, k) or choose_config(n, k, device, mode, adds, fp8)
-    logger.info("one-row linear %d x %d%s (prologue %d%s): Triton GEMV %s (PDL %s)", n, k, " FP8" if fp8 else "", mode,
-                ", adds to the residual" if adds else "", cfg, pdl.enabled(device))
-    return cfg

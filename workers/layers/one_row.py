@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from attention import kernel_options
-from workers.layers import fp8, fused
+from workers.layers import fp8, fused, gemv_launch
 
 
 def enabled() -> bool:
@@ -107,11 +107,11 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(RMSNorm(x + residual)), x + residual); residual None: (linear(RMSNorm(x)), x).
     Where `gemv` applies: one kernel, or for wide outputs a one-row norm kernel and a plain
-    product (`gemv.fuse_norm`); else the fused-elementwise norm and F.linear. With `rope` (a
+    product (`gemv_launch.fuse_norm`); else the fused-elementwise norm and F.linear. With `rope` (a
     qkv product) the q, k heads come out rotated and k, v are in the caches."""
     if applies(x, weight, scale):
         gemv = _gemv()
-        if gemv.fuse_norm(*weight.shape):
+        if gemv_launch.fuse_norm(*weight.shape):
             y, s = gemv.gemv(x, weight, bias, mode=gemv.ADD_RMS, residual=residual, norm_weight=norm_weight, eps=eps,
                              rope=rope, scale=scale)
         else:

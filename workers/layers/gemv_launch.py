@@ -1,0 +1,113 @@
+"""The launches of the one-row linear kernel (`workers.layers.gemv`): its prologue modes, the
+launch configuration (`GemvConfig`), the choice per shape from the in-graph sweeps
+(`bench_gemv`, BENCHMARKS.md) and the kernel options' overrides (`MANTA_GEMV_CONFIGS`). Imports
+no Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from attention import kernel_options
+
+logger = logging.getLogger(__name__)
+
+# The prologue f of y = f(x) W^T (`workers.layers.gemv`'s module docstring).
+PLAIN, ADD_RMS, SILU_MUL, NORM = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = False  # tensor-core dot against x padded to 16 rows (else FMA + row sums)
+    vec: int = 0  # FMA over vectors of `vec` columns summed per thread (0: a [block_n, block_k] accumulator)
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "split_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1) or (name == "block_n" and v < 2):
+                raise ValueError(f"GemvConfig.{name} = {v}: a power of two (block_n at least 2)")
+        if self.vec and (self.vec & (self.vec - 1) or self.vec > self.block_k or self.use_dot):
+            raise ValueError(f"GemvConfig.vec = {self.vec}: a power of two up to block_k, not with use_dot")
+
+
+# FP8 weights: (rows, columns, warps, vec) per program by (prologue, adds to the residual, wide: n >=
+# 16384), from the in-graph sweep on the H100 (`bench_gemv --fp8`, BENCHMARKS.md): 16-column vectors
+# per thread (`vec`) on 8 x 1024 for the plain and SiLU products and 16 x 512 with a norm prologue;
+# the wide plain product (gate/up after the norm kernel) on bf16's 8 x 256 accumulator. Absent:
+# bf16's launch with 16-column vectors.
+FP8_LAUNCH: dict[tuple[int, bool, bool], tuple[int, int, int, int]] = {
+    (PLAIN, False, False): (8, 1024, 8, 16), (PLAIN, True, False): (8, 1024, 8, 16), (PLAIN, False, True): (8, 256, 4, 0),
+    (ADD_RMS, False, False): (16, 512, 8, 16), (ADD_RMS, False, True): (4, 1024, 4, 16),
+    (NORM, False, False): (16, 512, 8, 16), (NORM, False, True): (4, 1024, 4, 16),
+    (SILU_MUL, False, False): (8, 1024, 8, 16), (SILU_MUL, True, False): (8, 1024, 8, 16),
+}
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count if index >= 0 else 132
+
+
+def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN, adds: bool = False,
+                  fp8: bool = False) -> GemvConfig:
+    """The launch for an N x K weight, from the in-graph sweep on the H200 (`bench_gemv`,
+    BENCHMARKS.md): FMA over 4 rows x 1024 columns per program for plain and `NORM` products (8
+    rows for wide plain outputs); with a full-row prologue, more rows per program (each prologue
+    element is loaded once per program, so few rows per program spend load bandwidth on it):
+    32 x 256 for ADD_RMS, 8 x 512 for SiLU. The residual-adding epilogue (`adds`) is slower on
+    4 x 1024 programs (o_proj 12.1 vs 9.6 us at 4 x 512) and fastest with SiLU on 16 x 512.
+    K is split over programs only when the row blocks are fewer than half the SMs. FP8 weights
+    (one byte an element): FP8_LAUNCH, mostly with each thread summing 16 adjacent products (one
+    16-byte load) as `fp8_gemm`'s GEMV does (`bench_gemv --fp8`)."""
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
+    sms = _num_sms(index if device.type == "cuda" else -1)
+    block_n, block_k, warps = {PLAIN: (4, 1024, 4), ADD_RMS: (32, 256, 8), SILU_MUL: (8, 512, 8), NORM: (4, 1024, 4)}[mode]
+    if mode == PLAIN and n >= 16384:  # gate/up (28,672 rows): 8 x 512; the LM head: 8 x 256
+        block_n, block_k = 8, 256 if n >= 65536 else 512
+    if adds:
+        block_n, block_k = (16, 512) if mode == SILU_MUL else (4, 512)
+    vec = 0
+    if fp8:
+        block_n, block_k, warps, vec = FP8_LAUNCH.get((mode, adds, n >= 16384), (block_n, block_k, warps, 16))
+    block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))
+    split = 1
+    while -(-n // block_n) * split < sms // 2 and split < 8 and k // (2 * split) >= block_k:
+        split *= 2
+    return GemvConfig(block_n, block_k, split, num_warps=warps, num_stages=3, vec=min(vec, block_k))
+
+
+def fuse_norm(n: int, k: int) -> bool:
+    """Whether an RMSNorm goes into the product's prologue (else `add_rms_norm`, then a plain
+    product). Each program loads the prologue's vectors for its rows: for wide outputs (gate/up
+    of an 8B model: 28,672 rows) that costs more than a separate one-row kernel (bench_gemv)."""
+    return n < 16384
+
+
+def _override(n: int, k: int) -> GemvConfig | None:
+    """The kernel options' launch for this shape (`MANTA_GEMV_CONFIGS`): launches to try in a
+    whole model step (a tuning knob; `bench_gemv` times one product alone, where a launch that
+    loads its whole slice of the weight before the PDL wait gains nothing)."""
+    launch = kernel_options.current().gemv_launch(n, k)
+    if launch is None:
+        return None
+    bn, bk, split, warps, *vec = launch
+    return GemvConfig(bn, bk, split, warps, 3, vec=vec[0] if vec else 0)
+
+
+@functools.lru_cache(maxsize=256)
+def logged_choice(n: int, k: int, device: torch.device, mode: int, adds: bool, fp8: bool = False) -> GemvConfig:
+    """The launch of an N x K product (the kernel options' override, else `choose_config`), logged
+    once per shape."""
+    cfg = _override(n, k) or choose_config(n, k, device, mode, adds, fp8)
+    logger.info("one-row linear %d x %d%s (prologue %d%s): Triton GEMV %s", n, k, " FP8" if fp8 else "", mode,
+                ", adds to the residual" if adds else "", cfg)
+    return cfg
