@@ -66,6 +66,12 @@ http_bench() {  # http_bench NAME: the workload against the running server; JSON
     "$OUT/$1_replicas.json" 2>&1 | tail -2
   ps -eo pid,pcpu,rss,args | grep -E "ray::(Replica|RankWorker|KVStore)|cluster.cli serve" | grep -v grep
 }
+ab_batch1() {  # ab_batch1 TAG "ENGINE FLAGS" VARIANT...: batch-1 latency of /tmp/l8 under each variant's environment
+  local tag=$1 flags=$2 v; shift 2
+  for v in "$@"; do echo "--- $v"
+    env $v $M bench latency --model /tmp/l8 $F $flags --batch 1 --steps 48 --input-len 512 \
+      --out "$OUT/l8_latency${tag}_${v//[ =]/_}.json" 2>&1 | grep -v Warning | tail -4; done
+}
 for s in $stages; do
   echo "=== $s $(date -u +%FT%TZ)"
   case $s in
@@ -88,13 +94,9 @@ for s in $stages; do
     gemv) python3 -m workers.layers.bench_gemv --out "$OUT/gemv_sweep.json" 2>&1 | grep -v Warning ;;
     gemvfp8) python3 -m workers.layers.bench_gemv --fp8 --out "$OUT/gemv_sweep_fp8.json" 2>&1 | grep -v Warning ;;
     l8fp8ab) build /tmp/l8 --preset llama-3.1-8b  # FP8 batch 1: fused one-row kernels (MANTA_GEMV=1) or not
-        for v in ${L8AB:-"MANTA_GEMV=0" "MANTA_GEMV=1"}; do echo "--- $v"
-          env $v $M bench latency --model /tmp/l8 $F --quantization fp8 --batch 1 --steps 48 --input-len 512 \
-            --out "$OUT/l8_latency_fp8_${v//[ =]/_}.json" 2>&1 | grep -v Warning | tail -4; done ;;
+        ab_batch1 _fp8 "--quantization fp8" ${L8AB:-"MANTA_GEMV=0" "MANTA_GEMV=1"} ;;
     l8ab) build /tmp/l8 --preset llama-3.1-8b  # batch 1 with the one-row kernels / PDL switched off
-        for v in ${L8AB:-"MANTA_GEMV=0 MANTA_PDL=0" "MANTA_PDL=0" "MANTA_GEMV=1"}; do echo "--- $v"
-          env $v $M bench latency --model /tmp/l8 $F --batch 1 --steps 48 --input-len 512 \
-            --out "$OUT/l8_latency_${v//[ =]/_}.json" 2>&1 | grep -v Warning | tail -4; done ;;
+        ab_batch1 "" "" ${L8AB:-"MANTA_GEMV=0 MANTA_PDL=0" "MANTA_PDL=0" "MANTA_GEMV=1"} ;;
     profile) build /tmp/l8 --preset llama-3.1-8b
         python3 scripts/profile_decode.py /tmp/l8 1 --out "$OUT/l8_profile_b1.json" 2>&1 | grep -v Warning ;;
     l8) build /tmp/l8 --preset llama-3.1-8b
