@@ -15,6 +15,9 @@ What is left to choose is what a user or a benchmark needs:
 - `mixed_split` (`MANTA_MIXED_SPLIT=0`): a MIXED step runs its decode rows through their CUDA
   graph and its prompt pieces as a second, eager forward (`workers.pipeline`); off, the whole
   step runs as one eager forward (the baseline).
+- `prompt_graphs` (`MANTA_PROMPT_GRAPHS=0`): prompt batches of up to the chunk size run as
+  CUDA graphs of the layers between attention calls, per token-count bucket
+  (`workers.prompt_graphs`); off, eagerly (the baseline).
 - `gemv_configs` (`MANTA_GEMV_CONFIGS="NxK:block_n,block_k,split_k,num_warps[,vec];..."`): launches to
   try for given product shapes (tuning).
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
@@ -38,12 +41,14 @@ class KernelOptions:
     one_row_gemv: bool = True
     pdl: bool = True
     mixed_split: bool = True
+    prompt_graphs: bool = True
     gemv_configs: tuple[tuple[str, GemvLaunch], ...] = ()  # ("NxK", launch)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:
         return cls(one_row_gemv=environ.get("MANTA_GEMV") != "0", pdl=environ.get("MANTA_PDL") != "0",
                    mixed_split=environ.get("MANTA_MIXED_SPLIT") != "0",
+                   prompt_graphs=environ.get("MANTA_PROMPT_GRAPHS") != "0",
                    gemv_configs=parse_gemv_configs(environ.get("MANTA_GEMV_CONFIGS", "")))
 
     def gemv_launch(self, n: int, k: int) -> GemvLaunch | None:
@@ -52,7 +57,8 @@ class KernelOptions:
 
     def describe(self) -> str:
         parts = [f"one-row GEMV {'on' if self.one_row_gemv else 'off'}", f"PDL {'on' if self.pdl else 'off'}",
-                 f"MIXED split {'on' if self.mixed_split else 'off'}"]
+                 f"MIXED split {'on' if self.mixed_split else 'off'}",
+                 f"prompt graphs {'on' if self.prompt_graphs else 'off'}"]
         if self.gemv_configs:
             parts.append("GEMV launches " + "; ".join(f"{s}:{','.join(map(str, c))}" for s, c in self.gemv_configs))
         return ", ".join(parts)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs quoted in BENCHMARKS.md, on a device with torch + triton + transformers
 # (no install: run from the repository root). Stages: build tests sweep gemv profile l8 l8ab l8serial l8serve l8mix
-# l8mixprof dsv2 spec specid
+# l8mixprof l8mixab l8mixprofab (A/B by environment variant, MIXAB) dsv2 spec specid
 # l8tp2 dsv2tp2 compiles, and the product path through `manta serve` (Ray, router, HTTP, KV store; needs Ray, NIXL
 # and FastAPI on PYTHONPATH: ../shared/gpu/README.md): l8http (store on: a cold run, then the server restarted and the
 # same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2, two GPUs) l8pd (two replicas sharing the GPU:
@@ -139,6 +139,17 @@ for s in $stages; do
         for m in ${MIX:-0 512 768 1024}; do echo "--- mixed-prefill-tokens $m"
           $M bench serve --model /tmp/l8 $F --mixed-prefill-tokens "$m" --num-prompts 200 --input-len 1024 \
             --output-len 1024 --request-rate 16 --out "$OUT/l8_serve_mix$m.json" 2>&1 | grep -v "INFO\|Warning"; done ;;
+    l8mixab) build /tmp/l8 --preset llama-3.1-8b  # the same by variant (default: prompt graphs off / on)
+        for v in ${MIXAB:-"MANTA_PROMPT_GRAPHS=0" "MANTA_PROMPT_GRAPHS=1"}; do for m in ${MIX:-0 512}; do
+          echo "--- $v mixed-prefill-tokens $m"
+          env $v $M bench serve --model /tmp/l8 $F --mixed-prefill-tokens "$m" --num-prompts 200 --input-len 1024 \
+            --output-len 1024 --request-rate 16 --out "$OUT/l8_serve_mix${m}_${v//[ =]/_}.json" 2>&1 \
+            | grep -v "INFO\|Warning"; done; done ;;
+    l8mixprofab) build /tmp/l8 --preset llama-3.1-8b  # l8mixprof by variant (default: prompt graphs off / on)
+        for v in ${MIXAB:-"MANTA_PROMPT_GRAPHS=0" "MANTA_PROMPT_GRAPHS=1"}; do for n in ${MIX_PROFILE:-512}; do
+          echo "--- $v prompt $n"
+          env $v python3 scripts/profile_decode.py /tmp/l8 192 --input-len 1024 --prefill "$n" --steps 20 \
+            --out "$OUT/l8_profile_mixed_p${n}_${v//[ =]/_}.json" 2>&1 | grep -v Warning | head -16; done; done ;;
     l8serve) build /tmp/l8 --preset llama-3.1-8b
         $M bench serve --model /tmp/l8 $F --num-prompts 200 --input-len 1024 --output-len 1024 \
           --request-rate 16 --out "$OUT/l8_serve.json" ;;

@@ -37,16 +37,20 @@ def test_gpu_greedy_equals_cpu(dirs, arch, page_size, graphs):
                                  disable_cuda_graph=not graphs, max_running_requests=32))
     runner = engine.workers.runner
     assert (runner.pipeline.graphs is not None) == graphs
-    replays, mixed = [], []
+    assert (runner.pipeline.prompt_graphs is not None) == graphs
+    replays, mixed, prompts = [], [], []
     if graphs:
         original = runner.pipeline.graphs.replay
         runner.pipeline.graphs.replay = lambda fb, o=original, r=replays: r.append(fb.batch_size) or o(fb)
         split = runner.pipeline.forward_mixed
         runner.pipeline.forward_mixed = lambda d, p, o=split, m=mixed: m.append(len(d.reqs)) or o(d, p)
+        pg = runner.pipeline.prompt_graphs.replay
+        runner.pipeline.prompt_graphs.replay = lambda fb, o=pg, r=prompts: r.append(fb.num_tokens) or o(fb)
     got = [r.token_ids for r in run_staggered(engine, PROMPTS, greedy())]
     assert got == want
     assert not graphs or replays, "decode steps must replay CUDA graphs"
     assert not graphs or mixed, "MIXED steps must run their decode rows through the graphs"
+    assert not graphs or prompts, "prompt pieces must run through the piecewise graphs"
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])

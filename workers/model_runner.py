@@ -179,6 +179,9 @@ class ModelRunner:
         if (self.device.type == "cuda" and not opts.disable_cuda_graph and self.attn_backend.supports_cuda_graph
                 and not self.serving.is_embedding):
             self.pipeline.use_graphs(opts.most_rows, self.pad_row)
+            if self._prompt_graphs_apply():
+                chunk = opts.chunked_prefill_size
+                self.pipeline.use_prompt_graphs(chunk if chunk > 0 else 1 << 30)
         if self.drafter is not None:
             self.drafter.attach()
         if self.sampler is not None and not self.serving.is_embedding:
@@ -186,6 +189,13 @@ class ModelRunner:
             self._grammars()  # its tokenizer view is built in a thread now, not at the first constrained request
         # Embedding requests (rid -> pooling accumulated over their prefill pieces).
         self.pooling_states: dict[str, PoolingState] = {}
+
+    def _prompt_graphs_apply(self) -> bool:
+        """Prompt batches through piecewise graphs (`workers.prompt_graphs`): models whose
+        layers between attention calls depend on no host value of the batch (`piecewise_graphs`),
+        without linear-attention state or an encoder, unless the kernel options turn it off."""
+        return (kernel_options.current().prompt_graphs and getattr(self.model, "piecewise_graphs", False)
+                and self.state_pool is None and not self.model_config.is_encoder_decoder)
 
     def _grammars(self) -> GrammarMatchers:
         """Structured output's matchers (rank 0, generation replicas)."""

@@ -31,6 +31,7 @@ from attention import kernel_options
 from workers.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from workers.forward_batch import ForwardBatch, ForwardMode
 from workers.input_batch import InputBatch
+from workers.prompt_graphs import DEFAULT_BUCKETS, PromptGraphRunner
 
 if TYPE_CHECKING:
     from attention.base import AttentionBackend
@@ -54,6 +55,7 @@ class ModelPipeline:
                                  attn_backend=attn_backend, page_size=page_size,
                                  is_encoder_decoder=is_encoder_decoder, last_token=last_token)
         self.graphs: CudaGraphRunner | None = None
+        self.prompt_graphs: PromptGraphRunner | None = None
 
     def use_graphs(self, max_rows: int, pad_row: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
                    capture: bool = True) -> CudaGraphRunner:
@@ -62,6 +64,16 @@ class ModelPipeline:
         self.graphs = CudaGraphRunner(self, max_rows, batch_sizes, pad_row=pad_row, use_graphs=capture)
         self.graphs.capture()
         return self.graphs
+
+    def use_prompt_graphs(self, max_tokens: int, capture: bool = True) -> PromptGraphRunner:
+        """Run prompt (EXTEND) batches of up to `max_tokens` tokens through piecewise graphs
+        (`workers.prompt_graphs`), in the decode graphs' memory pool; `capture` False: the same
+        static-buffer path eagerly (CPU tests)."""
+        buckets = tuple(b for b in DEFAULT_BUCKETS if b <= max_tokens) or DEFAULT_BUCKETS[:1]
+        pool = self.graphs.pool if self.graphs is not None else None
+        self.prompt_graphs = PromptGraphRunner(self, buckets, pool=pool, use_graphs=capture)
+        self.prompt_graphs.capture()
+        return self.prompt_graphs
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states [T, hidden] of every new token and, when a graph ran the batch (it
@@ -73,6 +85,9 @@ class ModelPipeline:
             if fb.forward_mode in _AS_DECODE_ROWS and fb.num_tokens <= g.max_bs:
                 return g.replay(self.inputs.decode_rows(fb))
         self.attn_backend.init_forward_metadata(fb)
+        pg = self.prompt_graphs
+        if pg is not None and pg.can_run(fb):
+            return pg.replay(fb), None
         return self.model(fb.input_ids, fb.positions, fb), None
 
     def split_mixed(self, plan: StepPlan) -> tuple[StepPlan, StepPlan] | None:

@@ -261,6 +261,9 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     supports_fp8 = True  # its linear layers take a QuantSpec (workers/layers/fp8.py)
+    # Between two attention calls nothing reads a host value of the batch: prompt batches may
+    # run as CUDA graphs cut at each attention call (workers/prompt_graphs.py).
+    piecewise_graphs = True
 
     def __init__(self, config: ModelConfig, tp: TPGroup, device: torch.device | str, dtype: torch.dtype):
         super().__init__()
