@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -173,6 +174,7 @@ class PromptGraphRunner:
         if not self.use_graphs:
             return
         p = self.pipeline
+        t0, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         self._stream = torch.cuda.Stream()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()  # every piece of every bucket captures into it
@@ -196,8 +198,9 @@ class PromptGraphRunner:
             self.by_size[size] = bucket
         torch.cuda.synchronize()
         p.kv_pool.write_count = 0  # capture wrote to the reserved page 0
-        logger.info("captured prompt CUDA graphs for %s tokens (%d graphs each)", self.buckets,
-                    len(self.by_size[self.buckets[0]].graphs))
+        logger.info("captured prompt CUDA graphs for %s tokens (%d graphs each) in %.1f s, %.0f MiB more reserved",
+                    self.buckets, len(self.by_size[self.buckets[0]].graphs), time.perf_counter() - t0,
+                    (torch.cuda.memory_reserved() - reserved) / 2**20)
 
     # ---------------- replay ----------------
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
