@@ -22,3 +22,17 @@ def small_fs(tmp_path):
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory(request):
+    """After each GPU test, collect the engines it left (their pipelines and graph runners
+    reference each other, so only the cycle collector frees them) and return their memory to
+    the device: every engine sizes its KV cache from the memory free when it starts, so a test
+    must not depend on what the tests before it left allocated."""
+    yield
+    if request.node.get_closest_marker("gpu") is not None and torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -58,8 +58,13 @@ def test_gpu_mla_greedy_equals_cpu(dirs, arch):
     d = dirs[arch]
     want = cpu_tokens(d, page_size=4)
     engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="float32", page_size=4))
-    assert engine.workers.runner.pipeline.graphs is not None  # MLA decode (and the fused MoE) in graphs
+    pipeline = engine.workers.runner.pipeline
+    assert pipeline.graphs is not None  # MLA decode (and the fused MoE) in graphs
+    prompts = []
+    pg = pipeline.prompt_graphs.replay
+    pipeline.prompt_graphs.replay = lambda fb, o=pg, r=prompts: r.append(fb.num_tokens) or o(fb)
     assert [r.token_ids for r in run_staggered(engine, PROMPTS, greedy())] == want
+    assert prompts, "MLA prompt pieces must run through the piecewise graphs"
 
 
 def test_bf16_logits_close_to_fp32(dirs):

@@ -16,11 +16,12 @@ from workers.forward_batch import ForwardMode
 from workers.prompt_graphs import unowned_view
 
 
-def test_prompt_pieces_padded_to_buckets_match_transformers(tmp_path_factory):
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])  # paged GQA; MLA + MoE
+def test_prompt_pieces_padded_to_buckets_match_transformers(tmp_path_factory, arch):
     """Chunked prompts (pieces of 2-6 tokens) padded to buckets of 4 and 8, alone or beside
     decodes in MIXED steps (split: the decode graph path, then the prompt graphs): every
     attention call sees the real tokens, and the padding changes no token."""
-    d = tiny_model_dir(tmp_path_factory, "llama")
+    d = tiny_model_dir(tmp_path_factory, arch)
     engine = Engine(EngineConfig(model=str(d), chunked_prefill_size=6, max_num_batched_tokens=8, page_size=4,
                                  max_running_requests=16))
     runner = engine.workers.runner
@@ -64,10 +65,11 @@ def test_prompts_past_the_largest_bucket_run_eagerly(tmp_path_factory):
     assert ran == [10]
 
 
-@pytest.mark.parametrize("arch,applies", [("llama", True), ("bart", False), ("kimi_linear", False)])
+@pytest.mark.parametrize("arch,applies", [("llama", True), ("deepseek_v3", True), ("bart", False),
+                                          ("kimi_linear", False)])
 def test_only_models_that_opt_in_take_the_path(tmp_path_factory, arch, applies):
-    """Llama-family models do; encoder-decoder and hybrid linear-attention models (their layers
-    read the batch's lengths between attention calls) do not."""
+    """Llama-family and DeepSeek models do; encoder-decoder and hybrid linear-attention models
+    (their layers read the batch's lengths between attention calls) do not."""
     d = tiny_model_dir(tmp_path_factory, arch)
     engine = Engine(EngineConfig(model=str(d), page_size=4))
     assert engine.workers.runner._prompt_graphs_apply() == applies

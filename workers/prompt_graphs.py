@@ -20,7 +20,8 @@ graphs and attention calls in capture order and attention has read them by then 
 every layer's qkv of every bucket would stay allocated). Graphs share the decode graphs' pool.
 
 Models opt in (`piecewise_graphs = True`: every attention goes through the backend's
-`forward`, nothing between two attention calls depends on host values of the batch); EXTEND
+`forward`, nothing between two attention calls depends on host values of the batch: the Llama
+family, DeepSeek V2/V3); EXTEND
 batches only (a MIXED step reaches here split, `workers.pipeline`), not embedding batches or
 encoder-decoder models. `use_graphs=False` runs the same static-buffer path eagerly (CPU tests
 of the padding and the cut attention calls).

@@ -320,6 +320,10 @@ class DeepseekV2ForCausalLM(nn.Module):
     """DeepSeek-V2 and -V3 (the family is read from the config's architecture)."""
 
     supports_fp8 = True  # FP8 linear layers, routed experts and kv_b_proj (workers/layers/fp8*.py)
+    # Between two attention calls nothing reads a host value of the batch (the routed experts
+    # run as `fused_moe` on CUDA; MLA's prefill expands its latent inside the backend): prompt
+    # batches may run as CUDA graphs cut at each attention call (workers/prompt_graphs.py).
+    piecewise_graphs = True
 
     def __init__(self, config: ModelConfig, tp: TPGroup, device: torch.device | str, dtype: torch.dtype):
         super().__init__()
