@@ -54,8 +54,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
     p.add_argument("--mixed-prefill-tokens", type=int, default=EngineConfig.mixed_prefill_tokens,
                    help="most prompt tokens a step computes while requests are decoding, so that their next "
-                        "tokens never wait on a burst of prompts (0: only --max-num-batched-tokens bounds them; "
-                        "default 1024, measured: BENCHMARKS.md)")
+                        "tokens never wait on a burst of prompts (0: only --max-num-batched-tokens bounds them; default: 1024 "
+                        "where prompt pieces run as CUDA graphs, else 0; measured, BENCHMARKS.md)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--attention-backend", default="flash", choices=["flash", "reference", "mla"],
                    help="flash: MHA/GQA and MLA models (kernels chosen at start-up); reference: the torch "

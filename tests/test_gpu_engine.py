@@ -53,6 +53,24 @@ def test_gpu_greedy_equals_cpu(dirs, arch, page_size, graphs):
     assert not graphs or prompts, "prompt pieces must run through the piecewise graphs"
 
 
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
+def test_gpu_long_prompts_through_prompt_graphs_equal_cpu(dirs, arch):
+    """Prompts of 150-480 tokens (no shared prefix; the tiny models' context is 512), in steps of
+    up to 1,024 prompt tokens: pieces of the larger buckets (256-1,024 tokens, padded) replay
+    their graphs; greedy tokens equal the CPU's."""
+    prompts = [[(i * 97 + j * 31) % 500 + 3 for j in range(n)] for i, n in enumerate((150, 300, 480, 200))]
+    cpu = Engine(EngineConfig(model=str(dirs[arch]), page_size=16))
+    want = [r.token_ids for r in cpu.generate(prompts, greedy(8))]
+    engine = Engine(EngineConfig(model=str(dirs[arch]), device="cuda", dtype="float32", page_size=16,
+                                 max_num_batched_tokens=1024, chunked_prefill_size=1024))
+    pg = engine.workers.runner.pipeline.prompt_graphs
+    sizes = []
+    replay = pg.replay
+    pg.replay = lambda fb, o=replay, r=sizes: r.append(fb.num_tokens) or o(fb)
+    assert [r.token_ids for r in engine.generate(prompts, greedy(8))] == want
+    assert max(sizes) > 256, sizes
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
 def test_gpu_mla_greedy_equals_cpu(dirs, arch):
     d = dirs[arch]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attention.kernel_options import KernelOptions
 from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
@@ -27,7 +28,7 @@ def test_prompt_pieces_padded_to_buckets_match_transformers(tmp_path_factory, ar
     runner = engine.workers.runner
     pipeline = runner.pipeline
     pipeline.use_graphs(16, runner.pad_row, batch_sizes=(1, 2, 4, 8, 16), capture=False)
-    pg = pipeline.use_prompt_graphs(8, capture=False)
+    pg = pipeline.use_prompt_graphs(8, runner.pad_row, capture=False)
     pg.buckets = [4, 8]
     padded, attended = [], []
     replay, backend_forward = pg.replay, pipeline.attn_backend.forward
@@ -54,8 +55,8 @@ def test_prompt_pieces_padded_to_buckets_match_transformers(tmp_path_factory, ar
 def test_prompts_past_the_largest_bucket_run_eagerly(tmp_path_factory):
     d = tiny_model_dir(tmp_path_factory, "llama")
     engine = Engine(EngineConfig(model=str(d), page_size=4))
-    pipeline = engine.workers.runner.pipeline
-    pg = pipeline.use_prompt_graphs(16, capture=False)
+    runner = engine.workers.runner
+    pg = runner.pipeline.use_prompt_graphs(16, runner.pad_row, capture=False)
     ran = []
     replay = pg.replay
     pg.replay = lambda fb: ran.append(fb.num_tokens) or replay(fb)
@@ -79,7 +80,8 @@ def test_decode_and_embedding_batches_do_not_take_the_path(tmp_path_factory):
     d = tiny_model_dir(tmp_path_factory, "llama")
     engine = Engine(EngineConfig(model=str(d), page_size=4))
     inputs = engine.workers.runner.pipeline.inputs
-    pg = engine.workers.runner.pipeline.use_prompt_graphs(64, capture=False)
+    runner = engine.workers.runner
+    pg = runner.pipeline.use_prompt_graphs(64, runner.pad_row, capture=False)
     zeros = torch.zeros(2, dtype=torch.long)
     kw = dict(input_ids=zeros, positions=zeros, rows=zeros, seq_lens=zeros + 2, seq_lens_cpu=[2, 2], slots=zeros)
     assert not pg.can_run(inputs.decode(**kw))
@@ -92,3 +94,36 @@ def test_decode_and_embedding_batches_do_not_take_the_path(tmp_path_factory):
 def test_unowned_view_is_the_tensor_on_cpu():
     t = torch.arange(6.0).view(2, 3)[:, 1:]
     assert unowned_view(t) is t and unowned_view(None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_unowned_view_aliases_without_keeping_the_memory():
+    """The view reads and writes the tensor's memory with its shape, strides and offset, and
+    dropping the tensor frees the memory although the view lives (what lets later graphs of
+    the pool reuse a q/k/v that attention has read)."""
+    base = torch.arange(64, dtype=torch.bfloat16, device="cuda").view(8, 8)
+    t = base[2:, 1::2]
+    view = unowned_view(t)
+    assert view.shape == t.shape and view.stride() == t.stride() and view.data_ptr() == t.data_ptr()
+    assert torch.equal(view, t)
+    view.fill_(3)
+    assert torch.all(t == 3)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    del base, t
+    assert torch.cuda.memory_allocated() < before
+
+
+def test_prompt_token_cap_beside_decodes_defaults_to_1024_where_prompts_run_as_graphs():
+    """`--mixed-prefill-tokens` unset: 1,024 on CUDA with graphs (measured with prompt graphs),
+    none where a capped step would pay an eager prompt piece's host time every time."""
+    cuda = EngineConfig(model="m", device="cuda")
+    assert cuda.prefill_cap == 1024
+    assert EngineConfig(model="m").prefill_cap == 0  # CPU
+    assert cuda.replace(disable_cuda_graph=True).prefill_cap == 0
+    assert cuda.replace(kernels=KernelOptions(prompt_graphs=False)).prefill_cap == 0
+    assert cuda.replace(mixed_prefill_tokens=0).prefill_cap == 0
+    assert EngineConfig(model="m", mixed_prefill_tokens=768).prefill_cap == 768
+    with pytest.raises(ValueError, match="mixed_prefill_tokens"):
+        EngineConfig(model="m", mixed_prefill_tokens=-1)

@@ -181,7 +181,7 @@ class ModelRunner:
             self.pipeline.use_graphs(opts.most_rows, self.pad_row)
             if self._prompt_graphs_apply():
                 chunk = opts.chunked_prefill_size
-                self.pipeline.use_prompt_graphs(chunk if chunk > 0 else 1 << 30)
+                self.pipeline.use_prompt_graphs(chunk if chunk > 0 else 1 << 30, self.pad_row)
         if self.drafter is not None:
             self.drafter.attach()
         if self.sampler is not None and not self.serving.is_embedding:

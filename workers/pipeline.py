@@ -65,19 +65,20 @@ class ModelPipeline:
         self.graphs.capture()
         return self.graphs
 
-    def use_prompt_graphs(self, max_tokens: int, capture: bool = True) -> PromptGraphRunner:
+    def use_prompt_graphs(self, max_tokens: int, pad_row: int, capture: bool = True) -> PromptGraphRunner:
         """Run prompt (EXTEND) batches of up to `max_tokens` tokens through piecewise graphs
         (`workers.prompt_graphs`), in the decode graphs' memory pool; `capture` False: the same
         static-buffer path eagerly (CPU tests)."""
         buckets = tuple(b for b in DEFAULT_BUCKETS if b <= max_tokens) or DEFAULT_BUCKETS[:1]
         pool = self.graphs.pool if self.graphs is not None else None
-        self.prompt_graphs = PromptGraphRunner(self, buckets, pool=pool, use_graphs=capture)
+        self.prompt_graphs = PromptGraphRunner(self, buckets, pad_row=pad_row, pool=pool, use_graphs=capture)
         self.prompt_graphs.capture()
         return self.prompt_graphs
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states [T, hidden] of every new token and, when a graph ran the batch (it
-        computes them inside), the logits of every token ([T, vocab])."""
+        computes them inside), the logits of every token ([T, vocab]). After a graph (decode or
+        prompt) they are views of its static outputs: read them before the next forward."""
         g = self.graphs
         if g is not None:
             if g.can_run(fb):

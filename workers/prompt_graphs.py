@@ -90,6 +90,16 @@ class _Bucket:
     hidden: torch.Tensor | None = None  # the last graph's output [size, hidden]
 
 
+def _abandon(graph: torch.cuda.CUDAGraph) -> None:
+    """End `graph`'s capture if it is still open (a capture that raised), so that the stream is
+    usable again; the graph is dropped."""
+    if torch.cuda.is_current_stream_capturing():
+        try:
+            graph.capture_end()
+        except RuntimeError:
+            pass  # (an invalidated capture: ending it reports the original error again)
+
+
 class _CutBackend:
     """The attention backend a static forward sees: every attribute is the real backend's but
     `forward`, which hands the call to the runner (`PromptGraphRunner._cut`)."""
@@ -106,9 +116,10 @@ class _CutBackend:
 
 
 class PromptGraphRunner:
-    def __init__(self, pipeline: ModelPipeline, buckets: tuple[int, ...] = DEFAULT_BUCKETS, pool=None,
-                 use_graphs: bool = True):
+    def __init__(self, pipeline: ModelPipeline, buckets: tuple[int, ...] = DEFAULT_BUCKETS, *, pad_row: int,
+                 pool=None, use_graphs: bool = True):
         self.pipeline = pipeline
+        self.pad_row = pad_row  # the request row a static batch names (all zeros: the reserved page 0)
         self.use_graphs = use_graphs
         self.buckets = sorted(buckets)
         self.pool = pool
@@ -138,10 +149,11 @@ class PromptGraphRunner:
     def _static_batch(self, size: int) -> ForwardBatch:
         p = self.pipeline
         ids, positions, slots = self.static[:, :size]
-        one = torch.ones(1, dtype=torch.int32, device=ids.device)
+        row = torch.full((1,), self.pad_row, dtype=torch.long, device=ids.device)
         return ForwardBatch(
             forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=ids, positions=positions,
-            req_pool_indices=one, seq_lens=one * size, seq_lens_cpu=torch.tensor([size], dtype=torch.int32),
+            req_pool_indices=row, seq_lens=torch.full((1,), size, dtype=torch.int32, device=ids.device),
+            seq_lens_cpu=torch.tensor([size], dtype=torch.int32),
             out_cache_loc=slots, req_to_token_pool=p.req_to_token_pool, kv_pool=p.kv_pool,
             attn_backend=_CutBackend(p.attn_backend, self))  # type: ignore[arg-type]
 
@@ -188,13 +200,17 @@ class PromptGraphRunner:
             gc.collect()
             bucket = _Bucket(size, graphs=[torch.cuda.CUDAGraph()])
             self._capturing = bucket
-            try:
-                with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(self._stream):
+                try:
                     bucket.graphs[0].capture_begin(pool=self.pool)
                     hidden = p.model(fb.input_ids, fb.positions, fb)
                     bucket.graphs[-1].capture_end()
-            finally:
-                self._capturing = None
+                except Exception as e:
+                    _abandon(bucket.graphs[-1])  # (on the capturing stream)
+                    raise RuntimeError(f"capturing the prompt graphs of {size} tokens failed ({e}); "
+                                       "MANTA_PROMPT_GRAPHS=0 runs prompt batches eagerly") from e
+                finally:
+                    self._capturing = None
             bucket.hidden = hidden
             self.by_size[size] = bucket
         torch.cuda.synchronize()

@@ -51,12 +51,8 @@ class EngineConfig:
     # Longest prefill piece per request per step; -1 disables chunking (whole prompt at once).
     chunked_prefill_size: int = 2048
     # Most prompt tokens a step computes while requests are decoding (stall-free mixing:
-    # cluster/engine/scheduler.py); 0: only max_num_batched_tokens bounds them. 1,024 by
-    # measurement, once prompt pieces ran as CUDA graphs: on the serve workload it took the p99
-    # gap between tokens from 68 to 47 ms on an H200 for 1.3% of the throughput; 768 gave 40 ms
-    # but a TTFT p99 of 350 ms, as a 1,024-token prompt then takes two steps (BENCHMARKS.md,
-    # "Prompt pieces as piecewise CUDA graphs").
-    mixed_prefill_tokens: int = 1024
+    # cluster/engine/scheduler.py); 0: only max_num_batched_tokens bounds them; None: `prefill_cap`.
+    mixed_prefill_tokens: int | None = None
     disable_radix_cache: bool = False
     attention_backend: str = "flash"
     is_embedding: bool = False
@@ -108,7 +104,7 @@ class EngineConfig:
             bad("chunked_prefill_size", "must be -1 (off) or >= 1")
         if self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", "must be >= 1")
-        if self.mixed_prefill_tokens < 0:
+        if self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < 0:
             bad("mixed_prefill_tokens", "must be >= 0 (0: no cap beside decodes)")
         if self.max_running_requests < 1:
             bad("max_running_requests", "must be >= 1")
@@ -149,3 +145,17 @@ class EngineConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
+
+    @property
+    def prefill_cap(self) -> int:
+        """The prompt tokens a step may compute beside decodes (`mixed_prefill_tokens`; 0: no
+        cap). By default 1,024 where prompt pieces run as CUDA graphs (CUDA, graphs and the
+        `prompt_graphs` kernel option on), measured: on the serve workload it took the p99 gap
+        between tokens from 68 to 47 ms on an H200 for 1.3% of the throughput; 768 gave 40 ms but
+        a TTFT p99 of 350 ms, as each 1,024-token prompt then takes two steps (BENCHMARKS.md,
+        "Prompt pieces as piecewise CUDA graphs"). Elsewhere none: an eager prompt piece costs its
+        host time again in every capped step (7% of the throughput on an H100 at 1,024)."""
+        if self.mixed_prefill_tokens is not None:
+            return self.mixed_prefill_tokens
+        graphs = self.device == "cuda" and not self.disable_cuda_graph and self.kernels.prompt_graphs
+        return 1024 if graphs else 0

@@ -150,7 +150,7 @@ class Engine:
             eos_token_ids=mc.eos_token_ids,
             disable_radix_cache=self.serving.disable_radix_cache,
             max_waiting=config.max_waiting,
-            mixed_prefill_tokens=config.mixed_prefill_tokens,
+            mixed_prefill_tokens=config.prefill_cap,
         )
         self.kv_offload = attach_kv_offload(self)  # the shared KV store (None: off)
         # Overlapped scheduling: plan and launch step k+1 before step k's tokens are read.

@@ -10,7 +10,7 @@ is DECODE, one without any is EXTEND.
 
 With `mixed_prefill_tokens` > 0, a step computes at most that many prompt tokens while requests
 decode (continued chunks first): each stream's next token then waits for a step of bounded
-length, not for a burst of prompts. The engine's default, 1,024, was measured (`EngineConfig`).
+length, not for a burst of prompts. The engine's default was measured (`EngineConfig.prefill_cap`).
 
 Guarantees:
 - KV pages are reserved before a plan leaves the scheduler; a plan never refers to a page
