@@ -52,6 +52,28 @@ def test_prompt_pieces_padded_to_buckets_match_transformers(tmp_path_factory, ar
     assert attended == [n for n, _ in padded for _ in range(layers)]
 
 
+def test_prompt_logprobs_read_every_real_token_of_a_padded_piece(tmp_path_factory):
+    """Prompt logprobs need the hidden state of every prompt token: through the padded
+    static-buffer path they still equal transformers' log-softmax."""
+    from tests.test_prompt_logprobs import PROMPTS as LP_PROMPTS
+    from tests.test_prompt_logprobs import hf_prompt_logprobs
+    from workers.sampling_params import SamplingParams
+
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    engine = Engine(EngineConfig(model=str(d), page_size=4, chunked_prefill_size=5, max_num_batched_tokens=9))
+    runner = engine.workers.runner
+    pg = runner.pipeline.use_prompt_graphs(8, runner.pad_row, capture=False)
+    ran = []
+    replay = pg.replay
+    pg.replay = lambda fb: ran.append(fb.num_tokens) or replay(fb)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    for prompt, res in zip(LP_PROMPTS, engine.generate(LP_PROMPTS, params)):
+        ids = engine.tokenize(prompt)
+        want, _ = hf_prompt_logprobs(str(d), ids, 1)
+        assert [g.token_logprob for g in res.prompt_logprobs[1:]] == pytest.approx(want, abs=1e-4), prompt
+    assert any(n < 8 for n in ran), ran
+
+
 def test_prompts_past_the_largest_bucket_run_eagerly(tmp_path_factory):
     d = tiny_model_dir(tmp_path_factory, "llama")
     engine = Engine(EngineConfig(model=str(d), page_size=4))
