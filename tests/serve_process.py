@@ -4,6 +4,7 @@ answers, stopped with SIGTERM; and what its process tree is doing (pids, CPU tim
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,9 +18,19 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768-60999) and above Ray's worker ports
+    (10002-19999): a port the kernel hands out for bind(0) may be taken by one of the Ray
+    processes the server starts before it binds its own (seen in CI: "address already in use")."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def descendants(root: int) -> list[int]:
@@ -70,6 +81,15 @@ class ServeProcess:
     default keeps its model and KV store there)."""
 
     def __init__(self, cache_dir: Path, *args: str, env: dict | None = None, ready_timeout_s: float = 240):
+        for attempt in range(3):  # another process may still take the port before the server binds it
+            try:
+                self._start(cache_dir, args, env, ready_timeout_s)
+                return
+            except RuntimeError:
+                if attempt == 2 or "address already in use" not in self.log:
+                    raise
+
+    def _start(self, cache_dir: Path, args: tuple[str, ...], env: dict | None, ready_timeout_s: float) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {**os.environ, "MANTA_CACHE_DIR": str(cache_dir), "RAY_ADDRESS": "", **(env or {})}
