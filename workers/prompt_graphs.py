@@ -29,6 +29,7 @@ of the padding and the cut attention calls).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -131,7 +132,6 @@ class PromptGraphRunner:
         # What `_cut` does with an attention call: during capture, end one graph and begin the
         # next; eagerly, attend (the real batch `_fb`, `_n` tokens) or, warming up, nothing.
         self._capturing: _Bucket | None = None
-        self._stream: torch.cuda.Stream | None = None
         self._fb: ForwardBatch | None = None
         self._n = 0
 
@@ -147,15 +147,15 @@ class PromptGraphRunner:
         return next(b for b in self.buckets if b >= n)
 
     def _static_batch(self, size: int) -> ForwardBatch:
+        """The batch a bucket's forward runs over: its static inputs as one prompt of `size`
+        tokens on the pad row, with the attention backend that cuts (`_CutBackend`)."""
         p = self.pipeline
         ids, positions, slots = self.static[:, :size]
-        row = torch.full((1,), self.pad_row, dtype=torch.long, device=ids.device)
-        return ForwardBatch(
-            forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=ids, positions=positions,
-            req_pool_indices=row, seq_lens=torch.full((1,), size, dtype=torch.int32, device=ids.device),
-            seq_lens_cpu=torch.tensor([size], dtype=torch.int32),
-            out_cache_loc=slots, req_to_token_pool=p.req_to_token_pool, kv_pool=p.kv_pool,
-            attn_backend=_CutBackend(p.attn_backend, self))  # type: ignore[arg-type]
+        one = torch.ones(1, dtype=torch.long, device=ids.device)
+        fb = p.inputs.ragged(ForwardMode.EXTEND, input_ids=ids, positions=positions, rows=one * self.pad_row,
+                             seq_lens=one * size, seq_lens_cpu=[size], slots=slots, extend=one * size,
+                             extend_cpu=[size], prefix=one * 0, prefix_cpu=[0])
+        return dataclasses.replace(fb, attn_backend=_CutBackend(p.attn_backend, self))
 
     def _out(self, q: torch.Tensor, layer: AttentionLayer, size: int) -> torch.Tensor:
         """The attention output the next graph reads: one buffer per width, shared by every
@@ -188,19 +188,19 @@ class PromptGraphRunner:
             return
         p = self.pipeline
         t0, reserved = time.perf_counter(), torch.cuda.memory_reserved()
-        self._stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()  # every piece of every bucket captures into it
         for size in reversed(self.buckets):  # largest first: smaller ones reuse its memory
             fb = self._static_batch(size)
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up (compilation, autotuning, cuBLAS) outside any graph
                     p.model(fb.input_ids, fb.positions, fb)
             torch.cuda.synchronize()
             gc.collect()
             bucket = _Bucket(size, graphs=[torch.cuda.CUDAGraph()])
             self._capturing = bucket
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(stream):
                 try:
                     bucket.graphs[0].capture_begin(pool=self.pool)
                     hidden = p.model(fb.input_ids, fb.positions, fb)
