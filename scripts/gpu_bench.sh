@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmark runs quoted in BENCHMARKS.md, on a device with torch + triton + transformers
 # (no install: run from the repository root). Stages: build tests sweep gemv profile l8 l8ab l8serial l8serve l8mix
-# l8mixprof l8mixab l8mixprofab (A/B by environment variant, MIXAB) dsv2 spec specid
+# l8mixprof l8mixab l8mixprofab (the same two by environment variant: MIXAB, default prompt graphs off / on) dsv2
+# spec specid
 # l8tp2 dsv2tp2 compiles, and the product path through `manta serve` (Ray, router, HTTP, KV store; needs Ray, NIXL
 # and FastAPI on PYTHONPATH: ../shared/gpu/README.md): l8http (store on: a cold run, then the server restarted and the
 # same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2, two GPUs) l8pd (two replicas sharing the GPU:
@@ -131,25 +132,17 @@ for s in $stages; do
     l8serial) build /tmp/l8 --preset llama-3.1-8b
         $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --disable-overlap-schedule \
           --out "$OUT/l8_latency_no_overlap.json" ;;
-    l8mixprof) build /tmp/l8 --preset llama-3.1-8b  # MIXED steps: 192 decodes + one new prompt of N tokens
-        for n in ${MIX_PROFILE:-256 512 1024}; do
-          python3 scripts/profile_decode.py /tmp/l8 192 --input-len 1024 --prefill "$n" --steps 20 \
-            --out "$OUT/l8_profile_mixed_p$n.json" 2>&1 | grep -v Warning | head -16; done ;;
-    l8mix) build /tmp/l8 --preset llama-3.1-8b  # the serve workload by prompt tokens allowed beside decodes
-        for m in ${MIX:-0 512 768 1024}; do echo "--- mixed-prefill-tokens $m"
-          $M bench serve --model /tmp/l8 $F --mixed-prefill-tokens "$m" --num-prompts 200 --input-len 1024 \
-            --output-len 1024 --request-rate 16 --out "$OUT/l8_serve_mix$m.json" 2>&1 | grep -v "INFO\|Warning"; done ;;
-    l8mixab) build /tmp/l8 --preset llama-3.1-8b  # the same by variant (default: prompt graphs off / on)
-        for v in ${MIXAB:-"MANTA_PROMPT_GRAPHS=0" "MANTA_PROMPT_GRAPHS=1"}; do for m in ${MIX:-0 512}; do
-          echo "--- $v mixed-prefill-tokens $m"
-          env $v $M bench serve --model /tmp/l8 $F --mixed-prefill-tokens "$m" --num-prompts 200 --input-len 1024 \
-            --output-len 1024 --request-rate 16 --out "$OUT/l8_serve_mix${m}_${v//[ =]/_}.json" 2>&1 \
+    l8mixprof|l8mixprofab) build /tmp/l8 --preset llama-3.1-8b  # MIXED steps: 192 decodes + one new prompt of N tokens
+        ab=${MIXAB:-}; [ "$s" = l8mixprof ] || ab=${MIXAB:-"MANTA_PROMPT_GRAPHS=0 MANTA_PROMPT_GRAPHS=1"}
+        for v in ${ab:--}; do for n in ${MIX_PROFILE:-256 512 1024}; do echo "--- ${v#-} prompt $n"
+          env ${v#-} python3 scripts/profile_decode.py /tmp/l8 192 --input-len 1024 --prefill "$n" --steps 20 \
+            --out "$OUT/l8_profile_mixed_p$n${ab:+_${v//=/_}}.json" 2>&1 | grep -v Warning | head -16; done; done ;;
+    l8mix|l8mixab) build /tmp/l8 --preset llama-3.1-8b  # the serve workload by prompt tokens allowed beside decodes
+        ab=${MIXAB:-}; [ "$s" = l8mix ] || ab=${MIXAB:-"MANTA_PROMPT_GRAPHS=0 MANTA_PROMPT_GRAPHS=1"}
+        for v in ${ab:--}; do for m in ${MIX:-0 512 768 1024}; do echo "--- ${v#-} mixed-prefill-tokens $m"
+          env ${v#-} $M bench serve --model /tmp/l8 $F --mixed-prefill-tokens "$m" --num-prompts 200 --input-len 1024 \
+            --output-len 1024 --request-rate 16 --out "$OUT/l8_serve_mix$m${ab:+_${v//=/_}}.json" 2>&1 \
             | grep -v "INFO\|Warning"; done; done ;;
-    l8mixprofab) build /tmp/l8 --preset llama-3.1-8b  # l8mixprof by variant (default: prompt graphs off / on)
-        for v in ${MIXAB:-"MANTA_PROMPT_GRAPHS=0" "MANTA_PROMPT_GRAPHS=1"}; do for n in ${MIX_PROFILE:-512}; do
-          echo "--- $v prompt $n"
-          env $v python3 scripts/profile_decode.py /tmp/l8 192 --input-len 1024 --prefill "$n" --steps 20 \
-            --out "$OUT/l8_profile_mixed_p${n}_${v//[ =]/_}.json" 2>&1 | grep -v Warning | head -16; done; done ;;
     l8serve) build /tmp/l8 --preset llama-3.1-8b
         $M bench serve --model /tmp/l8 $F --num-prompts 200 --input-len 1024 --output-len 1024 \
           --request-rate 16 --out "$OUT/l8_serve.json" ;;
