@@ -12,7 +12,8 @@ Implementations, best first (`select_prefill` picks one per process at start-up)
   on the same gathered K/V. Its signature changed between releases (is_causal -> window_size,
   enable_gqa added), so `_torch_varlen` adapts to the installed one, and `select_prefill` runs
   a two-token probe to confirm that its causal mask is bottom-right aligned for q_len < k_len
-  before choosing it;
+  before choosing it. Where a probe passes (`aten_flash_ok`), the ATen op under the wrapper is
+  called directly instead, on GQA K/V and a strided q as they are (`_aten_flash`);
 - "triton": `paged_extend_triton` below, which reads K/V straight from the paged cache
   (any dtype, any head dims, GQA);
 - "sdpa": `torch_ops.paged_extend_sdpa`, one SDPA call per request.
@@ -183,6 +184,40 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal) -> torch.T
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
 
+def _aten_flash(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal) -> torch.Tensor:
+    """ATen's FlashAttention forward, which `varlen_attn` wraps, called directly: the kernel
+    takes fewer K/V heads than q heads (GQA) and q's rows at a stride (a slice of the fused qkv
+    product), where the wrapper of torch 2.10/2.11 insists on equal head counts, so K and V were
+    repeated per q head, and q was made contiguous: three copies a layer, 2.1 ms of a
+    2,048-token prefill step of the 8B shape on an H200 (BENCHMARKS.md). Used where
+    `aten_flash_ok` confirmed it on this device."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                   scale=scaling)[0]
+
+
+@functools.lru_cache(maxsize=4)
+def aten_flash_ok(device: str) -> bool:
+    """Probe `_aten_flash` once per device on what the prefill gives it: GQA heads, q a strided
+    slice, two requests, each with a cached prefix (q_len < k_len, so the causal mask must be
+    bottom-right aligned). False (the wrapper is used) if it fails or differs from the reference."""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q_lens, kv_lens, heads, kv_heads, d = [1, 3], [2, 5], 4, 2, 64
+        wide = torch.randn(sum(q_lens), heads + 1, d, generator=g).to(device, torch.bfloat16)
+        q = wide[:, :heads]
+        k = torch.randn(sum(kv_lens), kv_heads, d, generator=g).to(device, torch.bfloat16)
+        v = torch.randn(sum(kv_lens), kv_heads, d, generator=g).to(device, torch.bfloat16)
+        cu_q = torch.tensor([0, 1, 4], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 2, 7], dtype=torch.int32, device=device)
+        got = _aten_flash(q, k, v, cu_q, cu_k, 3, 5, 0.125, True).float()
+        table = torch.tensor([[0, 1, 0, 0, 0], [2, 3, 4, 5, 6]], device=device)
+        want = torch_ops.paged_attention_ref(q, k, v, table, q_lens, kv_lens, 0.125, True).float()
+        return bool(torch.allclose(got, want, atol=2e-2, rtol=0))
+    except Exception as e:  # noqa: BLE001 - any failure means "use the wrapper"
+        logger.info("ATen FlashAttention called directly is not usable here (%s): varlen_attn it is", e)
+        return False
+
+
 def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
 
@@ -197,21 +232,28 @@ class RaggedFlashExtend:
     q: [sum(q_lens), H, D]; k_cache: [slots, Hkv, D]; v_cache: [slots, Hkv, Dv]
     returns [sum(q_lens), H, Dv]."""
 
-    def __init__(self, impl: str):
+    def __init__(self, impl: str, direct: bool | None = None):
+        """direct (torch_varlen): call `_aten_flash` instead of the wrapper; None: where
+        `aten_flash_ok` says so, decided at the first call."""
         if impl not in ("flash_attn", "torch_varlen"):
             raise ValueError(f"not a varlen FlashAttention: {impl!r}")
         self.impl = impl
         self._varlen = _flash_attn_varlen if impl == "flash_attn" else _torch_varlen
+        self._direct = direct if impl == "torch_varlen" else False
         self._plans = _PlanCache()
 
     def __call__(self, q, k_cache, v_cache, token_table, q_lens, kv_lens, scaling, causal=True):
         if not flash_shapes_ok(q, k_cache, v_cache, widen=True) or min(kv_lens, default=1) == 0:
             return paged_extend_triton(q, k_cache, v_cache, token_table, q_lens, kv_lens, scaling, causal)
         plan = self._plans.get(token_table, q_lens, kv_lens)
-        if not q.is_contiguous():  # e.g. a slice of a fused qkv projection
-            q = q.contiguous()
         k = k_cache[plan.kv_slots].to(q.dtype)  # (an FP8 cache widened; its scales are the caller's)
         v = v_cache[plan.kv_slots].to(q.dtype)
+        if self._direct is None:
+            self._direct = aten_flash_ok(str(q.device))
+        if self._direct:
+            return _aten_flash(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scaling, causal)
+        if not q.is_contiguous():  # e.g. a slice of a fused qkv projection
+            q = q.contiguous()
         return self._varlen(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scaling, causal)
 
 

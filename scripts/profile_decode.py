@@ -6,9 +6,9 @@ kernels, the kernels by total time).
 
 --prefill N profiles MIXED steps instead: before each profiled step a new N-token prompt
 (max_tokens 1) joins the BATCH decoding requests, so every step computes N prompt tokens beside
-the decodes, eagerly. The GPU's busy time against the step's wall time says whether such a step
-is bound by the device (kernels) or by the host (launches, preparation): piecewise graphs only
-pay for the latter.
+the decodes (BATCH 0: prompt-only steps, the prefill's kernels by total time). The GPU's busy
+time against the step's wall time says whether such a step is bound by the device (kernels)
+or by the host (launches, preparation): piecewise graphs only pay for the latter.
 
 Under programmatic dependent launch (`attention/pdl.py`, on by default on Hopper) a
 kernel starts before its predecessor ends, so per-kernel times overlap and add up to more than
@@ -122,7 +122,7 @@ def main() -> None:
         by_name[name][1] += e - s
     gr = runner.pipeline.graphs
     graph_ms = None
-    if gr is not None and gr.use_graphs:
+    if gr is not None and gr.use_graphs and a.batch:
         g = gr.graphs[gr.inputs.padded_size(a.batch)]
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -137,7 +137,7 @@ def main() -> None:
         "batch": a.batch, "prefill": a.prefill, "steps": n, "wall_ms_per_step": wall_ms / n,
         "gpu_span_ms_per_step": span_us / 1e3 / n, "gpu_busy_ms_per_step": busy_us / 1e3 / n,
         "gpu_kernels_per_step": len(iv) / n, "graph_replay_alone_ms": graph_ms,
-        "layer": layer_breakdown(iv),
+        "layer": layer_breakdown(iv) if a.batch else [],
         "kernels": sorted(([k, c / n, t / 1e3 / n] for k, (c, t) in by_name.items()), key=lambda x: -x[2])[:30],
     }
     print(f"batch {a.batch}{f' + a {a.prefill}-token prompt' if a.prefill else ''}: step (profiled) "

@@ -289,7 +289,7 @@ def _flash_impls() -> list[str]:
     if gpu_prefill.flash_attn_available():
         impls.append("flash_attn")
     if gpu_prefill.torch_varlen_available():
-        impls.append("torch_varlen")
+        impls += ["torch_varlen", "torch_varlen_direct"]
     return impls
 
 
@@ -307,17 +307,35 @@ def test_torch_varlen_alignment_probe_reports():
 @pytest.mark.parametrize("impl", _flash_impls() or ["none"])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 80), (32, 8, 128)])
 @pytest.mark.parametrize("shape", list(EXTEND_SHAPES))
-def test_flash_extend(impl, shape, heads, kv_heads, dim):
+@pytest.mark.parametrize("strided", [False, True])
+def test_flash_extend(impl, shape, heads, kv_heads, dim, strided):
+    """torch_varlen: through the wrapper; torch_varlen_direct: ATen's kernel called directly on
+    GQA K/V and (strided) q a slice of a wider tensor, as the fused qkv product leaves it."""
     if impl == "none":
         pytest.skip("neither flash_attn nor torch varlen_attn here")
-    if impl == "torch_varlen" and not gpu_prefill.torch_varlen_bottom_right(DEVICE):
+    if impl.startswith("torch_varlen") and not gpu_prefill.torch_varlen_bottom_right(DEVICE):
         pytest.skip("torch varlen_attn's causal mask is not bottom-right aligned here")
+    if impl == "torch_varlen_direct" and not gpu_prefill.aten_flash_ok(DEVICE):
+        pytest.skip("ATen's FlashAttention called directly failed its probe here")
     q, kc, vc, tt, q_lens, kv_lens = extend_case(shape, heads, kv_heads, dim, 16, torch.bfloat16)
+    if strided:
+        q = torch.cat([q, torch.randn_like(q[:, :1])], dim=1)[:, :heads]
     scale = dim**-0.5
-    got = gpu_prefill.RaggedFlashExtend(impl)(q, kc, vc, tt, q_lens, kv_lens, scale, True)
+    ext = (gpu_prefill.RaggedFlashExtend("torch_varlen", direct=impl == "torch_varlen_direct")
+           if impl.startswith("torch_varlen") else gpu_prefill.RaggedFlashExtend(impl))
+    got = ext(q, kc, vc, tt, q_lens, kv_lens, scale, True)
     assert_close(got, ref_attention(q, kc, vc, tt, q_lens, kv_lens, scale, True), torch.bfloat16)
-    got = gpu_prefill.RaggedFlashExtend(impl)(q, kc, vc, tt, q_lens, kv_lens, scale, False)
+    got = ext(q, kc, vc, tt, q_lens, kv_lens, scale, False)
     assert_close(got, ref_attention(q, kc, vc, tt, q_lens, kv_lens, scale, False), torch.bfloat16)
+
+
+@gpu_only
+def test_aten_flash_probe_passes_where_torch_varlen_does():
+    """On a GPU whose varlen_attn passed its probe, the direct call must too (the prefill's
+    three copies a layer depend on it); a failure here says the fallback is in use."""
+    if not (gpu_prefill.torch_varlen_available() and gpu_prefill.torch_varlen_bottom_right(DEVICE)):
+        pytest.skip("no usable torch varlen_attn here")
+    assert gpu_prefill.aten_flash_ok(DEVICE)
 
 
 def test_ragged_plan_gathers_each_request_in_order():
