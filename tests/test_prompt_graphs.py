@@ -34,7 +34,7 @@ def test_prompt_pieces_padded_to_buckets_match_transformers(tmp_path_factory, ar
     replay, backend_forward = pg.replay, pipeline.attn_backend.forward
 
     def spy_replay(fb):
-        padded.append((fb.num_tokens, pg._bucket(fb.num_tokens)))
+        padded.append((fb.num_tokens, pg.padded_size(fb.num_tokens)))
         return replay(fb)
 
     def spy_forward(q, k, v, layer, fb, **kw):

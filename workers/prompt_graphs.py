@@ -143,7 +143,8 @@ class PromptGraphRunner:
         return (fb.forward_mode == ForwardMode.EXTEND and not fb.is_embedding and fb.encoder_lens is None
                 and 0 < fb.num_tokens <= self.max_tokens and (not self.use_graphs or bool(self.by_size)))
 
-    def _bucket(self, n: int) -> int:
+    def padded_size(self, n: int) -> int:
+        """The bucket an n-token prompt batch runs as (its matrix products see this many rows)."""
         return next(b for b in self.buckets if b >= n)
 
     def _static_batch(self, size: int) -> ForwardBatch:
@@ -224,7 +225,7 @@ class PromptGraphRunner:
         """Hidden states [T, hidden] of an EXTEND batch (`can_run`), whose attention metadata the
         backend has built."""
         n = fb.num_tokens
-        size = self._bucket(n)
+        size = self.padded_size(n)
         self.static[:, :n].copy_(torch.stack([fb.input_ids, fb.positions, fb.out_cache_loc.long()]))
         if size > n:
             self.static[:, n:size].zero_()
