@@ -5,10 +5,10 @@
 # spec specid
 # l8tp2 dsv2tp2 compiles, and the product path through `manta serve` (Ray, router, HTTP, KV store; needs Ray, NIXL
 # and FastAPI on PYTHONPATH: ../shared/gpu/README.md): l8http (store on: a cold run, then the server restarted and the
-# same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2, two GPUs) l8pd (two replicas sharing the GPU:
+# same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2 on two GPUs, store on) l8pd (two replicas sharing the GPU:
 # mixed against prefill + decode, 2048-token prompts) l8route (`manta bench routing`: round robin / tree / events,
 # two replicas sharing the GPU, KV store on).
-# l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts).
+# l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts) gemms (the 8B layer's four products alone, TFLOP/s).
 # FP8 (issue 25): l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
 # (`bench_gemv --fp8`) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
@@ -31,11 +31,11 @@ SERVE_MODEL=${SERVE_MODEL:-/tmp/l8} PORT=${PORT:-8100} SPID=
 WORK=${WORK:-"--num-prompts 200 --input-len 1024 --output-len 1024 --request-rate 16"}
 serve_model() { [ "$SERVE_MODEL" != /tmp/l8 ] || build /tmp/l8 --preset llama-3.1-8b; }
 serve_start() {  # serve_start NAME FLAGS...: start, wait for /health (the log goes to $OUT/serve_NAME.log)
-  local name=$1; shift
+  local name=$1 t0=$SECONDS; shift
   setsid $M serve --model "$SERVE_MODEL" --port "$PORT" "$@" > "$OUT/serve_$name.log" 2>&1 & SPID=$!
   for _ in $(seq 600); do
     python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=1)" \
-      2>/dev/null && { echo "serve $name up after $SECONDS s"; return 0; }
+      2>/dev/null && { echo "serve $name up after $((SECONDS - t0)) s"; return 0; }
     kill -0 $SPID 2>/dev/null || { echo "serve $name died"; tail -30 "$OUT/serve_$name.log"; return 1; }
     sleep 1
   done; echo "serve $name did not come up"; return 1
@@ -125,6 +125,7 @@ for s in $stages; do
           2>&1 | grep -v "INFO\|Warning" | tail -6 ;;
     dsv2fp8) build /tmp/dsv2fp8 --preset deepseek-v2-lite --quantization fp8-block  # DeepSeek-V3's FP8 format
         $M bench latency --model /tmp/dsv2fp8 $F --batch 1 16 --steps 24 --input-len 512 --out "$OUT/dsv2_latency_fp8.json" ;;
+    gemms) python3 scripts/prefill_gemms.py --tokens 1024 2048 8192 2>&1 | tee "$OUT/prefill_gemms.txt" ;;  # the products alone
     l8prefill) build /tmp/l8 --preset llama-3.1-8b  # prefill MFU against the dense bf16 peak (issue 26)
         $M bench prefill --model /tmp/l8 $F --num-prompts 64 --input-len 2048 --out "$OUT/l8_prefill_2048.json"
         $M bench prefill --model /tmp/l8 ${F/4096/16384} --num-prompts 16 --input-len 8192 \
@@ -183,8 +184,11 @@ for s in $stages; do
           --out "$OUT/l8_routing.json" 2>&1 | grep -v "INFO\|Warning"; rm -rf "$RS" ;;
     l8httpns) serve_model
         serve_start nostore $F --no-kv-store && { http_bench l8_http_nostore; serve_stop; } ;;
-    l8httptp2) serve_model  # 2 GPUs: NCCL between Ray rank actors
-        serve_start tp2 $F --tp 2 --no-kv-store && { http_bench l8_http_tp2; serve_stop; } ;;
+    l8httptp2) serve_model  # 2 GPUs: NCCL between Ray rank actors; the defaults (KV store on), as l8http's cold run
+        KV=${KV_DIR:-/tmp/kvstore}; rm -rf "$KV"
+        serve_start tp2 $F --tp 2 --kv-store $KV --kv-store-disk-gb ${KV_DISK_GB:-24} --kv-drain-timeout ${KV_DRAIN_S:-60} \
+          && { http_bench l8_http_tp2; serve_stop; }
+        rm -rf "$KV" ;;
     specid) build /tmp/l8 --preset llama-3.1-8b  # an agreeing, cheap draft: the target's first 2 layers
         $M bench spec --model /tmp/l8 $F --speculative-num-tokens 4 --identity-tail-layers 2 --identity-tail-only \
           --max-running-requests 32 --batch 1 4 16 --input-len 512 --output-len 128 --out "$OUT/spec_identity.json" ;;
