@@ -52,7 +52,7 @@ http_bench() {  # http_bench NAME: the workload against the running server; JSON
         ${PYSPY:-py-spy} record --nonblocking -d 8 -r 100 -f speedscope -o "$OUT/prof_$1_${role%%:*}.json" \
           --pid "$pid" >/dev/null 2>&1 & done; wait ) & PROF=$!
   fi
-  $M bench serve --model "$SERVE_MODEL" --url "http://127.0.0.1:$PORT" $WORK --out "$OUT/$1.json" 2>&1 \
+  $M bench serve --model "$SERVE_MODEL" --url "http://127.0.0.1:$PORT" $WORK --server-pid "$SPID" --out "$OUT/$1.json" 2>&1 \
     | grep -v "INFO\|Warning"; [ -z "${PROFILE:-}" ] || wait $PROF
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
     > "$OUT/$1_metrics.txt"

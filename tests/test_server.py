@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import time
 from collections.abc import AsyncIterator
@@ -553,9 +554,21 @@ def test_bench_serve_counts_tokens_from_usage_not_text_events(stack):
 
     rng = random.Random(3)
     prompts = [[rng.randrange(10, 250) for _ in range(12 + i)] for i in range(6)]
-    res = asyncio.run(run_http(stack["url"], MODEL, prompts, 9, rate=100.0, warmup=prompts[:2]))
+    # The server runs in this process here: its CPU time is this process's.
+    res = asyncio.run(run_http(stack["url"], MODEL, prompts, 9, rate=100.0, warmup=prompts[:2],
+                               server_pid=os.getpid()))
     assert res["requests"] == 6 and res["errors"] == 0 and res["output_tokens"] == 6 * 9
-    for key in ("ttft_ms_p50", "tpot_ms_mean", "itl_ms_p99", "chunk_gap_ms_p99"):
+    for key in ("ttft_ms_p50", "tpot_ms_mean", "itl_ms_p99", "chunk_gap_ms_p99", "server_cpu_s"):
         assert res[key] > 0, key
+    assert res["server_cpu_us_per_token"] == pytest.approx(1e6 * res["server_cpu_s"] / 54)
     bad = asyncio.run(run_http(stack["url"], "no-such-model", prompts[:2], 4, rate=100.0))
     assert bad["errors"] == 2 and bad["errors_by_kind"] == {"HTTP 404": 2}
+
+
+def test_process_cpu_seconds_count_this_process_burning_cpu():
+    from cluster.bench.serve import process_cpu_s
+
+    before, end = process_cpu_s(os.getpid()), time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    assert 0.15 < process_cpu_s(os.getpid()) - before < 5.0

@@ -249,7 +249,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0)
             warmup = random_prompts(2, args.input_len, vocab, 1)  # as the in-process run warms its engine
             res = asyncio.run(run_http(args.url, config.model_name, prompts, args.output_len, args.request_rate,
-                                       warmup=warmup))
+                                       warmup=warmup, server_pid=args.server_pid))
         else:
             engine = Engine(config)
             prompts = random_prompts(args.num_prompts, args.input_len, engine.model_config.vocab_size, 0)

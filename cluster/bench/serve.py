@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -123,8 +124,16 @@ async def run_in_process(engine, prompts: list[list[int]], output_len: int, rate
     return res
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) the process `pid` has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def run_http(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,
-                   seed: int = 0, api_key: str = "none", warmup: list[list[int]] = ()) -> dict:
+                   seed: int = 0, api_key: str = "none", warmup: list[list[int]] = (),
+                   server_pid: int | None = None) -> dict:
     """Streamed /v1/completions against a running server, from an aiohttp client (its per-chunk
     cost is a fraction of httpx's: with 200 streams the client's own event loop would otherwise
     add tens of ms to the latencies it measures). Tokens are counted from the usage the server
@@ -132,7 +141,9 @@ async def run_http(url: str, model: str, prompts: list[list[int]], output_len: i
     else once at the end (`include_usage`), the chunks' tokens then being spread one per chunk
     with the rest on the last. Never from text: a byte-level token may decode to nothing until
     its character completes. `warmup`: prompts sent first (4 tokens each, untimed), as the
-    in-process run warms its engine: a server's first requests pay its kernels' compiles."""
+    in-process run warms its engine: a server's first requests pay its kernels' compiles.
+    `server_pid` (the HTTP server's process, on this host): its CPU time over the timed run, per
+    streamed token: the server's one event loop formats and sends every token of every stream."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0)
@@ -180,10 +191,15 @@ async def run_http(url: str, model: str, prompts: list[list[int]], output_len: i
         warm = await asyncio.gather(*(one(-1, p, 4) for p in warmup))
         if any(w.error for w in warm):
             raise RuntimeError(f"the warm-up requests failed: {[w.error for w in warm]}")
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), process_cpu_s(server_pid) if server_pid else None
         tasks = [asyncio.create_task(one(i)) async for i in _arrivals(len(prompts), rate, seed)]
         timings = await asyncio.gather(*tasks)
-        return summarize(list(timings), time.perf_counter() - t0)
+        res = summarize(list(timings), time.perf_counter() - t0)
+        if cpu0 is not None:
+            cpu = process_cpu_s(server_pid) - cpu0
+            res["server_cpu_s"] = cpu
+            res["server_cpu_us_per_token"] = 1e6 * cpu / max(1, res["output_tokens"])
+        return res
 
 
 def run_transformers_offline(model_dir: str, prompts: list[list[int]], output_len: int, device: str,

@@ -430,7 +430,7 @@ def add_soak_args(p) -> None:
     p.add_argument("--warmup", type=float, default=10.0, help="soak: seconds of traffic before measuring")
     p.add_argument("--serve-arg", action="append", default=[], dest="serve_args",
                    help="soak: an argument for the `manta serve` it starts (repeat; e.g. --serve-arg=--replicas=2)")
-    p.add_argument("--server-pid", type=int, default=None, help="soak with --url: the server's pid (memory)")
+    p.add_argument("--server-pid", type=int, default=None, help="with --url: the server's pid (soak: its memory; serve: its CPU per streamed token)")
 
 
 def bench_soak(args) -> dict:
