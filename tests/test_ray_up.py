@@ -74,8 +74,11 @@ class Cluster:
     def ray(self, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
         cmd = [RAY, args[0], str(self.path), *args[1:]]
         full = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}", **(env or {})}
+        t0 = time.monotonic()
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full)
-        self.log += f"\n$ ray {' '.join(args[:1])} {self.path.name} {' '.join(args[1:])}  -> {r.returncode}\n"
+        took = time.monotonic() - t0
+        self.log += f"\n$ ray {' '.join(args[:1])} {self.path.name} {' '.join(args[1:])}  -> {r.returncode} in {took:.1f} s\n"
+        print(f"ray {args[0]} {' '.join(args[1:])[:60]}: rc {r.returncode} in {took:.1f} s")
         self.log += r.stdout[-6000:] + r.stderr[-6000:]
         return r
 
@@ -223,8 +226,9 @@ def test_wrong_head_ip_fails_ray_up_with_rays_message(hosts, tmp_path_factory):
     made, (head, worker) = hosts
     cluster = Cluster(made, "manta-badhead", tiny_model_dir(tmp_path_factory, "llama"), head_ip=NOBODY)
     try:
-        # Ray waits AUTOSCALER_NODE_START_WAIT_S (900 s by default) for SSH to answer.
-        r = cluster.up(timeout=300, env={"AUTOSCALER_NODE_START_WAIT_S": "20"})
+        # Ray waits AUTOSCALER_NODE_START_WAIT_S (900 s by default) for SSH to answer, trying
+        # every 5 s: 8 s is two tries.
+        r = cluster.up(timeout=300, env={"AUTOSCALER_NODE_START_WAIT_S": "8"})
         assert r.returncode != 0, cluster.log
         assert f"ssh: connect to host {NOBODY} port 22" in cluster.log, cluster.log
         assert "Failed to setup head node" in cluster.log, cluster.log
