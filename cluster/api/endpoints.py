@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from cluster.api import protocol as P
+from cluster.api.chunks import TextChunks, usage_json
 from cluster.api.deadline import RequestTimedOut, stream_within, within
 from cluster.api.embeddings import EmbeddingRequest, check_dimensions, embedding_response
 from cluster.api.errors import APIError, as_api_error
@@ -47,11 +48,19 @@ from workers.sampling_params import SamplingParams, SamplingParamsError
 logger = logging.getLogger(__name__)
 
 
-def usage_of(choices: list[ChoiceResult], n: int) -> P.Usage:
-    """Prompt tokens count once per prompt (choices [k*n, (k+1)*n) share prompt k)."""
+def usage_counts(choices: list[ChoiceResult], n: int) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens; prompt tokens count once per prompt (choices
+    [k*n, (k+1)*n) share prompt k)."""
+    if len(choices) == 1:
+        c = choices[0]
+        return c.prompt_tokens, c.completion_tokens, c.cached_tokens
     firsts = choices[::n]
-    return P.Usage.of(sum(c.prompt_tokens for c in firsts), sum(c.completion_tokens for c in choices),
-                      sum(c.cached_tokens for c in firsts))
+    return (sum(c.prompt_tokens for c in firsts), sum(c.completion_tokens for c in choices),
+            sum(c.cached_tokens for c in firsts))
+
+
+def usage_of(choices: list[ChoiceResult], n: int) -> P.Usage:
+    return P.Usage.of(*usage_counts(choices, n))
 
 
 class Endpoints:
@@ -212,6 +221,10 @@ class Endpoints:
                 return None
             return vllm_prompt_logprobs(jobs[i][0], prompt_lps, self.pieces)
 
+        text_chunk = TextChunks(lambda i, text: P.CompletionChunk(
+            id=cid, created=created, model=model, choices=[P.CompletionChoice(index=i, text=text)]).model_dump_json())
+        plain = not (scores_only or want_lp)  # most chunks are only text (and usage, if asked)
+
         async def events(fan: FanOut) -> AsyncIterator[str]:
             offsets = [CompletionOffsets() for _ in jobs]
             started = [False] * len(jobs)
@@ -219,6 +232,10 @@ class Endpoints:
                 if scores_only and not out.finished:
                     out.delta_text, out.delta_token_ids, out.delta_logprobs = "", [], []
                 if not (out.delta_text or out.delta_token_ids or out.finished or not started[i]):
+                    continue
+                if plain and started[i] and not out.finished:
+                    yield text_chunk(i, out.delta_text, usage_json(*usage_counts(fan.choices, req.n))
+                                     if req.continuous_usage else None)
                     continue
                 head, head_lp = echo(i, out.prompt_logprobs, offsets[i]) if not started[i] else ("", None)
                 prompt_lp = vllm_prompt(i, out.prompt_logprobs) if not started[i] else None
@@ -287,6 +304,11 @@ class Endpoints:
         def chunk(choices: list[P.ChatChunkChoice], usage: P.Usage | None = None) -> str:
             return sse(P.ChatCompletionChunk(id=cid, created=created, model=model, choices=choices, usage=usage))
 
+        text_chunk = TextChunks(lambda i, text: P.ChatCompletionChunk(
+            id=cid, created=created, model=model,
+            choices=[P.ChatChunkChoice(index=i, delta=P.DeltaMessage(content=text))]).model_dump_json())
+        plain = not (tools.active or self.reasoning_parser or req.logprobs)
+
         async def events(fan: FanOut) -> AsyncIterator[str]:
             for i in range(len(jobs)):
                 yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))])
@@ -294,6 +316,10 @@ class Endpoints:
             thinking = [ReasoningStream(self.reasoning_parser) for _ in jobs] if self.reasoning_parser else None
             async for i, out in fan.outputs_ending_in_error():
                 if not (out.delta_text or out.delta_token_ids or out.finished):
+                    continue
+                if plain and not out.finished:  # most chunks are only text (and usage, if asked)
+                    yield text_chunk(i, out.delta_text, usage_json(*usage_counts(fan.choices, req.n))
+                                     if req.continuous_usage else None)
                     continue
                 lp = chat_logprobs(out.delta_token_ids, out.delta_logprobs, self.pieces) if req.logprobs else None
                 reason = out.finish_reason if out.finished else None

@@ -29,12 +29,12 @@ class ClientGone(Exception):
 # JSON leaves U+0085, U+2028 and U+2029 unescaped, and line readers built on str.splitlines
 # (httpx's `aiter_lines` among them) end an SSE line there, cutting the event's JSON in two.
 # They can only occur inside JSON strings, where their escapes mean the same.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(obj: BaseModel | dict) -> str:
     data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
-    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
+    return f"data: {data.translate(LINE_BREAKS)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
