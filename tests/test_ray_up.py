@@ -116,6 +116,15 @@ def _ray_json(cluster: Cluster, head, command: str, name: str):
     return json.loads(out.read_text())
 
 
+def _monitor_log(head) -> str:
+    """The head's autoscaler log (what `ray monitor` tails): the worker updater's output."""
+    link = head.tmp / "ray" / "session_latest"
+    if not link.is_symlink():
+        return "(no Ray session on the head)"
+    logs = head.tmp / os.readlink(link).removeprefix("/tmp/") / "logs"  # the link names the host's /tmp
+    return "".join(f"--- {p.name}\n{p.read_text(errors='replace')}" for p in sorted(logs.glob("monitor.*")))
+
+
 def _nothing_running(*hosts, within_s: float = 30) -> dict:
     """Each host's processes but sshd, after waiting up to `within_s` for them to end (empty:
     none)."""
@@ -141,7 +150,10 @@ def test_ray_up_serves_tp2_across_two_hosts_and_ray_down_leaves_nothing(hosts, t
             nodes = _ray_json(cluster, head, "ray list nodes", "nodes.json")
             return nodes if sum(x["state"] == "ALIVE" for x in nodes) == 2 else None
 
-        nodes = _wait("the worker node to join", both_alive, 600, every_s=5)
+        try:
+            nodes = _wait("the worker node to join", both_alive, 600, every_s=5)
+        except AssertionError as exc:  # the head's autoscaler log says why (it goes with the hosts)
+            raise AssertionError(f"{exc}\n{_monitor_log(head)[-8000:]}\n{cluster.log[-4000:]}") from None
         assert {x["node_ip"] for x in nodes if x["state"] == "ALIVE"} == {head.ip, worker.ip}, nodes
         # The autoscaler's own view (`ray status`) lags the GCS's by its update interval: the
         # worker stays `setting-up` there until its updater has finished.
