@@ -1,7 +1,8 @@
-"""The streamed chunk almost every token is: one choice's new text, nothing else (no logprobs,
-no finish reason, no usage). Written by joining three strings instead of building and dumping
-three pydantic models per token: at a GPU's step rate the server formats thousands of these a
-second on one event loop, and every microsecond there is queueing for the next request's bytes.
+"""The streamed chunk almost every token is: one choice's new text (no logprobs, no finish
+reason), with usage when the client asked for it in every chunk. Written by joining fixed
+strings around the escaped text instead of building and dumping three pydantic models per
+token: at a GPU's step rate the server formats thousands of these a second on one event loop,
+and every microsecond there is queueing for the next request's bytes.
 
 The two fixed parts come from the protocol models themselves (one chunk rendered by pydantic with
 a probe text, split around it), so the fast chunk is the pydantic chunk byte for byte

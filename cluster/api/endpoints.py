@@ -51,9 +51,6 @@ logger = logging.getLogger(__name__)
 def usage_counts(choices: list[ChoiceResult], n: int) -> tuple[int, int, int]:
     """(prompt, completion, cached) tokens; prompt tokens count once per prompt (choices
     [k*n, (k+1)*n) share prompt k)."""
-    if len(choices) == 1:
-        c = choices[0]
-        return c.prompt_tokens, c.completion_tokens, c.cached_tokens
     firsts = choices[::n]
     return (sum(c.prompt_tokens for c in firsts), sum(c.completion_tokens for c in choices),
             sum(c.cached_tokens for c in firsts))
