@@ -41,10 +41,17 @@ async def within(state: Any, work: Awaitable[T]) -> T:
     if deadline is None:
         return await work
     try:
-        return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
+        # One timer on this task, not wait_for's extra task: a stream awaits this once a chunk.
+        async with asyncio.timeout_at(_loop_time(deadline)):
+            return await work
     except TimeoutError:
         state.timed_out = True
         raise RequestTimedOut(state.timeout_s) from None
+
+
+def _loop_time(deadline: float) -> float:
+    """`deadline` (time.monotonic) on the event loop's clock, which asyncio.timeout_at takes."""
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
 
 
 async def stream_within(state: Any, events: AsyncIterator[T]) -> AsyncIterator[T]:
