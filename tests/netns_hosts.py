@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SSHD = "/usr/sbin/sshd"
-SUBNET = "10.231.0"  # the bridge is .1, the hosts .2, .3, ...
+SUBNETS = [f"10.231.{k}" for k in range(256)]  # each Hosts takes a free /24: bridge .1, hosts .2, .3, ...
 
 
 def missing_tools() -> str | None:
@@ -72,7 +72,9 @@ class Hosts:
         self.tag = secrets.token_hex(2)
         self.bridge = f"mbr{self.tag}"
         self.key = self.base / "id_ed25519"  # the key `ray up` logs in with
-        self.hosts = [Host(f"manta-{self.tag}-{i}", f"{SUBNET}.{i + 2}", self.base / f"host{i}" / "root",
+        self.subnet = _free_subnet()
+        self.unused_ip = f"{self.subnet}.99"  # on the bridge's subnet, where no host answers
+        self.hosts = [Host(f"manta-{self.tag}-{i}", f"{self.subnet}.{i + 2}", self.base / f"host{i}" / "root",
                            self.base / f"host{i}" / "tmp") for i in range(count)]
 
     def __enter__(self) -> list[Host]:
@@ -90,7 +92,7 @@ class Hosts:
         self.base.mkdir(parents=True, exist_ok=True)
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key))
         _sh("ip", "link", "add", self.bridge, "type", "bridge")
-        _sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", self.bridge)
+        _sh("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         _sh("ip", "link", "set", self.bridge, "up")
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
         for i, h in enumerate(self.hosts):
@@ -163,6 +165,17 @@ class Hosts:
                 if str(self.base) in cmd or any(h.ip + " " in cmd + " " for h in self.hosts):
                     found.append(f"process {pid}: {cmd.strip()}")
         return found
+
+
+def _free_subnet() -> str:
+    """A /24 that no interface here is on. Hosts left by a run that was killed before its clean-up
+    keep their bridge and its route; a new bridge on the same subnet would lose the route to the old
+    one, and every connection would reach the old hosts, where no sshd listens (refused)."""
+    taken = _sh("ip", "-4", "route", "show", "table", "all").stdout
+    for subnet in secrets.SystemRandom().sample(SUBNETS, len(SUBNETS)):
+        if f"{subnet}." not in taken:
+            return subnet
+    raise RuntimeError("every 10.231.x.0/24 is taken: remove the leftover manta-* network namespaces")
 
 
 def _wait_for_port(ip: str, port: int, timeout_s: float) -> None:

@@ -32,7 +32,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RAY = str(ROOT / ".venv" / "bin" / "ray")
 WHEELHOUSE = ROOT / ".wheelhouse"
 MODEL = "~/models/tiny-llama"  # where the cluster file mounts the checkpoint on every host
-NOBODY = "10.231.0.99"  # on the bridge's subnet, no host answers there
 SERVE = (f"nohup manta serve --address auto --host 0.0.0.0 --port 8000 --device cpu --model {MODEL} "
          "--tp 2 --placement-strategy STRICT_SPREAD --nic eth0 > ~/manta-serve.log 2>&1 & "
          "echo $! > ~/manta-serve.pid")
@@ -236,13 +235,13 @@ def test_broken_setup_command_fails_ray_up_and_starts_nothing(hosts, tmp_path_fa
 
 def test_wrong_head_ip_fails_ray_up_with_rays_message(hosts, tmp_path_factory):
     made, (head, worker) = hosts
-    cluster = Cluster(made, "manta-badhead", tiny_model_dir(tmp_path_factory, "llama"), head_ip=NOBODY)
+    cluster = Cluster(made, "manta-badhead", tiny_model_dir(tmp_path_factory, "llama"), head_ip=made.unused_ip)
     try:
         # Ray waits AUTOSCALER_NODE_START_WAIT_S (900 s by default) for SSH to answer, trying
         # every 5 s: 8 s is two tries.
         r = cluster.up(timeout=300, env={"AUTOSCALER_NODE_START_WAIT_S": "8"})
         assert r.returncode != 0, cluster.log
-        assert f"ssh: connect to host {NOBODY} port 22" in cluster.log, cluster.log
+        assert f"ssh: connect to host {made.unused_ip} port 22" in cluster.log, cluster.log
         assert "Failed to setup head node" in cluster.log, cluster.log
         assert not _nothing_running(head, worker), _nothing_running(head, worker)
     finally:
@@ -251,7 +250,7 @@ def test_wrong_head_ip_fails_ray_up_with_rays_message(hosts, tmp_path_factory):
 
 def test_unreachable_worker_shows_in_ray_status_and_ray_down_cleans_up(hosts, tmp_path_factory):
     made, (head, worker) = hosts
-    cluster = Cluster(made, "manta-badworker", tiny_model_dir(tmp_path_factory, "llama"), worker_ips=[NOBODY])
+    cluster = Cluster(made, "manta-badworker", tiny_model_dir(tmp_path_factory, "llama"), worker_ips=[made.unused_ip])
     try:
         r = cluster.up(timeout=900)
         assert r.returncode == 0, cluster.log  # `ray up` returns once the head is up
@@ -261,13 +260,13 @@ def test_unreachable_worker_shows_in_ray_status_and_ray_down_cleans_up(hosts, tm
         monitor = head.tmp / session / "logs" / "monitor.err"
 
         def ssh_failures():
-            return monitor.exists() and f"ssh: connect to host {NOBODY} port 22" in monitor.read_text()
+            return monitor.exists() and f"ssh: connect to host {made.unused_ip} port 22" in monitor.read_text()
 
         _wait("the head's autoscaler to report the worker unreachable", ssh_failures, 120)
         status = cluster.exec("ray status")
         print(status.stdout)
         assert "Active:\n 1 local.cluster.node" in status.stdout, cluster.log
-        assert f"{NOBODY}: local.cluster.node, waiting-for-ssh" in status.stdout, cluster.log
+        assert f"{made.unused_ip}: local.cluster.node, waiting-for-ssh" in status.stdout, cluster.log
         nodes = _ray_json(cluster, head, "ray list nodes", "nodes.json")
         assert [x["node_ip"] for x in nodes if x["state"] == "ALIVE"] == [head.ip], nodes
     finally:
