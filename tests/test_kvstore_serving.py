@@ -79,9 +79,14 @@ def start_store(root, **kw):
     deadline = time.monotonic() + 120
     while True:  # the name is free once Ray has seen the previous store die
         try:
-            store = get_or_create_store(str(root), name=STORE_NAME, **kw)
+            # Detached: Ray never ends it for want of references, only kill_store does. A store
+            # of this process's that went out of scope (Ray 2.60 ended one 0.16 s after it
+            # started, its handle still held here) is "restartable", and a call to it from this
+            # process, its owner, then aborts the whole process on a failed check in Ray's
+            # ActorTaskSubmitter::DisconnectActor (a CI run lost its pytest process so).
+            store = get_or_create_store(str(root), name=STORE_NAME, detached=True, **kw)
             ray.get(store.info.remote(), timeout=120)
-            _held.append(store)  # a named actor without a live handle is garbage collected
+            _held.append(store)
             return store
         except (ray.exceptions.RayActorError, ValueError):
             if time.monotonic() > deadline:
@@ -95,10 +100,9 @@ def kill_store() -> None:
     from tests.fixtures import kill_named_actor
 
     store = lookup_store()
+    if store is not None:
+        kill_named_actor(store, STORE_NAME)
     _held.clear()
-    if store is None:
-        return
-    kill_named_actor(store, STORE_NAME)
 
 
 @pytest.fixture
