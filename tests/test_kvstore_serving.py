@@ -80,10 +80,10 @@ def start_store(root, **kw):
     while True:  # the name is free once Ray has seen the previous store die
         try:
             # Detached: Ray never ends it for want of references, only kill_store does. A store
-            # of this process's that went out of scope (Ray 2.60 ended one 0.16 s after it
-            # started, its handle still held here) is "restartable", and a call to it from this
-            # process, its owner, then aborts the whole process on a failed check in Ray's
-            # ActorTaskSubmitter::DisconnectActor (a CI run lost its pytest process so).
+            # of this process's that ends out of scope is "restartable", and a call to it from
+            # this process, its owner (an in-process engine's), then aborts the whole process on
+            # a failed check in Ray's ActorTaskSubmitter::DisconnectActor (a CI run lost its
+            # pytest process so, when kill_store dropped the handles before killing the store).
             store = get_or_create_store(str(root), name=STORE_NAME, detached=True, **kw)
             ray.get(store.info.remote(), timeout=120)
             _held.append(store)

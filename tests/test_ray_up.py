@@ -115,12 +115,19 @@ def _ray_json(cluster: Cluster, head, command: str, name: str):
     return json.loads(out.read_text())
 
 
-def _monitor_log(head) -> str:
-    """The head's autoscaler log (what `ray monitor` tails): the worker updater's output."""
+def _head_logs(head) -> Path | None:
+    """The logs of the head's Ray session, seen from here (None: no session yet)."""
     link = head.tmp / "ray" / "session_latest"
     if not link.is_symlink():
+        return None
+    return head.tmp / os.readlink(link).removeprefix("/tmp/") / "logs"  # the link names the host's /tmp
+
+
+def _monitor_log(head) -> str:
+    """The head's autoscaler log (what `ray monitor` tails): the worker updater's output."""
+    logs = _head_logs(head)
+    if logs is None:
         return "(no Ray session on the head)"
-    logs = head.tmp / os.readlink(link).removeprefix("/tmp/") / "logs"  # the link names the host's /tmp
     return "".join(f"--- {p.name}\n{p.read_text(errors='replace')}" for p in sorted(logs.glob("monitor.*")))
 
 
@@ -255,9 +262,7 @@ def test_unreachable_worker_shows_in_ray_status_and_ray_down_cleans_up(hosts, tm
         r = cluster.up(timeout=900)
         assert r.returncode == 0, cluster.log  # `ray up` returns once the head is up
         # What `ray monitor` tails on the head (its logs/monitor.*): the updater's SSH errors.
-        # session_latest links to /tmp/ray/session_...: the head's /tmp is head.tmp here.
-        session = os.readlink(head.tmp / "ray" / "session_latest").removeprefix("/tmp/")
-        monitor = head.tmp / session / "logs" / "monitor.err"
+        monitor = _head_logs(head) / "monitor.err"
 
         def ssh_failures():
             return monitor.exists() and f"ssh: connect to host {made.unused_ip} port 22" in monitor.read_text()
