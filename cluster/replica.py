@@ -26,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from cluster import gil_switch
 from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine, runner_options
 from cluster.engine.request import RequestOutput
@@ -75,6 +76,7 @@ class Replica:
 
     def __init__(self, config: EngineConfig, name: str, placement_strategy: str = "PACK",
                  nic: str | None = None, cpus_per_rank: float = 1.0, role: str = "mixed"):
+        gil_switch.apply()  # this actor's process: the submit/poll threads beside the engine's
         self.config = config
         self.name = name
         self.role = role  # "mixed", or "prefill" / "decode" in a disaggregated deployment

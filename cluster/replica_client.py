@@ -45,6 +45,7 @@ class RequestStream:
         self.client, self.rid = client, rid
         self.queue: asyncio.Queue[RequestOutput | ReplicaGone] = asyncio.Queue()
         self.done = False
+        self.started = False  # an output of it has been handed over
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
@@ -129,15 +130,32 @@ class ReplicaClient:
                 except ray.exceptions.RayError as exc:
                     self._fail(exc, list(self.streams))
                     return
-                for out in outs:
-                    stream = self.streams.get(out.rid)
-                    if stream is None:
-                        continue  # aborted here while its outputs were on the way
-                    stream.queue.put_nowait(out)
-                    if out.finished:
-                        del self.streams[out.rid]
+                self._deliver(outs)
         finally:
             self._poll_task = None
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Hand one `poll` reply to the streams."""
+        for stream, out in self._first_tokens_first(outs):
+            stream.queue.put_nowait(out)
+            if out.finished:
+                del self.streams[out.rid]
+
+    def _first_tokens_first(self, outs: list[RequestOutput]) -> list[tuple[RequestStream, RequestOutput]]:
+        """`outs` paired with their streams, the outputs of streams that have sent nothing yet
+        first: a reply carries a step's outputs of every running request, and the streams woken
+        first write their chunks first, so a new request's first token does not wait behind a
+        whole batch of others' next tokens (its time to first token is what a user waits on).
+        Each stream's own outputs keep their order."""
+        first: list[tuple[RequestStream, RequestOutput]] = []
+        rest: list[tuple[RequestStream, RequestOutput]] = []
+        for out in outs:
+            stream = self.streams.get(out.rid)
+            if stream is None:
+                continue  # aborted here while its outputs were on the way
+            (rest if stream.started else first).append((stream, out))
+            stream.started = True
+        return first + rest if first else rest
 
     def _fail(self, exc: BaseException, rids: list[str]) -> None:
         logger.warning("replica %s: serving call failed (%s: %s); ending %d stream(s)", self.name,

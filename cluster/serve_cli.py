@@ -139,6 +139,7 @@ def _refused_checkpoint(model: str, quantization: str | None = None) -> str | No
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from cluster import gil_switch
     from cluster.api.metrics import ServerMetrics
     from cluster.api.server import build_app
     from cluster.api.shutdown import ShutdownGate
@@ -149,6 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if refusal:
         logger.error("manta serve: %s", refusal)
         return 2
+    gil_switch.apply()  # the event loop and Ray's thread that hands it the replicas' replies
     metrics = ServerMetrics()
     cluster = ServingCluster(options, metrics)
     gate = ShutdownGate()
