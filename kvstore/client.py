@@ -249,6 +249,12 @@ class KVStoreClient:
         self.counters.hit_pages += n
         return n
 
+    def stage(self, chain: Sequence[str]) -> None:
+        """Ask the store to read these pages from its files into its RAM now, ahead of the
+        `read_rows` calls that will fetch them a chunk at a time (fire and forget)."""
+        if chain and self._valid(chain) and self._connect():
+            self.link.send("stage", self.name, store_keys(chain, self.layout, self.tp_rank))
+
     @_serialized
     def write_rows(self, chain: Sequence[str], rows: Sequence[torch.Tensor], key_bytes: Sequence[int]) -> bool:
         """Store pages straight from host rows (registered with `register_rows`), laid out as

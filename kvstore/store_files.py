@@ -1,20 +1,25 @@
 """The store's side of its file tier (`kvstore.file_tier.FileTier` holds the files): spilling
-a RAM page to its file, reading one back, write-behind flushing, and rebuilding the index from
-the files at start. A mixin of `kvstore.store.KVStore`, which owns the index and the lock."""
+a RAM page to its file, reading pages back (for a locate, or staged ahead of one),
+write-behind flushing, and rebuilding the index from the files at start. A mixin of
+`kvstore.store.KVStore`, which owns the index and the lock."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.file_tier import FileTier, file_bytes
+from kvstore.keys import validate_keys
 from kvstore.messages import page_checksum
 from kvstore.ram_tier import RamTier
 
 logger = logging.getLogger(__name__)
+
+STAGE_BATCH = 32  # keys per file read of `stage` (a prefetch chunk: 16 MHA pages of one rank)
 
 
 @dataclass(eq=False)
@@ -38,6 +43,11 @@ class StoreFiles:
     _lock: threading.RLock
     _stop: threading.Event
     _loading_keys: set[str]  # pages whose files a locate is reading outside the lock
+    _loaded: threading.Condition  # a read of claimed pages ended
+    ram_lru: OrderedDict[str, None]
+    clients: dict[str, str]
+    _alloc: Callable[[int], list[int] | None]
+    _drop_bad: Callable[[str, Entry], None]
 
     def _write_file(self, key: str, entry: Entry) -> bool:
         """Copy a RAM page to its file, deleting least recently used files to make room (within
@@ -64,6 +74,85 @@ class StoreFiles:
             return False
         self.counters["files_read"] += 1
         return True
+
+    def stage(self, client: str, keys: list[str]) -> int:
+        """Read the pages of `keys` that are only on file into RAM, ahead of the `locate`s that
+        will ask for them: a client's prefetch of a long prefix locates it a chunk at a time,
+        and this reads the later chunks while it moves the first. Fire and forget: no lease,
+        the pages are plain LRU RAM pages once read, and a locate meanwhile waits for their
+        read rather than start its own. Reads `STAGE_BATCH` keys at a time, in order, so the
+        first chunks land first, and stops at the first key the store does not have (the rest
+        of the prefix is no use without it); returns how many pages it read."""
+        validate_keys(keys)
+        read = 0
+        for i in range(0, len(keys), STAGE_BATCH):
+            loading: list[tuple[str, Entry]] = []
+            ended = False
+            with self._lock:
+                if client not in self.clients:
+                    return read
+                for key in keys[i : i + STAGE_BATCH]:
+                    entry = self.index.get(key)
+                    if entry is None:
+                        ended = True
+                        break
+                    if entry.slots is not None or not entry.on_file:
+                        continue  # in RAM already (or being read)
+                    self.files.touch(key)
+                    if not self._claim_file_read(key, entry):
+                        ended = True  # RAM is full of pinned pages
+                        break
+                    entry.pins += 1  # its slots stay put until the read ends
+                    loading.append((key, entry))
+            bad = self._read_claimed(loading)
+            with self._lock:
+                for key, entry in loading:
+                    entry.pins = max(0, entry.pins - 1)
+                    if key in bad and self.index.get(key) is entry:
+                        self._drop_bad(key, entry)
+                self.counters["staged"] += len(loading) - len(bad)
+            read += len(loading) - len(bad)
+            if ended or bad:
+                break
+        return read
+
+    def _claim_file_read(self, key: str, entry: Entry) -> bool:
+        """Under the lock: RAM slots for a page only on file, marked `loading` (a locate that
+        wants it meanwhile waits for this read); False when RAM has no room for it."""
+        slots = self._alloc(entry.size)
+        if slots is not None and (self.index.get(key) is not entry or not entry.on_file):
+            self.ram.give(slots)  # the spills that made room evicted this very file
+            slots = None
+        if slots is None:
+            return False
+        entry.slots, entry.loading = slots, True
+        self._loading_keys.add(key)
+        return True
+
+    def _read_claimed(self, loading: list[tuple[str, Entry]]) -> set[str]:
+        """Read the claimed pages' files into their slots in one batched transfer, outside the
+        lock (other calls go on meanwhile), then publish them in RAM; returns the keys whose
+        read failed or whose page was deleted meanwhile (the caller frees or deletes those)."""
+        if not loading:
+            return set()
+        requests = [(k, self.ram.regions(e.slots, e.size), e.size, e.checksum) for k, e in loading]
+        ok = self.files.read_many(requests)
+        with self._lock:
+            bad: set[str] = set()
+            for (key, entry), good in zip(loading, ok):
+                entry.loading = False
+                self._loading_keys.discard(key)
+                if self.index.get(key) is not entry:  # deleted while it was read
+                    self.ram.give(entry.slots)
+                    entry.slots = None
+                    bad.add(key)
+                elif not good:
+                    bad.add(key)
+                else:
+                    self.ram_lru[key] = None
+                    self.counters["files_read"] += 1
+            self._loaded.notify_all()
+        return bad
 
     def _rebuild(self) -> None:
         """Index the page files under root (a restart on the same directory)."""

@@ -411,6 +411,46 @@ def test_restart_keeps_pages_drops_corrupt_ones_and_dead_store_misses(ray_local,
     assert c.stats()["errors"] == errors + 3
 
 
+def test_stage_reads_file_pages_into_ram_ahead_of_the_reads(ray_local, tmp_path):
+    """After a restart every page is only on file. `stage` reads a prefix's files into the
+    store's RAM in order, stopping at the first page the store lacks; the loads after it read
+    no file and get the same bytes, up to a page whose file was corrupt (deleted, not served)."""
+    handle, name = new_store(tmp_path)
+    src, dst = mha_pool(num_pages=12), mha_pool(num_pages=12)
+    fill(src, 5)
+    c = client(handle, name, "mha", page_bytes=pool_page_bytes(src), timeout_s=5.0)
+    chain = c.chain_keys(tokens(10, salt=4), PAGE)
+    assert c.save_pages(src, list(range(1, 11)), chain)
+    assert ray.get(handle.flush.remote()) == 20
+    _kill(handle, name)
+    _flip_byte(_page_file(tmp_path, K.store_keys(chain, "mha", 0)[17]), HEADER_BYTES + 3)  # page 8's V
+    handle = _restart(tmp_path, name)
+    assert c.batch_exists(chain) == 10
+
+    def counters_when(done) -> dict:
+        deadline = time.monotonic() + 30
+        while not done(counters := ray.get(handle.stats.remote())["counters"]):
+            assert time.monotonic() < deadline, counters
+            time.sleep(0.05)
+        return counters
+
+    c.stage(chain[:3])  # the client's fire-and-forget form (it registers with the new store first)
+    counters_when(lambda n: n.get("files_read", 0) == 6)  # three pages, two keys each
+    missing = c.chain_keys(tokens(12, salt=4), PAGE)[10:]  # two pages the store never had
+    staged = ray.get(handle.stage.remote(c.name, K.store_keys(chain[3:6] + missing + chain[6:], "mha", 0)))
+    assert staged == 6  # pages 3-5: it stopped at the first missing page
+    c.stage(chain)  # pages 0-5 are in RAM already: it reads 6-9
+    after = counters_when(lambda n: n.get("staged", 0) == 20)
+    assert after["files_read"] == 20
+    # The client verifies what it reads end to end: page 8's V fails, the store deletes it.
+    assert c.load_pages(dst, list(range(1, 11)), chain) == 8
+    assert [page_bytes_of(dst, p) for p in range(1, 9)] == [page_bytes_of(src, p) for p in range(1, 9)]
+    last = ray.get(handle.stats.remote())["counters"]
+    assert last["files_read"] == 20 and last["corrupt"] == 1  # all from RAM
+    assert c.batch_exists(chain) == 8
+    _kill(handle, name)
+
+
 def test_ram_eviction_spills_to_files_and_file_lru_deletes(ray_local, tmp_path):
     page = 4096
     handle, name = new_store(tmp_path, ram_bytes=4 * page, slot_bytes=page, file_bytes=6 * page_file_bytes(page))

@@ -433,6 +433,8 @@ class RankKVOffload:
             self.peer.fetch(job, job.source)
             return
         keys = job.keys
+        if len(keys) - job.ready > self.opts.chunk_pages:  # the store reads the later chunks' files meanwhile
+            self.client.stage(keys[job.ready + self.opts.chunk_pages :])
         while job.ready < len(keys) and not job.cancelled:
             row = self.host.pin_ready(keys[job.ready])
             if row is not None:
