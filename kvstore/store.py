@@ -46,7 +46,6 @@ from kvstore.store_files import Entry, StoreFiles
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class _Lease:
     id: int
