@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -46,6 +47,7 @@ class RequestStream:
         self.queue: asyncio.Queue[RequestOutput | ReplicaGone] = asyncio.Queue()
         self.done = False
         self.started = False  # an output of it has been handed over
+        self.submitted_wall: float | None = None  # when its admission left (time.time())
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
@@ -108,6 +110,11 @@ class ReplicaClient:
                 adds, aborts = self._adds, self._aborts
                 self._adds, self._aborts = [], []
                 self.submit_calls += 1
+                now = time.time()
+                for adm in adds:
+                    stream = self.streams.get(adm.rid)
+                    if stream is not None:
+                        stream.submitted_wall = now
                 try:
                     replies = await self.actor.submit.remote(self.client_id, adds, aborts)
                 except ray.exceptions.RayError as exc:
@@ -146,15 +153,21 @@ class ReplicaClient:
         first: a reply carries a step's outputs of every running request, and the streams woken
         first write their chunks first, so a new request's first token does not wait behind a
         whole batch of others' next tokens (its time to first token is what a user waits on).
-        Each stream's own outputs keep their order."""
+        Each stream's own outputs keep their order. A stream's first output is stamped with when
+        its admission left and when this reply came (`RequestOutput.received_wall`)."""
         first: list[tuple[RequestStream, RequestOutput]] = []
         rest: list[tuple[RequestStream, RequestOutput]] = []
+        received = time.time()
         for out in outs:
             stream = self.streams.get(out.rid)
             if stream is None:
                 continue  # aborted here while its outputs were on the way
-            (rest if stream.started else first).append((stream, out))
-            stream.started = True
+            if not stream.started:
+                out.submitted_wall, out.received_wall = stream.submitted_wall, received
+                stream.started = True
+                first.append((stream, out))
+            else:
+                rest.append((stream, out))
         return first + rest if first else rest
 
     def _fail(self, exc: BaseException, rids: list[str]) -> None:

@@ -30,8 +30,14 @@ def test_a_reply_wakes_new_requests_first_and_keeps_each_streams_order():
         woken.clear()
         # One step's reply: the running a and b, then the new c and d (d's first output ends it),
         # and a second step of a and c behind them (a poll that lagged a step).
-        client._deliver([_out("a", 1), _out("b", 1), _out("c", 0), _out("d", 0, finished=True),
-                         _out("a", 2), _out("c", 1), _out("gone", 0)])
+        streams["c"].submitted_wall = 1.0
+        reply = [_out("a", 1), _out("b", 1), _out("c", 0), _out("d", 0, finished=True),
+                 _out("a", 2), _out("c", 1), _out("gone", 0)]
+        client._deliver(reply)
+        # A stream's first output carries when its admission left and when this reply came.
+        assert reply[2].submitted_wall == 1.0 and reply[2].received_wall is not None
+        assert reply[3].received_wall == reply[2].received_wall and reply[3].submitted_wall is None
+        assert all(out.received_wall is None for out in (reply[0], reply[1], reply[4], reply[5]))
         for _ in range(4):
             await asyncio.sleep(0)
         left = dict(client.streams)

@@ -94,6 +94,28 @@ def test_256_concurrent_streams_and_messages_per_step(served):
     assert _counter(after, "manta:request_errors_total") == _counter(before, "manta:request_errors_total")
 
 
+def _stage_sums(text: str, stage: str) -> tuple[float, float]:
+    """(count, sum) of manta:request_queue_time_seconds for one stage over the replicas."""
+    def total(suffix: str) -> float:
+        return sum(float(v) for v in re.findall(
+            rf'^manta:request_queue_time_seconds_{suffix}{{[^}}]*stage="{stage}"[^}}]*}} (\S+)$', text, re.M))
+
+    return total("count"), total("sum")
+
+
+def test_the_serving_paths_hops_split_at_the_transport(served):
+    """After the 256 streams: each hop of the serving path (to the engine, from it) is split
+    into the server's part and the transport's, for every request, and the parts add up."""
+    text = httpx.get(f"{served.url}/metrics").text
+    for hop in ("to_engine", "from_engine"):
+        count, total = _stage_sums(text, hop)
+        assert count >= STREAMS, (hop, count)
+        parts = [_stage_sums(text, f"{hop}_{part}") for part in ("server", "transit")]
+        assert [n for n, _ in parts] == [count, count], (hop, count, parts)
+        assert all(t > 0 for _, t in parts), (hop, parts)
+        assert abs(sum(t for _, t in parts) - total) <= 1e-3 * count + 0.01 * total, (hop, total, parts)
+
+
 def test_idle_cluster_uses_no_cpu(served):
     """After the load above: every manta process (server, replica, rank, KV store) averages
     under 5% of one core over 30 s."""

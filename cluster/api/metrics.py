@@ -48,7 +48,11 @@ ERROR_CODES = ("400", "401", "404", "413", "499", "500", "503", "504")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 ABORT_REASONS = ("client_gone", "timeout", "error", "shutdown")
 # Where a request's time to first token goes (manta:request_queue_time_seconds{stage}).
-QUEUE_STAGES = ("engine", "serving_path", "to_engine", "from_engine")
+# to_engine and from_engine are each split in two where the replica is reached through Ray: the
+# server's part (to the admission's `submit`; from the reply to the stream) and the transport's
+# (the Ray call and the replica's threads: to the engine's queue; from its first token to the reply).
+QUEUE_STAGES = ("engine", "serving_path", "to_engine", "from_engine", "to_engine_server", "to_engine_transit",
+                "from_engine_transit", "from_engine_server")
 
 # Keys of the dict a replica reports (see `update_replica_stats`).
 STATS_KEYS = ("num_running", "num_waiting", "kv_usage", "prefix_hit_tokens", "prefix_query_tokens")
@@ -139,7 +143,11 @@ class ServerMetrics:
             "before its first step), serving_path (time to first token spent outside the engine: HTTP server, "
             "router, the hops to the replica and back), and the two halves of serving_path by wall clock: "
             "to_engine (from the HTTP server to the engine) and from_engine (the first token from the engine to "
-            "the stream).", ["replica", "stage"], buckets=TTFT_BUCKETS, registry=r,
+            "the stream), each split at the server's edge of the transport to a replica: to_engine_server (to "
+            "the admission's submit call), to_engine_transit (from there to the engine's queue), "
+            "from_engine_transit (from the engine's first token to the reply that carried it) and "
+            "from_engine_server (from that reply to the stream).", ["replica", "stage"], buckets=TTFT_BUCKETS,
+            registry=r,
         )
         self.tpot = Histogram(
             "manta:time_per_output_token_seconds", "Mean time per generated token after the first.",
@@ -218,6 +226,16 @@ class ServerMetrics:
             self.request_aborts.labels(reason)
 
     # ---------------- written by the server ----------------
+    def _observe_hops(self, replica: str, out: Any, edge: Any) -> None:
+        """The two hops split at the server's edge of the transport (see QUEUE_STAGES)."""
+        sent, received = getattr(edge, "submitted_wall", None), getattr(edge, "received_wall", None)
+        parts = (("to_engine_server", edge.arrival_wall, sent), ("to_engine_transit", sent, out.arrival_wall),
+                 ("from_engine_transit", out.first_token_wall, received),
+                 ("from_engine_server", received, edge.first_token_wall))
+        for stage, start, end in parts:
+            if start is not None and end is not None:
+                self.queue_time.labels(replica, stage).observe(max(0.0, end - start))
+
     def observe_finished(self, replica: str, out: Any, edge: Any = None) -> None:
         """Record one finished request: `out` is its final `RequestOutput` (the engine's own
         timings), `edge` its `EdgeTiming` (from the moment the HTTP server received it). TTFT,
@@ -241,6 +259,7 @@ class ServerMetrics:
                 if edge.first_token_wall is not None and out.first_token_wall is not None:
                     self.queue_time.labels(replica, "from_engine").observe(
                         max(0.0, edge.first_token_wall - out.first_token_wall))
+                self._observe_hops(replica, out, edge)
         if out.queue_s is not None:
             self.queue_time.labels(replica, "engine").observe(out.queue_s)
         if e2e is not None:

@@ -178,10 +178,13 @@ class ChoiceResult:
     embedding: list[float] | None = None  # embedding requests: the pooled vector
     first_token_at: float | None = None  # monotonic time its first token reached this process
     prompt_logprobs: list | None = None  # the prompt's logprobs, when the request asked
+    hops: tuple[float | None, float | None] = (None, None)  # its first output's submitted/received_wall
 
     def add(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.received_wall is not None and self.hops[1] is None:
+            self.hops = (out.submitted_wall, out.received_wall)
         if self.first_token_at is None and (out.delta_token_ids or out.embedding is not None):
             self.first_token_at = time.monotonic()
         if out.embedding is not None:
@@ -208,6 +211,10 @@ class EdgeTiming:
     e2e_s: float
     arrival_wall: float | None = None
     first_token_wall: float | None = None
+    # From the first output (a replica reached through Ray): when the admission left this
+    # process, and when the reply with the first output came back (wall clock).
+    submitted_wall: float | None = None
+    received_wall: float | None = None
 
 
 class FanOut:
@@ -319,7 +326,8 @@ class FanOut:
             wall = time.time() - (now - self.arrival)  # the arrival, on the wall clock
             self._on_finished(item, EdgeTiming(None if first is None else first - self.arrival,
                                                now - self.arrival, wall,
-                                               None if first is None else wall + (first - self.arrival)))
+                                               None if first is None else wall + (first - self.arrival),
+                                               *choice.hops))
             if item.finish_reason == "error":
                 raise GenerationFailed(item.error or "the replica failed the request", index=i)
         return i, item

@@ -149,6 +149,11 @@ class RequestOutput:
     # clocks in sync).
     arrival_wall: float | None = None
     first_token_wall: float | None = None
+    # Stamped in the HTTP server by its `ReplicaClient` on a request's first output (wall clock):
+    # when the request's admission left for the replica, and when the reply carrying this output
+    # came back. They split the serving path's two hops between the server and the transport.
+    submitted_wall: float | None = None
+    received_wall: float | None = None
 
     def __reduce__(self):
         # Positional, not a __dict__: a step's outputs cross to the server in one message, and
