@@ -59,6 +59,10 @@ http_bench() {  # http_bench NAME: the workload against the running server; JSON
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/admin/replicas').read().decode())" \
     > "$OUT/$1_replicas.json"  # each replica's stats: the KV store's load/prefill rates, loads, bypasses
   grep -E "^manta:(kvstore_(hit|query)_pages|replica_output_(messages|steps))" "$OUT/$1_metrics.txt"
+  python3 -c "import re,sys; t=open(sys.argv[1]).read(); print('time to first token by stage, mean ms:', {s: round(1e3 *
+    sum(map(float, re.findall(r'_sum\{[^}]*stage=\"%s\"[^}]*\} (\S+)' % s, t))) / max(1.0, sum(map(float,
+    re.findall(r'_count\{[^}]*stage=\"%s\"[^}]*\} (\S+)' % s, t)))), 1) for s in ('to_engine_server', 'to_engine_transit',
+    'engine', 'from_engine_transit', 'from_engine_server')})" "$OUT/$1_metrics.txt"
   python3 -c "import json,sys; [print(r['name'], {k: v for k, v in ((r.get('stats') or {}).get('kvstore') or {}).items()
     if k in ('loads', 'hit_pages', 'early_stops', 'bypassed', 'busy', 'probe_timeouts', 'ttft_tokens_per_s_loaded',
              'ttft_tokens_per_s_computed', 'saved_pages', 'drained_pages', 'load_phase_ms')},
