@@ -431,10 +431,7 @@ class KVStore(StoreFiles):
             return None
         if entry.slots is None:
             self.files.touch(key)
-            slots = self._alloc(entry.size)
-            if slots is not None and (self.index.get(key) is not entry or not entry.on_file):
-                self.ram.give(slots)  # the spills that made room evicted this very file
-                slots = None
+            slots = self._slots_for_file_page(key, entry)
             if slots is None:
                 return None
             if not self._read_file(key, entry, slots):

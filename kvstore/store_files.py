@@ -116,13 +116,19 @@ class StoreFiles:
                 break
         return read
 
+    def _slots_for_file_page(self, key: str, entry: Entry) -> list[int] | None:
+        """Under the lock: RAM slots to read a page only on file into; None when RAM has no
+        room, or when the spills that made room evicted this very file."""
+        slots = self._alloc(entry.size)
+        if slots is not None and (self.index.get(key) is not entry or not entry.on_file):
+            self.ram.give(slots)
+            slots = None
+        return slots
+
     def _claim_file_read(self, key: str, entry: Entry) -> bool:
         """Under the lock: RAM slots for a page only on file, marked `loading` (a locate that
         wants it meanwhile waits for this read); False when RAM has no room for it."""
-        slots = self._alloc(entry.size)
-        if slots is not None and (self.index.get(key) is not entry or not entry.on_file):
-            self.ram.give(slots)  # the spills that made room evicted this very file
-            slots = None
+        slots = self._slots_for_file_page(key, entry)
         if slots is None:
             return False
         entry.slots, entry.loading = slots, True
