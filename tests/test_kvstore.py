@@ -445,8 +445,8 @@ def test_stage_reads_file_pages_into_ram_ahead_of_the_reads(ray_local, tmp_path)
     # The client verifies what it reads end to end: page 8's V fails, the store deletes it.
     assert c.load_pages(dst, list(range(1, 11)), chain) == 8
     assert [page_bytes_of(dst, p) for p in range(1, 9)] == [page_bytes_of(src, p) for p in range(1, 9)]
-    last = ray.get(handle.stats.remote())["counters"]
-    assert last["files_read"] == 20 and last["corrupt"] == 1  # all from RAM
+    last = counters_when(lambda n: n.get("corrupt", 0) == 1)  # the client's `verify` is fire and forget
+    assert last["files_read"] == 20  # all from RAM
     assert c.batch_exists(chain) == 8
     _kill(handle, name)
 
