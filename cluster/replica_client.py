@@ -168,7 +168,7 @@ class ReplicaClient:
                 first.append((stream, out))
             else:
                 rest.append((stream, out))
-        return first + rest if first else rest
+        return first + rest
 
     def _fail(self, exc: BaseException, rids: list[str]) -> None:
         logger.warning("replica %s: serving call failed (%s: %s); ending %d stream(s)", self.name,

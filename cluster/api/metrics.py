@@ -228,7 +228,7 @@ class ServerMetrics:
     # ---------------- written by the server ----------------
     def _observe_hops(self, replica: str, out: Any, edge: Any) -> None:
         """The two hops split at the server's edge of the transport (see QUEUE_STAGES)."""
-        sent, received = getattr(edge, "submitted_wall", None), getattr(edge, "received_wall", None)
+        sent, received = edge.submitted_wall, edge.received_wall
         parts = (("to_engine_server", edge.arrival_wall, sent), ("to_engine_transit", sent, out.arrival_wall),
                  ("from_engine_transit", out.first_token_wall, received),
                  ("from_engine_server", received, edge.first_token_wall))

@@ -151,7 +151,8 @@ class RequestOutput:
     first_token_wall: float | None = None
     # Stamped in the HTTP server by its `ReplicaClient` on a request's first output (wall clock):
     # when the request's admission left for the replica, and when the reply carrying this output
-    # came back. They split the serving path's two hops between the server and the transport.
+    # came back. They split the serving path's two hops between the server and the transport,
+    # and never cross a process (`__reduce__` leaves them out: they come last).
     submitted_wall: float | None = None
     received_wall: float | None = None
 
@@ -161,4 +162,6 @@ class RequestOutput:
         return (RequestOutput, tuple(getattr(self, f) for f in _OUTPUT_FIELDS))
 
 
-_OUTPUT_FIELDS = tuple(f.name for f in fields(RequestOutput))
+_SERVER_STAMPS = ("submitted_wall", "received_wall")
+_OUTPUT_FIELDS = tuple(f.name for f in fields(RequestOutput) if f.name not in _SERVER_STAMPS)
+assert _OUTPUT_FIELDS + _SERVER_STAMPS == tuple(f.name for f in fields(RequestOutput))  # positional: stamps last
