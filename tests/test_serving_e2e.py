@@ -1,11 +1,10 @@
 """End to end: Ray replicas × TP ranks behind the router and the HTTP server, driven by the real
-`openai` client; and `manta serve` itself as a process, stopped with SIGTERM."""
+`openai` client (`manta serve` itself as a process: tests/test_shutdown.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import httpx
 import openai
@@ -19,7 +18,6 @@ from cluster.engine.loop import Engine
 from cluster.launch import ClusterOptions, ServingCluster
 from cluster.router import RouterOptions
 from tests.fixtures import tiny_model_dir
-from tests.serve_process import ServeProcess, alive
 from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -77,26 +75,3 @@ def test_64_concurrent_requests_equal_single_request_greedy(served):
     for replica in ("replica-0", "replica-1"):
         assert f'manta:router_requests_total{{policy="least_load",replica="{replica}"}}' in metrics
     assert "manta:time_to_first_token_seconds_bucket" in metrics
-
-
-def test_manta_serve_process_starts_answers_and_stops_cleanly(tmp_path):
-    if ray.is_initialized():
-        ray.shutdown()
-    served = ServeProcess(tmp_path / "cache")
-    try:
-        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
-        model = client.models.list().data[0].id
-        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=5)
-        assert out.choices[0].message.content is not None and out.usage.completion_tokens >= 1
-    finally:
-        tree = served.tree()[1:]
-        rc = served.stop()
-    assert rc == 0, served.log
-    assert "placement" in served.log or "replica replica-0 ready" in served.log
-    # No orphans: every process the server started (Ray, replicas, ranks) is gone. Only this
-    # server's own process tree is looked at: other Ray instances may share the machine.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(alive(p) for p in tree):
-        time.sleep(0.5)
-    assert tree and not [p for p in tree if alive(p)]

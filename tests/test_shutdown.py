@@ -1,7 +1,12 @@
-"""`manta serve --shutdown-timeout S` under load: SIGTERM stops admissions (503), lets requests
-finish for S seconds, then ends the streams still open with an error event (a client that does
-not read its stream cannot hold the server), and every process of the server is gone within
-S + 5 s, leaving nothing in /dev/shm."""
+"""`manta serve` as a process: it starts, answers the `openai` client and stops cleanly; and
+`--shutdown-timeout S` under load: SIGTERM stops admissions (503), lets requests finish for S
+seconds, then ends the streams still open with an error event (a client that does not read its
+stream cannot hold the server), and every process of the server is gone within S + 5 s, leaving
+nothing in /dev/shm.
+
+Each test shuts down any Ray instance of this pytest process first: the server starts its own.
+No module fixture here holds one (a fixture's cluster whose router thread polls Ray while a test
+shuts Ray down under it can crash the process)."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 import ray
 
@@ -89,3 +95,26 @@ def test_sigterm_ends_everything_by_the_deadline(tmp_path):
     # 2-core VM (2026-11-24): 6.5-7.9 s after SIGTERM idle, 8.9 s once during a full test run.
     assert gone_s <= DEADLINE_S + 8, f"processes gone after {gone_s:.1f} s"
     assert _shm() <= shm_before, sorted(_shm() - shm_before)
+
+
+def test_manta_serve_process_starts_answers_and_stops_cleanly(tmp_path):
+    if ray.is_initialized():
+        ray.shutdown()
+    served = ServeProcess(tmp_path / "cache")
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=5)
+        assert out.choices[0].message.content is not None and out.usage.completion_tokens >= 1
+    finally:
+        tree = served.tree()[1:]
+        rc = served.stop()
+    assert rc == 0, served.log
+    assert "placement" in served.log or "replica replica-0 ready" in served.log
+    # No orphans: every process the server started (Ray, replicas, ranks) is gone. Only this
+    # server's own process tree is looked at: other Ray instances may share the machine.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(p) for p in tree):
+        time.sleep(0.5)
+    assert tree and not [p for p in tree if alive(p)]
