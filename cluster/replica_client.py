@@ -2,8 +2,9 @@
 
 Every request the router sends to a replica goes through one `ReplicaClient`, on the server's
 event loop:
-- admissions and aborts are queued and sent in one `submit` call per round: whatever was
-  opened while the previous call was in flight goes in the next one;
+- admissions and aborts are sent in one `submit` call per round: the first at once, whatever
+  was opened while a call was in flight in the next one; each admitted request's stream gets
+  the `ADMITTED` marker when the reply comes;
 - one long `poll` call at a time brings back every output of the steps that completed since
   the last one, and the client hands each to its request's stream (an asyncio queue).
 So the Ray messages per second depend on the engine's step rate, not on how many requests
@@ -19,11 +20,11 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import ray
 
-from cluster.engine.request import RequestOutput
+from cluster.engine.request import ADMITTED, Admitted, RequestOutput
 from cluster.replica import Admission
 from workers.sampling_params import SamplingParams
 
@@ -39,12 +40,12 @@ class ReplicaGone(RuntimeError):
 
 
 class RequestStream:
-    """One request's outputs in order; ends after the finished one. `aclose()` before that
-    aborts the request on the replica."""
+    """One request's outputs in order, after `ADMITTED` once the replica queued it; ends after
+    the finished one. `aclose()` before that aborts the request on the replica."""
 
     def __init__(self, client: ReplicaClient, rid: str):
         self.client, self.rid = client, rid
-        self.queue: asyncio.Queue[RequestOutput | ReplicaGone] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | Admitted | ReplicaGone] = asyncio.Queue()
         self.done = False
         self.started = False  # an output of it has been handed over
         self.submitted_wall: float | None = None  # when its admission left (time.time())
@@ -52,10 +53,12 @@ class RequestStream:
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestOutput | Admitted:
         if self.done:
             raise StopAsyncIteration
         item = await self.queue.get()
+        if item is ADMITTED:
+            return item
         if isinstance(item, ReplicaGone):
             self.done = True
             raise item
@@ -101,30 +104,48 @@ class ReplicaClient:
             self._kick()
 
     def _kick(self) -> None:
+        """Send what is queued now, unless a `submit` is in flight (then it goes in the next):
+        a request that finds the line idle costs no event-loop turn before it leaves."""
         if self._submit_task is None:
-            self._submit_task = asyncio.ensure_future(self._submit_loop())
+            self._submit_task = asyncio.ensure_future(self._submit_loop(self._send()))
 
-    async def _submit_loop(self) -> None:
+    def _send(self) -> tuple[list[Admission], Awaitable]:
+        adds, aborts = self._adds, self._aborts
+        self._adds, self._aborts = [], []
+        self.submit_calls += 1
+        now = time.time()
+        for adm in adds:
+            stream = self.streams.get(adm.rid)
+            if stream is not None:
+                stream.submitted_wall = now
         try:
-            while self._adds or self._aborts:
-                adds, aborts = self._adds, self._aborts
-                self._adds, self._aborts = [], []
-                self.submit_calls += 1
-                now = time.time()
-                for adm in adds:
-                    stream = self.streams.get(adm.rid)
-                    if stream is not None:
-                        stream.submitted_wall = now
+            return adds, self.actor.submit.remote(self.client_id, adds, aborts)  # an ObjectRef: awaitable
+        except Exception as exc:  # the handle refused the call: fail its admissions in the loop
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            return adds, failed
+
+    async def _submit_loop(self, sent: tuple[list[Admission], Awaitable]) -> None:
+        try:
+            while True:
+                adds, reply = sent
                 try:
-                    replies = await self.actor.submit.remote(self.client_id, adds, aborts)
-                except ray.exceptions.RayError as exc:
+                    replies = await reply
+                except Exception as exc:  # Ray's error, or the handle's
                     self._fail(exc, [a.rid for a in adds])
-                    continue
-                for adm, reply in zip(adds, replies):
-                    if reply is not None:  # refused: the error is the stream's only output
-                        stream = self.streams.pop(adm.rid, None)
-                        if stream is not None:
-                            stream.queue.put_nowait(reply)
+                else:
+                    for adm, out in zip(adds, replies):
+                        stream = self.streams.get(adm.rid)
+                        if stream is None:
+                            continue
+                        if out is None:
+                            stream.queue.put_nowait(ADMITTED)
+                        else:  # refused: the error is the stream's only output
+                            del self.streams[adm.rid]
+                            stream.queue.put_nowait(out)
+                if not (self._adds or self._aborts):
+                    return
+                sent = self._send()
         finally:
             self._submit_task = None
 

@@ -32,7 +32,7 @@ from typing import Any
 import ray
 
 from cluster.engine.client import HealthStatus, NoReplicaAvailable
-from cluster.engine.request import RequestOutput
+from cluster.engine.request import ADMITTED, Admitted, RequestOutput
 from cluster.kv_index import KVIndex, StoreIndex
 from cluster.pd_route import disaggregated_stream
 from cluster.prefix_tree import PrefixTree, RecentRoutes
@@ -181,7 +181,10 @@ class Router:
         return list(self.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
 
     async def generate_stream(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None,
-                              is_embedding: bool = False, group: str | None = None) -> AsyncIterator[RequestOutput]:
+                              is_embedding: bool = False, group: str | None = None,
+                              announce: bool = False) -> AsyncIterator[RequestOutput | Admitted]:
+        """The request's outputs; `announce`: first `ADMITTED`, once a replica has queued it
+        (not on the disaggregated path)."""
         params.validate(self.vocab_size)
         if self._poller is None:  # the stats poller lives on the serving event loop
             await self.start()
@@ -195,7 +198,7 @@ class Router:
                 stream = disaggregated_stream(self, rid, tokens, params, group)
             else:  # mixed replicas first; without any, a prefill or decode replica serves it whole
                 roles = ("mixed",) if any(h.role == "mixed" for h in self.replicas.values()) else None
-                stream = self.attempts(rid, tokens, params, is_embedding, group, roles)
+                stream = self.attempts(rid, tokens, params, is_embedding, group, roles, announce=announce)
             async with contextlib.aclosing(stream):  # a client gone: the replica hears of it now
                 async for out in stream:
                     yield out
@@ -208,10 +211,12 @@ class Router:
             h.role == "decode" for h in self._candidates(set()))
 
     async def attempts(self, rid: str, tokens: list[int], params: SamplingParams, is_embedding: bool = False,
-                       group: str | None = None, roles: tuple[str, ...] | None = None,
-                       **admission) -> AsyncIterator[RequestOutput]:
+                       group: str | None = None, roles: tuple[str, ...] | None = None, announce: bool = False,
+                       **admission) -> AsyncIterator[RequestOutput | Admitted]:
         """Serve a request on one replica of `roles`, retried on another while it fails before
-        its first output; `admission`: the disaggregation fields of `cluster.replica.Admission`."""
+        its first output; `admission`: the disaggregation fields of `cluster.replica.Admission`.
+        `announce`: yield `ADMITTED` when the first replica queues it (a retry after that is
+        the stream's own business: its errors come as outputs or exceptions, as after a token)."""
         tried: set[str] = set()
         saw_full = False
         for _attempt in range(self.options.max_attempts):
@@ -231,6 +236,11 @@ class Router:
             stream = handle.client.open(rid, tokens, params, is_embedding, group, **admission)
             try:
                 async for out in stream:
+                    if out is ADMITTED:
+                        if announce:
+                            announce = False
+                            yield out
+                        continue
                     if out.error_type is not None and not first_seen:
                         why = self._admission_failed(handle, out)
                         saw_full |= why == "queue_full"

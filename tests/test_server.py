@@ -405,7 +405,8 @@ class StubClient:
         self.mode = "ok"
         self.ok = True
 
-    async def generate_stream(self, prompt, params, rid=None, is_embedding=False, group=None) -> AsyncIterator[RequestOutput]:
+    async def generate_stream(self, prompt, params, rid=None, is_embedding=False, group=None,
+                              announce=False) -> AsyncIterator[RequestOutput]:
         if self.mode == "queue_full":
             raise QueueFull("3 waiting")
         if self.mode == "no_replica":

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from cluster.engine.request import RequestOutput
+from cluster.engine.request import ADMITTED, Admitted, RequestOutput
 from workers.request_errors import Unavailable
 from workers.sampling_params import SamplingParams
 
@@ -77,7 +77,8 @@ class ServingClient(Protocol):
         rid: str | None = None,
         is_embedding: bool = False,
         group: str | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
+        announce: bool = False,  # yield ADMITTED first, once the request is queued on an engine
+    ) -> AsyncIterator[RequestOutput | Admitted]: ...
 
     def health(self) -> HealthStatus: ...
 
@@ -133,13 +134,16 @@ class LocalEngineClient:
         rid: str | None = None,
         is_embedding: bool = False,
         group: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+        announce: bool = False,
+    ) -> AsyncIterator[RequestOutput | Admitted]:
         if self._closed:
             raise NoReplicaAvailable("the engine is shut down")
-        stream = self.engine.generate_stream(prompt, params, rid=rid, is_embedding=is_embedding, group=group)
+        stream = self.engine.generate_stream(prompt, params, rid=rid, is_embedding=is_embedding, group=group,
+                                             announce=announce)
         try:
             async for out in stream:
-                out.replica = self.replica
+                if out is not ADMITTED:
+                    out.replica = self.replica
                 yield out
         finally:
             # Closing the engine's generator before its last output aborts the request.
@@ -224,7 +228,8 @@ class FanOut:
     Whoever holds a FanOut must `aclose` it (idempotent), whether or not it iterated `outputs`.
     """
 
-    def __init__(self, firsts: list[tuple[RequestOutput, float]], streams: list[AsyncIterator[RequestOutput]],
+    def __init__(self, firsts: list[tuple[RequestOutput | Admitted, float]],
+                 streams: list[AsyncIterator[RequestOutput | Admitted]],
                  on_finished: Callable[[RequestOutput, EdgeTiming], None], arrival: float,
                  on_first_token: Callable[[RequestOutput, float], None]):
         self.firsts, self.streams, self._on_finished = firsts, streams, on_finished
@@ -239,18 +244,18 @@ class FanOut:
                    on_finished: Callable[[RequestOutput, EdgeTiming], None] = lambda out, timing: None,
                    is_embedding: bool = False, arrival: float | None = None,
                    on_first_token: Callable[[RequestOutput, float], None] = lambda out, ttft: None) -> FanOut:
-        """Admit every job concurrently (request ids `{rid}-{i}`) and wait for each one's first
-        output. If any admission fails, or this is cancelled, the admitted ones are aborted and
-        the error propagates. `is_embedding`: the jobs are embedding requests. `arrival`: when
+        """Admit every job concurrently (request ids `{rid}-{i}`) and wait until each one is
+        queued on an engine (`ADMITTED`) or has its first output. If any admission fails, or
+        this is cancelled, the admitted ones are aborted and the error propagates. `is_embedding`: the jobs are embedding requests. `arrival`: when
         the request reached the server (monotonic; default now): latencies are measured from it.
         `on_first_token(out, ttft_s)` runs when a choice's first token is handed on by `outputs`
         (a stream sends it at once; also for one its client abandons later); `on_finished(out,
         timing)` when it finishes."""
         arrival = time.monotonic() if arrival is None else arrival
-        streams: list[AsyncIterator[RequestOutput]] = []
+        streams: list[AsyncIterator[RequestOutput | Admitted]] = []
         tasks: list[asyncio.Future] = []
 
-        async def first(s: AsyncIterator[RequestOutput]) -> tuple[RequestOutput, float]:
+        async def first(s: AsyncIterator[RequestOutput | Admitted]) -> tuple[RequestOutput | Admitted, float]:
             try:
                 return await anext(s), time.monotonic()
             except StopAsyncIteration:
@@ -261,9 +266,12 @@ class FanOut:
                 # The choices of one HTTP request share a group: the scheduler's fair share
                 # counts them together (a request with n=64 cannot starve the others).
                 streams.append(client.generate_stream(prompt, params, rid=f"{rid}-{i}", is_embedding=is_embedding,
-                                                      group=rid))
-            tasks = [asyncio.ensure_future(first(s)) for s in streams]
-            firsts = await asyncio.gather(*tasks)
+                                                      group=rid, announce=True))
+            if len(streams) == 1:  # the common case: no task, so no turn of the event loop
+                firsts = [await first(streams[0])]
+            else:
+                tasks = [asyncio.ensure_future(first(s)) for s in streams]
+                firsts = await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
                 t.cancel()
@@ -282,16 +290,22 @@ class FanOut:
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int) -> None:
+            got = self.firsts[i][0] is not ADMITTED
             try:
                 async for out in self.streams[i]:
-                    queue.put_nowait((i, out))
+                    if out is not ADMITTED:
+                        got = True
+                        queue.put_nowait((i, out))
+                if not got:
+                    raise GenerationFailed("the serving client's stream ended without output", index=i)
             except Exception as exc:
                 queue.put_nowait((i, exc))
             finally:
                 queue.put_nowait((i, None))
 
         for i, (first, _) in enumerate(self.firsts):
-            queue.put_nowait((i, first))
+            if first is not ADMITTED:
+                queue.put_nowait((i, first))
         self._tasks = [asyncio.ensure_future(pump(i)) for i in range(len(self.streams))]
         remaining = len(self.streams)
         while remaining:
@@ -305,13 +319,22 @@ class FanOut:
 
     async def _single(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         first, _ = self.firsts[0]
-        yield self._took(0, first)
-        if first.finished:
-            return
+        if first is not ADMITTED:
+            yield self._took(0, first)
+            if first.finished:
+                return
+        # After ADMITTED, this task waits on the stream itself: the first token is handed on in
+        # the turn of the event loop that brings it.
+        got = first is not ADMITTED
         async for item in self.streams[0]:
+            if item is ADMITTED:
+                continue
+            got = True
             yield self._took(0, item)
             if item.finished:
                 return
+        if not got:
+            raise GenerationFailed("the serving client's stream ended without output", index=0)
 
     def _took(self, i: int, item: RequestOutput) -> tuple[int, RequestOutput]:
         """Book an output of choice i (first token, finish) before it is handed on."""

@@ -25,7 +25,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer, DetokState
 from cluster.engine.kv_events import KVEventLog
 from cluster.engine.kv_store_link import attach_kv_offload, kv_host_pages, kv_offload_options
-from cluster.engine.request import FinishReason, Request, RequestOutput
+from cluster.engine.request import ADMITTED, Admitted, FinishReason, Request, RequestOutput
 from cluster.engine.scheduler import RequestRejected, TokenEvent
 from cluster.engine.spec_scheduler import scheduler_class
 from workers.encoder_decoder import GenerationRules
@@ -516,14 +516,18 @@ class Engine:
         rid: str | None = None,
         is_embedding: bool = False,
         group: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield outputs as they come; cancelling the iterator aborts the request."""
+        announce: bool = False,
+    ) -> AsyncIterator[RequestOutput | Admitted]:
+        """Yield outputs as they come (after `ADMITTED`, with `announce`); cancelling the
+        iterator aborts the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = self.add_request(prompt, params, lambda o: loop.call_soon_threadsafe(queue.put_nowait, o),
                                rid=rid, is_embedding=is_embedding, group=group)
         finished = False
         try:
+            if announce:
+                yield ADMITTED
             while not finished:
                 out = await queue.get()
                 finished = out.finished

@@ -165,3 +165,24 @@ class RequestOutput:
 _SERVER_STAMPS = ("submitted_wall", "received_wall")
 _OUTPUT_FIELDS = tuple(f.name for f in fields(RequestOutput) if f.name not in _SERVER_STAMPS)
 assert _OUTPUT_FIELDS + _SERVER_STAMPS == tuple(f.name for f in fields(RequestOutput))  # positional: stamps last
+
+
+class Admitted:
+    """The marker a stream yields, when its caller asked (`announce=True`), once its request
+    is queued on an engine: admission can no longer fail with an HTTP status (invalid, queue
+    full, no replica), so a streamed response may send its headers and wait on the stream for
+    the first token itself. The first token then reaches the client in the event-loop turn that
+    receives it, not after the turns that hand a finished "wait for the first output" on
+    (each of which queues behind every other stream's chunk of that step)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "ADMITTED"
+
+    def __reduce__(self):
+        return "ADMITTED"  # one marker per process: `is` works after a round trip
+
+
+ADMITTED = Admitted()
+
