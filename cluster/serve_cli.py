@@ -160,10 +160,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         request_timeout_s=args.request_timeout, admin=cluster, gate=gate,
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
         # The gate ends every request by the deadline; uvicorn then only closes idle connections.
-        from cluster.api.http_protocol import StampedH11Protocol
+        from cluster.api.http_protocol import StampedProtocol
 
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on",
-                                timeout_graceful_shutdown=2, http=StampedH11Protocol)
+                                timeout_graceful_shutdown=2, http=StampedProtocol)
         server = _gated_server_class()(config)
 
         async def main() -> None:

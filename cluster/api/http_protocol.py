@@ -1,6 +1,11 @@
 """uvicorn's HTTP protocol, stamping each request with the moment its first bytes arrived (and
 sending each streamed chunk at once: TCP_NODELAY).
 
+`StampedProtocol` is uvicorn's httptools protocol where httptools is installed (a C parser, and
+a streamed chunk framed by joining bytes), else its h11 one (pure Python: each chunk goes through
+h11's event machinery). The server's one event loop frames every token of every stream, and a new
+request's bytes wait behind that work.
+
 The server's latencies (TTFT, end to end) count from there: the time a request waits for the
 event loop to parse it and route it, behind a burst of others, is the server's, and clients
 see it. The moment is the kernel's, not the event loop's: under a burst the loop reads a new
@@ -17,6 +22,11 @@ import struct
 import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is not installed
+    HttpToolsProtocol = None
 
 # struct tcp_info (linux/tcp.h): 8 one-byte fields, 9 u32 (rto ... fackets), then the times in
 # milliseconds: last_data_sent, last_ack_sent, last_data_recv.
@@ -39,7 +49,9 @@ def received_ago_s(sock) -> float:
     return _LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_OFFSET)[0] / 1000.0
 
 
-class StampedH11Protocol(H11Protocol):
+class _Stamped:
+    """The stamp and TCP_NODELAY, over either uvicorn protocol (both keep `cycle` and `scope`)."""
+
     _arrival: float | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -64,3 +76,16 @@ class StampedH11Protocol(H11Protocol):
         scope = getattr(self, "scope", None)
         if scope is not None:
             scope.setdefault("state", {}).setdefault("arrival", self._arrival)
+
+
+class StampedH11Protocol(_Stamped, H11Protocol):
+    pass
+
+
+StampedProtocol: type = StampedH11Protocol
+if HttpToolsProtocol is not None:
+
+    class StampedHttpToolsProtocol(_Stamped, HttpToolsProtocol):
+        pass
+
+    StampedProtocol = StampedHttpToolsProtocol

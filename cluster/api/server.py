@@ -39,7 +39,7 @@ from cluster.api import protocol as P
 from cluster.api.deadline import RequestTimedOut, stamp, within
 from cluster.api.endpoints import Endpoints
 from cluster.api.errors import APIError, as_api_error
-from cluster.api.http_protocol import StampedH11Protocol
+from cluster.api.http_protocol import StampedProtocol
 from cluster.api.metrics import CONTENT_TYPE, ServerMetrics
 from cluster.api.shutdown import ServerShuttingDown, ShutdownGate
 from cluster.api.sse import ClientGone
@@ -235,7 +235,7 @@ class BackgroundServer:
         sock.bind((host, port))
         self.host, self.port = host, sock.getsockname()[1]
         # The protocol `manta serve` runs (request stamps, TCP_NODELAY), so tests see what users get.
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off", http=StampedH11Protocol))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off", http=StampedProtocol))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                         name="manta-http", daemon=True)
         self._thread.start()
