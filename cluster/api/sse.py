@@ -47,20 +47,38 @@ async def _wait_disconnect(request: Request) -> None:
 
 async def until_disconnect(request: Request, work: Awaitable[Any], gate: ShutdownGate) -> Any:
     """Await `work`, cancelling it and raising ClientGone if the client goes away first, or
-    ServerShuttingDown at the server's shutdown deadline."""
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_wait_disconnect(request))
+    ServerShuttingDown at the server's shutdown deadline.
+
+    `work` runs in the caller's own task, and the watchers cancel that task (as `asyncio.timeout`
+    does): a task for `work` would start it a turn of the event loop later, and under load a turn
+    waits for every stream's chunk of a step. That turn sat before each admission's `submit`."""
+    me = asyncio.current_task()
+    assert me is not None
+    why: list[BaseException | None] = []  # the interrupt, or None once `work` is over
+
+    def interrupt(make: Callable[[], BaseException]) -> Callable[[asyncio.Future], None]:
+        def done(watcher: asyncio.Future) -> None:
+            if not why and not watcher.cancelled():
+                why.append(make())
+                me.cancel()
+        return done
+
+    watch = asyncio.ensure_future(_wait_disconnect(request))
     stop = asyncio.ensure_future(gate.stopped.wait())
+    watch.add_done_callback(interrupt(ClientGone))
+    stop.add_done_callback(interrupt(lambda: ServerShuttingDown("the server shut down before the request finished")))
     try:
-        done, _ = await asyncio.wait({task, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        if stop in done:
-            raise ServerShuttingDown("the server shut down before the request finished")
-        raise ClientGone()
+        return await work
+    except asyncio.CancelledError:
+        if why and why[0] is not None and me.uncancel() == 0:  # ours, not a cancel from outside
+            raise why[0] from None
+        raise
     finally:
-        for t in (task, watch, stop):
+        if not why:
+            why.append(None)
+        for t in (watch, stop):
             t.cancel()
-        await asyncio.gather(task, watch, stop, return_exceptions=True)
+        await asyncio.gather(watch, stop, return_exceptions=True)
 
 
 class SSEResponse(StreamingResponse):
