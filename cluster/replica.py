@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from cluster import gil_switch
 from cluster.engine.config import EngineConfig
-from cluster.engine.loop import Engine, runner_options
+from cluster.engine.loop import Engine
+from cluster.engine.ranks import runner_options
 from cluster.engine.request import RequestOutput
 from cluster.kv_store_setup import kv_store_stats
 from workers.request_errors import RequestError

@@ -213,7 +213,8 @@ def test_tp2_keys_per_page_and_writer_ranks(no_store_after, tmp_path, llama_dir,
     ranks' host tiers, reloading it reads every page back from the store on both ranks (MLA
     rank 1 reading the keys rank 0 wrote) and the ranks agree on the count; once more, and it
     comes from the host tiers."""
-    from cluster.engine.loop import Engine, runner_options
+    from cluster.engine.loop import Engine
+    from cluster.engine.ranks import runner_options
     from workers.model_config import ModelConfig
     from workers.ray_group import RayWorkerGroup
 

@@ -105,7 +105,7 @@ def bench_overhead(config: EngineConfig, batch: int, input_len: int, steps: int,
     overlapped (step only: planning and the round trip hide behind the ranks' compute)."""
     import ray
 
-    from cluster.engine.loop import runner_options
+    from cluster.engine.ranks import runner_options
     from workers.ray_group import RayWorkerGroup
 
     serial = dataclasses.replace(config, disable_overlap_schedule=True)

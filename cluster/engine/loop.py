@@ -24,16 +24,16 @@ from dataclasses import dataclass, field
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer, DetokState
 from cluster.engine.kv_events import KVEventLog
-from cluster.engine.kv_store_link import attach_kv_offload, kv_host_pages, kv_offload_options
+from cluster.engine.kv_store_link import attach_kv_offload, kv_host_pages
+from cluster.engine.ranks import make_worker_group
 from cluster.engine.request import ADMITTED, Admitted, FinishReason, Request, RequestOutput
 from cluster.engine.scheduler import RequestRejected, TokenEvent
 from cluster.engine.spec_scheduler import scheduler_class
 from workers.encoder_decoder import GenerationRules
 from workers.forward_batch import ForwardMode
-from workers.group import InProcessWorkerGroup, WorkerGroup
+from workers.group import WorkerGroup
 from workers.messages import StepPlan, TokenLogprobs
 from workers.model_config import serving_mode
-from workers.model_runner import RunnerOptions
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -79,41 +79,6 @@ class _Tracked:
     req: Request
     sink: Sink | None  # None: the engine's batch sink
     detok: DetokState
-
-
-def runner_options(config: EngineConfig) -> RunnerOptions:
-    """The slice of the engine config every rank needs."""
-    return RunnerOptions(
-        model=config.model,
-        device=config.device,
-        dtype=config.dtype,
-        quantization=config.quantization,
-        kv_cache_dtype=config.kv_cache_dtype,
-        page_size=config.page_size,
-        kv_cache_tokens=config.kv_cache_tokens,
-        mem_fraction=config.mem_fraction,
-        gpu_share=config.gpus_per_rank,
-        max_running_requests=config.max_running_requests,
-        max_context_len=config.max_context_len,
-        attention_backend=config.attention_backend,
-        is_embedding=config.is_embedding,
-        chunked_prefill_size=config.chunked_prefill_size,
-        disable_radix_cache=config.disable_radix_cache,
-        disable_cuda_graph=config.disable_cuda_graph,
-        seed=config.seed,
-        speculative_draft_model=config.speculative_draft_model,
-        speculative_num_tokens=config.speculative_num_tokens,
-        kv_offload=kv_offload_options(config),
-        kernels=config.kernels,
-    )
-
-
-def make_worker_group(config: EngineConfig) -> WorkerGroup:
-    if config.tp_size == 1:
-        return InProcessWorkerGroup(runner_options(config))
-    from workers.mp_group import MultiprocessWorkerGroup
-
-    return MultiprocessWorkerGroup(runner_options(config), config.tp_size)
 
 
 class Engine:
