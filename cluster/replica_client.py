@@ -50,7 +50,7 @@ class RequestStream:
         self.started = False  # an output of it has been handed over
         self.submitted_wall: float | None = None  # when its admission left (time.time())
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    def __aiter__(self) -> AsyncIterator[RequestOutput | Admitted]:
         return self
 
     async def __anext__(self) -> RequestOutput | Admitted:
@@ -139,7 +139,8 @@ class ReplicaClient:
                         if stream is None:
                             continue
                         if out is None:
-                            stream.queue.put_nowait(ADMITTED)
+                            if not stream.started:  # its first output may have come first
+                                stream.queue.put_nowait(ADMITTED)
                         else:  # refused: the error is the stream's only output
                             del self.streams[adm.rid]
                             stream.queue.put_nowait(out)

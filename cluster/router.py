@@ -247,7 +247,7 @@ class Router:
                         self._record_retry(handle, why)
                         finished = True  # the replica has forgotten it: nothing to abort
                         break
-                    first_seen = True
+                    first_seen, announce = True, False  # ADMITTED never follows an output
                     finished = out.finished
                     out.replica = handle.name
                     yield out

@@ -23,11 +23,6 @@ import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-try:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-except ImportError:  # httptools is not installed
-    HttpToolsProtocol = None
-
 # struct tcp_info (linux/tcp.h): 8 one-byte fields, 9 u32 (rto ... fackets), then the times in
 # milliseconds: last_data_sent, last_ack_sent, last_data_recv.
 _TCP_INFO_LEN = 64
@@ -82,8 +77,11 @@ class StampedH11Protocol(_Stamped, H11Protocol):
     pass
 
 
-StampedProtocol: type = StampedH11Protocol
-if HttpToolsProtocol is not None:
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is not installed
+    StampedProtocol: type = StampedH11Protocol
+else:
 
     class StampedHttpToolsProtocol(_Stamped, HttpToolsProtocol):
         pass

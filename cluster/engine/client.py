@@ -246,8 +246,9 @@ class FanOut:
                    on_first_token: Callable[[RequestOutput, float], None] = lambda out, ttft: None) -> FanOut:
         """Admit every job concurrently (request ids `{rid}-{i}`) and wait until each one is
         queued on an engine (`ADMITTED`) or has its first output. If any admission fails, or
-        this is cancelled, the admitted ones are aborted and the error propagates. `is_embedding`: the jobs are embedding requests. `arrival`: when
-        the request reached the server (monotonic; default now): latencies are measured from it.
+        this is cancelled, the admitted ones are aborted and the error propagates.
+        `is_embedding`: the jobs are embedding requests. `arrival`: when the request reached the
+        server (monotonic; default now): latencies are measured from it.
         `on_first_token(out, ttft_s)` runs when a choice's first token is handed on by `outputs`
         (a stream sends it at once; also for one its client abandons later); `on_finished(out,
         timing)` when it finishes."""
@@ -292,10 +293,9 @@ class FanOut:
         async def pump(i: int) -> None:
             got = self.firsts[i][0] is not ADMITTED
             try:
-                async for out in self.streams[i]:
-                    if out is not ADMITTED:
-                        got = True
-                        queue.put_nowait((i, out))
+                async for out in self.streams[i]:  # ADMITTED only ever comes first
+                    got = True
+                    queue.put_nowait((i, out))
                 if not got:
                     raise GenerationFailed("the serving client's stream ended without output", index=i)
             except Exception as exc:
@@ -326,9 +326,7 @@ class FanOut:
         # After ADMITTED, this task waits on the stream itself: the first token is handed on in
         # the turn of the event loop that brings it.
         got = first is not ADMITTED
-        async for item in self.streams[0]:
-            if item is ADMITTED:
-                continue
+        async for item in self.streams[0]:  # ADMITTED only ever comes first
             got = True
             yield self._took(0, item)
             if item.finished:

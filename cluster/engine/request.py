@@ -168,8 +168,8 @@ assert _OUTPUT_FIELDS + _SERVER_STAMPS == tuple(f.name for f in fields(RequestOu
 
 
 class Admitted:
-    """The marker a stream yields, when its caller asked (`announce=True`), once its request
-    is queued on an engine: admission can no longer fail with an HTTP status (invalid, queue
+    """The marker a stream yields first (at most once, never after an output), when its caller
+    asked (`announce=True`), once its request is queued on an engine: admission can no longer fail with an HTTP status (invalid, queue
     full, no replica), so a streamed response may send its headers and wait on the stream for
     the first token itself. The first token then reaches the client in the event-loop turn that
     receives it, not after the turns that hand a finished "wait for the first output" on
@@ -180,9 +180,5 @@ class Admitted:
     def __repr__(self) -> str:
         return "ADMITTED"
 
-    def __reduce__(self):
-        return "ADMITTED"  # one marker per process: `is` works after a round trip
-
 
 ADMITTED = Admitted()
-
