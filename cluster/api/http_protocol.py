@@ -77,10 +77,11 @@ class StampedH11Protocol(_Stamped, H11Protocol):
     pass
 
 
+StampedProtocol: type = StampedH11Protocol
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-except ImportError:  # httptools is not installed
-    StampedProtocol: type = StampedH11Protocol
+except ImportError:  # httptools is not installed: h11
+    pass
 else:
 
     class StampedHttpToolsProtocol(_Stamped, HttpToolsProtocol):
