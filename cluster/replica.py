@@ -2,15 +2,15 @@
 drives its TP group of rank actors one step at a time.
 
 The serving path crosses this actor in batches, so its cost does not grow with the number of
-running requests (`cluster/replica_client.py` is the other end, in the HTTP server's process):
-- in: `submit(client, admissions, aborts)`, one call carrying every request a router admitted
-  (and every abort) since its previous call;
-- out: `poll(client, timeout)`, a long poll that returns every output of the engine steps that
-  completed since the previous poll: the engine hands each step's outputs over in one call
-  (`Engine.batch_sink`), so a poll carries at most one step's worth per step, never one
-  message per token per request.
-Outputs are kept per client (each router instance has its own id), so a router rebuilt beside
-an old one never receives the other's outputs.
+running requests (`cluster/replica_client.py` is the other end, in the HTTP server's process),
+over a TCP connection per router (`cluster/replica_channel.py`), not Ray calls:
+- in: one frame carrying every request a router admitted (and every abort) since its previous
+  one, answered in order (`submit`);
+- out: one frame with every output of the engine steps that completed since the previous one:
+  the engine hands each step's outputs over in one call (`Engine.batch_sink`), so a connection
+  carries at most one frame per step, never one message per token per request.
+Outputs are kept per connection, so a router rebuilt beside an old one never receives the
+other's outputs, and a router whose connection closes has its requests aborted at once.
 
 Failure model: a monitor thread waits on every rank's never-returning `hold()` call; when a
 rank dies the replica marks itself unhealthy at once, fails its in-flight requests with a
@@ -32,6 +32,7 @@ from cluster.engine.loop import Engine
 from cluster.engine.ranks import runner_options
 from cluster.engine.request import RequestOutput
 from cluster.kv_store_setup import kv_store_stats
+from cluster.replica_channel import Outboxes, ServingListener
 from workers.request_errors import RequestError
 from workers.sampling_params import SamplingParams
 
@@ -64,20 +65,17 @@ class Admission:
     kv_source: object = None
 
 
-# A client that has not polled for this long is gone (its router closed or died): its requests
-# are aborted and its undelivered outputs dropped.
-CLIENT_TIMEOUT_S = 30.0
-# Threads of the actor: a blocked `poll` per router, plus `submit`, `stats`, `info`, `shutdown`.
-REPLICA_THREADS = 32
+# Threads of the actor (Ray calls: `stats`, `kv_events`, `info`, `serving_channel`, `shutdown`; the
+# serving path has threads of its own, `cluster/replica_channel.py`).
+REPLICA_THREADS = 8
 
 
 class Replica:
-    """Plain class; `cluster.launch` wraps it with `ray.remote` as a threaded actor (a `poll`
-    blocks one thread while `submit` and `stats` run on others)."""
+    """Plain class; `cluster.launch` wraps it with `ray.remote` as a threaded actor."""
 
     def __init__(self, config: EngineConfig, name: str, placement_strategy: str = "PACK",
                  nic: str | None = None, cpus_per_rank: float = 1.0, role: str = "mixed"):
-        gil_switch.apply()  # this actor's process: the submit/poll threads beside the engine's
+        gil_switch.apply()  # this actor's process: the serving channel's threads beside the engine's
         self.config = config
         self.name = name
         self.role = role  # "mixed", or "prefill" / "decode" in a disaggregated deployment
@@ -87,12 +85,11 @@ class Replica:
         self.engine: Engine | None = None
         self.started_at = time.time()
         self.restarts = 0
-        self._cv = threading.Condition()
-        self._outboxes: dict[str, list[RequestOutput]] = {}
-        self._owner: dict[str, str] = {}  # rid -> client that admitted it
-        self._last_seen: dict[str, float] = {}  # client -> monotonic time of its last poll/submit
+        self._lock = threading.Lock()
         # Messages of the serving path, for the test that they do not grow per token.
-        self.counters = {"submit_calls": 0, "admitted": 0, "poll_replies": 0, "output_steps": 0}
+        self.counters = {"submit_calls": 0, "admitted": 0}
+        self.outboxes = Outboxes(name)
+        self._listener: ServingListener | None = None
         self._start()
 
     def _start(self) -> None:
@@ -139,14 +136,20 @@ class Replica:
         return True
 
     # ---------------- serving ----------------
+    def serving_channel(self) -> tuple[str, int, bytes]:
+        """Where a router connects for the serving path, and the token it must send first."""
+        with self._lock:
+            if self._listener is None:
+                import ray
+
+                self._listener = ServingListener(ray.util.get_node_ip_address(), self.outboxes,
+                                                 self.submit, self.abort)
+            return (*self._listener.address, self._listener.token)
+
     def submit(self, client: str, admissions: list[Admission], aborts: list[str]) -> list[RequestOutput | None]:
         """Admit a batch of requests and abort others; one entry per admission: None when it
-        was queued, else a finished error output (invalid, queue full, replica unavailable)."""
-        now = time.monotonic()
-        with self._cv:
-            self.counters["submit_calls"] += 1
-            self._last_seen[client] = now
-            self._outboxes.setdefault(client, [])
+        was queued, else a finished error output (invalid, queue full, replica unavailable).
+        Called by the serving channel's thread of `client`'s connection."""
         replies: list[RequestOutput | None] = []
         for adm in admissions:
             engine = self.engine
@@ -154,65 +157,31 @@ class Replica:
                 replies.append(RequestOutput(adm.rid, finished=True, finish_reason="error", error_type="unavailable",
                                              error=f"replica {self.name} is unhealthy: {self.unhealthy_reason}"))
                 continue
-            with self._cv:
-                self._owner[adm.rid] = client
+            if not self.outboxes.own(adm.rid, client):
+                replies.append(None)  # its router is gone: nobody reads the reply
+                continue
             try:
                 engine.add_request(adm.prompt_ids, adm.params, None, rid=adm.rid, is_embedding=adm.is_embedding,
                                    group=adm.group, resume_ids=adm.resume_ids, kv_source=adm.kv_source,
                                    hand_off=adm.hand_off)
             except (RequestError, ValueError) as exc:
-                with self._cv:
-                    self._owner.pop(adm.rid, None)
+                self.outboxes.disown(adm.rid)
                 replies.append(admission_error(adm.rid, exc))
                 continue
             replies.append(None)
         for rid in aborts:  # after the admissions: a request may be admitted and aborted in one batch
             self.abort(rid)
-        with self._cv:
+        with self._lock:
+            self.counters["submit_calls"] += 1
             self.counters["admitted"] += sum(r is None for r in replies)
         return replies
 
-    def poll(self, client: str, timeout_s: float = 1.0) -> list[RequestOutput]:
-        """Every output for `client`'s requests since its last poll; waits up to `timeout_s`
-        for the first (an empty list then)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cv:
-            self._last_seen[client] = time.monotonic()
-            box = self._outboxes.setdefault(client, [])
-            while not box:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return []
-                self._cv.wait(left)
-                box = self._outboxes.setdefault(client, [])
-            self._outboxes[client] = []
-            self._last_seen[client] = time.monotonic()
-            self.counters["poll_replies"] += 1
-            return box
-
     def _on_outputs(self, outs: list[RequestOutput]) -> None:
         """The engine's batch sink: one call per step (engine thread), or one per abort/failure."""
-        stale: list[str] = []
-        with self._cv:
-            now = time.monotonic()
-            for out in outs:
-                client = self._owner.pop(out.rid, None) if out.finished else self._owner.get(out.rid)
-                if client is None:
-                    continue
-                if now - self._last_seen.get(client, now) > CLIENT_TIMEOUT_S:
-                    stale.append(out.rid)  # nobody polls for it any more
-                    self._outboxes.pop(client, None)
-                    continue
-                out.replica = self.name
-                self._outboxes.setdefault(client, []).append(out)
-            self.counters["output_steps"] += 1
-            self._cv.notify_all()
-        # Let the waiting poll thread take the GIL now and send these outputs on, rather than
+        self.outboxes.put(outs)
+        # Let a waiting writer thread take the GIL now and send these outputs on, rather than
         # after the engine thread has planned and launched its next step.
         time.sleep(0)
-        for rid in stale:
-            if self.engine is not None:
-                self.engine.abort(rid)
 
     def abort(self, rid: str) -> None:
         if self.engine is not None:
@@ -227,7 +196,8 @@ class Replica:
             "reason": self.unhealthy_reason,
             **eng.stats(),
             "restarts": self.restarts,
-            "messages": dict(self.counters),
+            "messages": {**self.counters, "output_messages": self.outboxes.output_messages,
+                         "output_steps": self.outboxes.output_steps},
             "kvstore": kv_store_stats(eng),  # None without a KV store (cluster/kv_store_setup.py)
         }
 
@@ -268,6 +238,8 @@ class Replica:
 
     def shutdown(self) -> None:
         self.healthy, self.unhealthy_reason = False, "shut down"
+        if self._listener is not None:
+            self._listener.close()
         if self.engine is not None:
             self.engine.fail_all(f"replica {self.name} shut down")
             self.engine.shutdown()

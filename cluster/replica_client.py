@@ -1,17 +1,21 @@
-"""The HTTP server's end of one replica's serving path (the replica's end: `cluster/replica.py`).
+"""The HTTP server's end of one replica's serving path (the replica's end: `cluster/replica.py`
+and its channel, `cluster/replica_channel.py`).
 
 Every request the router sends to a replica goes through one `ReplicaClient`, on the server's
-event loop:
-- admissions and aborts are sent in one `submit` call per round: the first at once, whatever
-  was opened while a call was in flight in the next one; each admitted request's stream gets
-  the `ADMITTED` marker when the reply comes;
-- one long `poll` call at a time brings back every output of the steps that completed since
-  the last one, and the client hands each to its request's stream (an asyncio queue).
-So the Ray messages per second depend on the engine's step rate, not on how many requests
-run. The poll loop runs only while the client has open streams: an idle server sends nothing.
+event loop, over one TCP connection to the replica (opened at the first request; its address
+and token come from the actor through Ray):
+- admissions and aborts go in one frame per round: the first at once, whatever was opened
+  while a frame was unanswered in the next one; each admitted request's stream gets the
+  `ADMITTED` marker when the answer comes;
+- the replica sends a frame with every output of the steps that completed since its last one,
+  and the client hands each to its request's stream (an asyncio queue) in the turn of the loop
+  that reads it.
+So the messages per second depend on the engine's step rate, not on how many requests run, and
+an idle server sends and wakes for nothing.
 
-A failed `submit` or `poll` (the replica actor died or cannot be reached) ends every open
-stream of this client with `ReplicaGone`; the router decides what to retry.
+A connection that fails or closes (the replica actor died or cannot be reached) ends every open
+stream of this client with `ReplicaGone`; the router decides what to retry, and the next request
+connects again.
 """
 
 from __future__ import annotations
@@ -19,14 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable
-
-import ray
+from collections import deque
+from collections.abc import AsyncIterator
 
 from cluster.engine.request import ADMITTED, Admitted, RequestOutput
 from cluster.replica import Admission
+from cluster.replica_channel import SERVING_MODULES, keepalive
 from workers.sampling_params import SamplingParams
+from workers.step_channel import FRAME_LEN, decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -71,45 +75,88 @@ class RequestStream:
             self.client.abort(self.rid)
 
 
+class _Connection(asyncio.Protocol):
+    """One serving channel as the event loop sees it: frames out, and each frame in handed to
+    the client in the callback that read its last bytes."""
+
+    def __init__(self, client: ReplicaClient):
+        self.client = client
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+        self._buf = bytearray()
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            keepalive(sock)
+
+    def send(self, obj) -> None:
+        payload = encode(obj)
+        assert self.transport is not None
+        self.transport.write(FRAME_LEN.pack(len(payload)) + payload)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        while len(buf) >= FRAME_LEN.size:
+            (n,) = FRAME_LEN.unpack_from(buf)
+            end = FRAME_LEN.size + n
+            if len(buf) < end:
+                return
+            msg = decode(bytes(buf[FRAME_LEN.size:end]), SERVING_MODULES)
+            del buf[:end]
+            self.client._on_frame(msg)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.client._on_lost(self, exc)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
 class ReplicaClient:
-    def __init__(self, name: str, actor, poll_timeout_s: float = 1.0):
+    def __init__(self, name: str, actor, connect_timeout_s: float = 30.0):
         self.name, self.actor = name, actor
-        self.poll_timeout_s = poll_timeout_s
-        self.client_id = f"router-{uuid.uuid4().hex[:12]}"
+        self.connect_timeout_s = connect_timeout_s
         self.streams: dict[str, RequestStream] = {}
         self._adds: list[Admission] = []
         self._aborts: list[str] = []
-        self._submit_task: asyncio.Task | None = None
-        self._poll_task: asyncio.Task | None = None
-        # Serving-path calls made, for tests and the bench (one round trip each).
+        self._conn: _Connection | None = None
+        self._connecting: asyncio.Task | None = None
+        self._unanswered: deque[list[Admission]] = deque()  # frames sent, in order, not answered yet
+        # Serving-path messages, for tests and the bench.
         self.submit_calls = 0
-        self.poll_calls = 0
+        self.output_messages = 0
 
     def open(self, rid: str, prompt_ids: list[int], params: SamplingParams,
              is_embedding: bool = False, group: str | None = None, **admission) -> RequestStream:
-        """Queue a request for the next `submit`; its outputs (or its admission error, as a
-        finished output with `error_type` set) arrive on the returned stream."""
+        """Queue a request for the next admission frame; its outputs (or its admission error, as
+        a finished output with `error_type` set) arrive on the returned stream."""
         stream = RequestStream(self, rid)
         self.streams[rid] = stream
         self._adds.append(Admission(rid, prompt_ids, params, is_embedding, group, **admission))
         self._kick()
-        if self._poll_task is None:
-            self._poll_task = asyncio.ensure_future(self._poll_loop())
         return stream
 
     def abort(self, rid: str) -> None:
-        """Forget `rid` here and abort it on the replica (in the next `submit`)."""
+        """Forget `rid` here and abort it on the replica (in the next frame)."""
         if self.streams.pop(rid, None) is not None:
             self._aborts.append(rid)
             self._kick()
 
     def _kick(self) -> None:
-        """Send what is queued now, unless a `submit` is in flight (then it goes in the next):
-        a request that finds the line idle costs no event-loop turn before it leaves."""
-        if self._submit_task is None:
-            self._submit_task = asyncio.ensure_future(self._submit_loop(self._send()))
-
-    def _send(self) -> tuple[list[Admission], Awaitable]:
+        """Send what is queued now, unless a frame is unanswered (then it goes when the answer
+        comes): a request that finds the line idle leaves inside the caller's own turn of the
+        loop, and a burst goes in a few frames, not one per request."""
+        if self._unanswered or not (self._adds or self._aborts):
+            return
+        if self._conn is None:
+            if self._connecting is None:
+                self._connecting = asyncio.ensure_future(self._connect())
+            return
         adds, aborts = self._adds, self._aborts
         self._adds, self._aborts = [], []
         self.submit_calls += 1
@@ -118,53 +165,63 @@ class ReplicaClient:
             stream = self.streams.get(adm.rid)
             if stream is not None:
                 stream.submitted_wall = now
-        try:
-            return adds, self.actor.submit.remote(self.client_id, adds, aborts)  # an ObjectRef: awaitable
-        except Exception as exc:  # the handle refused the call: fail its admissions in the loop
-            failed = asyncio.get_running_loop().create_future()
-            failed.set_exception(exc)
-            return adds, failed
+        self._unanswered.append(adds)
+        self._conn.send((adds, aborts))
 
-    async def _submit_loop(self, sent: tuple[list[Admission], Awaitable]) -> None:
+    async def _connect(self) -> None:
+        """Open the channel (the actor says where), then send what queued meanwhile; on failure
+        end the streams that waited for it."""
+        conn = None
         try:
-            while True:
-                adds, reply = sent
-                try:
-                    replies = await reply
-                except Exception as exc:  # Ray's error, or the handle's
-                    self._fail(exc, [a.rid for a in adds])
-                else:
-                    for adm, out in zip(adds, replies):
-                        stream = self.streams.get(adm.rid)
-                        if stream is None:
-                            continue
-                        if out is None:
-                            if not stream.started:  # its first output may have come first
-                                stream.queue.put_nowait(ADMITTED)
-                        else:  # refused: the error is the stream's only output
-                            del self.streams[adm.rid]
-                            stream.queue.put_nowait(out)
-                if not (self._adds or self._aborts):
-                    return
-                sent = self._send()
+            async with asyncio.timeout(self.connect_timeout_s):
+                host, port, token = await self.actor.serving_channel.remote()
+                _, conn = await asyncio.get_running_loop().create_connection(lambda: _Connection(self), host, port)
+            if conn.lost:
+                raise ConnectionError(f"replica {self.name} closed its serving channel at once")
+            conn.transport.write(token)
+        except Exception as exc:  # Ray's error (the actor died), or the connection's
+            if conn is not None:
+                conn.close()
+            waiting = [a.rid for a in self._adds]
+            self._adds, self._aborts = [], []  # aborts of a replica we cannot reach: nothing to do
+            self._fail(exc, waiting)
+            return
         finally:
-            self._submit_task = None
+            self._connecting = None
+        self._conn = conn
+        self._kick()
 
-    async def _poll_loop(self) -> None:
-        try:
-            while self.streams:
-                self.poll_calls += 1
-                try:
-                    outs = await self.actor.poll.remote(self.client_id, self.poll_timeout_s)
-                except ray.exceptions.RayError as exc:
-                    self._fail(exc, list(self.streams))
-                    return
-                self._deliver(outs)
-        finally:
-            self._poll_task = None
+    def _on_frame(self, msg: tuple) -> None:
+        kind, body = msg
+        if kind == "outputs":
+            self.output_messages += 1
+            self._deliver(body)
+            return
+        # "submitted": the answer to the oldest unanswered frame, one entry per admission
+        adds = self._unanswered.popleft()
+        for adm, out in zip(adds, body):
+            stream = self.streams.get(adm.rid)
+            if stream is None:
+                continue
+            if out is None:
+                if not stream.started:  # its first output may have come first
+                    stream.queue.put_nowait(ADMITTED)
+            else:  # refused: the error is the stream's only output
+                del self.streams[adm.rid]
+                stream.queue.put_nowait(out)
+        self._kick()
+
+    def _on_lost(self, conn: _Connection, exc: Exception | None) -> None:
+        if conn is not self._conn:
+            return
+        self._conn = None
+        self._unanswered.clear()
+        self._adds, self._aborts = [], []
+        if self.streams:
+            self._fail(exc or ConnectionError(f"replica {self.name} closed its serving channel"), list(self.streams))
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
-        """Hand one `poll` reply to the streams."""
+        """Hand one frame of outputs to the streams."""
         for stream, out in self._first_tokens_first(outs):
             stream.queue.put_nowait(out)
             if out.finished:
@@ -201,11 +258,13 @@ class ReplicaClient:
                 stream.queue.put_nowait(ReplicaGone(exc))
 
     async def aclose(self) -> None:
-        """Abort every open request and stop the loops."""
+        """Abort every open request and close the channel (the replica aborts whatever the
+        aborts did not reach)."""
         for rid in list(self.streams):
             self.abort(rid)
-        if self._submit_task is not None:
-            await asyncio.gather(self._submit_task, return_exceptions=True)
-        if self._poll_task is not None:
-            self._poll_task.cancel()
-            await asyncio.gather(self._poll_task, return_exceptions=True)
+        if self._connecting is not None:
+            self._connecting.cancel()
+            await asyncio.gather(self._connecting, return_exceptions=True)
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            conn.close()

@@ -1,11 +1,18 @@
-"""The server's end of a replica's serving path: how one `poll` reply reaches the streams."""
+"""A replica's serving path: the server's end (`ReplicaClient`) over the replica's real channel
+(`cluster/replica_channel.py`), with a scripted engine behind it."""
 
 from __future__ import annotations
 
 import asyncio
+import queue
+import socket
+
+import pytest
 
 from cluster.engine.request import RequestOutput
+from cluster.replica_channel import Outboxes, ServingListener
 from cluster.replica_client import ReplicaClient, RequestStream
+from workers.step_channel import FRAME_LEN, encode
 
 
 def _out(rid: str, token: int, finished: bool = False) -> RequestOutput:
@@ -55,47 +62,81 @@ def test_a_reply_wakes_new_requests_first_and_keeps_each_streams_order():
     assert set(left) == {"a", "b", "c"}  # d finished; "gone" was never open
 
 
-class _Method:
-    """One method of a stand-in replica actor: `.remote(...)` records the call and returns the
-    future its reply will come on, as a Ray actor handle returns an awaitable ref."""
+class _Replica:
+    """A replica's real serving channel (`ServingListener`, `Outboxes`) in front of a scripted
+    engine: each admission frame is recorded, and answered when the test releases an answer.
+    `serving_channel.remote()` is what the actor handle gives the client (the address and
+    token, as an awaitable)."""
 
     def __init__(self):
-        self.calls: list[tuple] = []
-        self.replies: list[asyncio.Future] = []
+        self.outboxes = Outboxes("r")
+        self.frames: queue.Queue = queue.Queue()  # (rids, aborts) of each frame, as it came
+        self.answers: queue.Queue = queue.Queue()  # one reply list per frame, from the test
+        self.aborted: list[str] = []
+        self.listener = ServingListener("127.0.0.1", self.outboxes, self._submit, self.aborted.append)
+        self.serving_channel = self
 
-    def remote(self, *args):
-        self.calls.append(args)
-        self.replies.append(asyncio.get_running_loop().create_future())
-        return self.replies[-1]
+    def remote(self):
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result((*self.listener.address, self.listener.token))
+        return fut
+
+    def _submit(self, client: str, admissions: list, aborts: list[str]) -> list:
+        for adm in admissions:
+            self.outboxes.own(adm.rid, client)
+        self.frames.put(([a.rid for a in admissions], aborts))
+        return self.answers.get(timeout=10)
+
+    async def frame(self) -> tuple[list[str], list[str]]:
+        return await asyncio.to_thread(self.frames.get, timeout=10)
 
 
-class _Actor:
-    def __init__(self):
-        self.submit, self.poll = _Method(), _Method()
-
-
-def test_a_request_leaves_at_once_and_its_first_token_is_handed_on_in_the_turn_that_brings_it():
-    from cluster.engine.client import FanOut
+def test_a_burst_goes_in_few_frames_and_a_lone_request_leaves_in_its_own_turn():
     from cluster.engine.request import ADMITTED
     from workers.sampling_params import SamplingParams
 
     async def run() -> None:
-        actor = _Actor()
-        client = ReplicaClient("r", actor=actor)
-        running = [client.open(f"old-{i}", [1, 2], SamplingParams()) for i in range(50)]
-        # The line was idle: the first admission left inside open(), without a turn of the loop;
-        # the others wait for its reply and go together in the next call.
-        assert len(actor.submit.calls) == 1 and [a.rid for a in actor.submit.calls[0][1]] == ["old-0"]
-        actor.submit.replies[0].set_result([None])
-        await asyncio.sleep(0)
-        assert len(actor.submit.calls) == 2 and len(actor.submit.calls[1][1]) == 49
-        actor.submit.replies[1].set_result([None] * 49)
-        await asyncio.sleep(0)
-        assert [await anext(s) for s in running] == [ADMITTED] * 50
-        client._deliver([_out(s.rid, 0) for s in running])  # the 50 are running
+        replica = _Replica()
+        client = ReplicaClient("r", actor=replica)
+        try:
+            warm = client.open("warm", [1], SamplingParams())  # connects, then sends
+            assert await replica.frame() == (["warm"], [])
+            replica.answers.put([None])
+            assert await anext(warm) is ADMITTED
+            sent = client.submit_calls
+            running = [client.open(f"old-{i}", [1, 2], SamplingParams()) for i in range(50)]
+            # The line was idle: the first admission left inside open(), without a turn of the
+            # loop; the others wait for its answer and go together in the next frame.
+            assert client.submit_calls == sent + 1
+            assert await replica.frame() == (["old-0"], [])
+            replica.answers.put([None])
+            rids, _ = await replica.frame()
+            assert rids == [f"old-{i}" for i in range(1, 50)]
+            replica.answers.put([None] * 49)
+            assert [await anext(s) for s in running] == [ADMITTED] * 50
+            # One step's outputs for all 51 go in one frame.
+            before = client.output_messages
+            replica.outboxes.put([_out(s.rid, 0) for s in [warm, *running]])
+            assert [(await anext(s)).delta_token_ids for s in running] == [[0]] * 50
+            assert client.output_messages == before + 1
+        finally:
+            await client.aclose()
+            replica.listener.close()
 
-        new = client.open("new", [1, 2, 3], SamplingParams())
-        actor.submit.replies[2].set_result([None])
+    asyncio.run(run())
+
+
+def test_the_first_token_is_handed_on_in_the_turn_that_brings_it():
+    from cluster.engine.client import FanOut
+    from cluster.engine.request import ADMITTED
+
+    async def run() -> None:
+        client = ReplicaClient("r", actor=None)
+        running = [RequestStream(client, f"old-{i}") for i in range(50)]
+        new = RequestStream(client, "new")
+        client.streams.update({s.rid: s for s in [*running, new]})
+        client._deliver([_out(s.rid, 0) for s in running])  # the 50 are running
+        new.queue.put_nowait(ADMITTED)
         assert await anext(new) is ADMITTED  # queued: a response may start before any token
         fan = FanOut([(ADMITTED, 0.0)], [new], lambda out, timing: None, 0.0, lambda out, ttft: None)
         got: list[int] = []
@@ -106,10 +147,10 @@ def test_a_request_leaves_at_once_and_its_first_token_is_handed_on_in_the_turn_t
 
         task = asyncio.create_task(consume())
         await asyncio.sleep(0)
-        # One step's reply: 50 running streams' next tokens and the new request's first.
+        # One step's frame: 50 running streams' next tokens and the new request's first.
         client._deliver([_out(s.rid, 1) for s in running] + [_out("new", 7)])
         await asyncio.sleep(0)
-        assert got == [7]  # in the first turn after the reply, not behind the 50 others' turn
+        assert got == [7]  # in the first turn after the frame, not behind the 50 others' turn
         client._deliver([_out("new", 8, finished=True)])
         await asyncio.wait_for(task, 1.0)
         assert got == [7, 8]
@@ -117,25 +158,78 @@ def test_a_request_leaves_at_once_and_its_first_token_is_handed_on_in_the_turn_t
     asyncio.run(run())
 
 
-def test_a_refused_admission_is_the_streams_only_output_and_a_failed_call_ends_the_stream():
+def test_a_refused_admission_is_the_streams_only_output_and_a_lost_replica_ends_the_streams():
+    from cluster.engine.request import ADMITTED
+    from cluster.replica_client import ReplicaGone
     from workers.sampling_params import SamplingParams
 
     async def run() -> None:
-        actor = _Actor()
-        client = ReplicaClient("r", actor=actor)
-        refused = client.open("a", [1], SamplingParams())
-        actor.submit.replies[0].set_result([RequestOutput("a", finished=True, finish_reason="error",
-                                                          error_type="queue_full", error="full")])
-        out = await anext(refused)
-        assert out.error_type == "queue_full" and "a" not in client.streams
-        lost = client.open("b", [1], SamplingParams())
-        actor.submit.replies[1].set_exception(ConnectionError("replica unreachable"))
+        replica = _Replica()
+        client = ReplicaClient("r", actor=replica)
         try:
-            await anext(lost)
-        except Exception as exc:  # ReplicaGone: the router retries elsewhere
-            assert "replica unreachable" in str(exc)
-        else:
-            raise AssertionError("a failed submit must end the stream")
-        assert not client.streams
+            refused = client.open("a", [1], SamplingParams())
+            await replica.frame()
+            replica.answers.put([RequestOutput("a", finished=True, finish_reason="error",
+                                               error_type="queue_full", error="full")])
+            out = await anext(refused)
+            assert out.error_type == "queue_full" and "a" not in client.streams
+            lost = client.open("b", [1], SamplingParams())
+            await replica.frame()
+            replica.answers.put([None])
+            assert await anext(lost) is ADMITTED
+            replica.listener.close()  # the replica is gone: its connections close
+            with pytest.raises(ReplicaGone):
+                await asyncio.wait_for(anext(lost), 5)
+            assert not client.streams
+            # The next request connects again, and fails at once: nothing listens.
+            again = client.open("c", [1], SamplingParams())
+            with pytest.raises(ReplicaGone):
+                await asyncio.wait_for(anext(again), 5)
+        finally:
+            await client.aclose()
 
     asyncio.run(run())
+
+
+def test_a_router_that_goes_away_has_its_requests_aborted_on_the_replica():
+    from workers.sampling_params import SamplingParams
+
+    async def run() -> list[str]:
+        replica = _Replica()
+        client = ReplicaClient("r", actor=replica)
+        try:
+            client.open("x", [1], SamplingParams())
+            await replica.frame()
+            replica.answers.put([None])
+            client.open("y", [1], SamplingParams())
+            await replica.frame()
+            replica.answers.put([None])
+            await asyncio.sleep(0.05)
+            client._conn.transport.abort()  # the server process died: no abort frame was sent
+            for _ in range(100):
+                if len(replica.aborted) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert replica.outboxes.clients() == 0
+            return sorted(replica.aborted)
+        finally:
+            await client.aclose()
+            replica.listener.close()
+
+    assert asyncio.run(run()) == ["x", "y"]
+
+
+def test_the_serving_channel_drops_a_connection_without_the_token_unread():
+    replica = _Replica()
+    try:
+        with socket.create_connection(replica.listener.address, timeout=5) as sock:
+            evil = encode((["not", "admissions"], []))
+            sock.sendall(b"\0" * 32 + FRAME_LEN.pack(len(evil)) + evil)
+            try:
+                got = sock.recv(1)
+            except ConnectionResetError:  # closed with the frame unread: a reset
+                got = b""
+            assert got == b""  # closed by the replica
+        assert replica.frames.empty() and replica.outboxes.clients() == 0
+    finally:
+        replica.listener.close()

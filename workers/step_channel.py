@@ -36,7 +36,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_LEN = struct.Struct("<Q")
+FRAME_LEN = struct.Struct("<Q")
 _HELLO = struct.Struct("<32sI")  # token, rank
 
 
@@ -44,15 +44,15 @@ class RankFailed(RuntimeError):
     """A rank raised, or its connection closed: the group cannot run another step."""
 
 
-def _send(sock: socket.socket, payload: bytes) -> None:
+def send_frame(sock: socket.socket, payload: bytes) -> None:
     if len(payload) < 65536:  # one segment: header and body together
-        sock.sendall(_LEN.pack(len(payload)) + payload)
+        sock.sendall(FRAME_LEN.pack(len(payload)) + payload)
     else:  # no copy of a large body
-        sock.sendall(_LEN.pack(len(payload)))
+        sock.sendall(FRAME_LEN.pack(len(payload)))
         sock.sendall(payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -64,7 +64,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 # Where the messages' classes live: only their dataclasses and enums may be rebuilt.
-_MESSAGE_MODULES = ("workers.messages", "workers.kv_messages", "workers.spec_messages", "workers.sampling_params",
+MESSAGE_MODULES = ("workers.messages", "workers.kv_messages", "workers.spec_messages", "workers.sampling_params",
                     "workers.structured_output",
                     "workers.forward_batch")
 _BUILTINS = {"set", "frozenset", "complex", "slice"}
@@ -81,28 +81,38 @@ def _enum_member(cls: Any, name: Any) -> enum.Enum:
 
 class _MessageUnpickler(pickle.Unpickler):
     """Rebuilds the step messages and nothing else: plain data and the dataclasses and enums of
-    `_MESSAGE_MODULES`. Any other global (a function, a class elsewhere: what a hostile pickle
-    would call) is refused, so a byte stream can never run code here."""
+    `modules` (by default `MESSAGE_MODULES`). Any other global (a function, a class elsewhere:
+    what a hostile pickle would call) is refused, so a byte stream can never run code here."""
+
+    def __init__(self, file, modules: tuple[str, ...]):
+        super().__init__(file)
+        self.modules = modules
 
     def find_class(self, module: str, name: str):
         if module == "builtins" and name in _BUILTINS:
             return super().find_class(module, name)
         if module == "builtins" and name == "getattr":
             return _enum_member
-        if module in _MESSAGE_MODULES:
+        if module in self.modules:
             obj = super().find_class(module, name)
             if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
                 return obj
         raise pickle.UnpicklingError(f"the step channel does not carry {module}.{name}")
 
 
-def decode(payload: bytes) -> Any:
-    return _MessageUnpickler(io.BytesIO(payload)).load()
+def encode(msg: Any) -> bytes:
+    return pickle.dumps(msg, protocol=5)
+
+
+def decode(payload: bytes, modules: tuple[str, ...] = MESSAGE_MODULES) -> Any:
+    """`msg` back from `encode(msg)`, where it is built of plain data and the dataclasses and
+    enums of `modules` (else `pickle.UnpicklingError`)."""
+    return _MessageUnpickler(io.BytesIO(payload), modules).load()
 
 
 def _recv(sock: socket.socket) -> Any:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    return decode(_recv_exact(sock, n))
+    (n,) = FRAME_LEN.unpack(recv_exact(sock, FRAME_LEN.size))
+    return decode(recv_exact(sock, n))
 
 
 def _tune(sock: socket.socket) -> None:
@@ -139,7 +149,7 @@ class StepChannel:
                 conn, _ = self._listener.accept()
                 conn.settimeout(max(1.0, left))
                 try:
-                    token, rank = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+                    token, rank = _HELLO.unpack(recv_exact(conn, _HELLO.size))
                 except (OSError, ConnectionError, struct.error):
                     conn.close()
                     continue
@@ -157,11 +167,11 @@ class StepChannel:
     def send(self, msg: Any) -> None:
         if self.failed:
             raise RankFailed(self.failed)
-        payload = pickle.dumps(msg, protocol=5)
+        payload = encode(msg)
         for rank, sock in enumerate(self.socks):
             try:
                 assert sock is not None
-                _send(sock, payload)
+                send_frame(sock, payload)
             except OSError as exc:
                 self._fail(f"TP rank {rank}'s step channel closed: {exc}")
 
@@ -233,7 +243,7 @@ def serve_rank(address: tuple[str, int], token: bytes, rank: int, handler: Calla
                     logger.exception("TP rank %d: step failed", rank)
                     reply = (False, traceback.format_exc())
                 try:
-                    _send(sock, pickle.dumps(reply, protocol=5))
+                    send_frame(sock, encode(reply))
                 except OSError:
                     return
         finally:

@@ -101,8 +101,8 @@ _PREFIX_FAMILIES = (
 _MESSAGE_FAMILIES = (
     ("manta:replica_submit_messages", "Admission batches the replica received from routers.", "submit_calls"),
     ("manta:replica_admitted_requests", "Requests the replica admitted.", "admitted"),
-    ("manta:replica_output_messages", "Output batches the replica sent to routers (one poll reply each).",
-     "poll_replies"),
+    ("manta:replica_output_messages", "Output batches the replica sent to routers (one frame each).",
+     "output_messages"),
     ("manta:replica_output_steps", "Engine steps (and aborts/failures) that produced outputs.", "output_steps"),
 )
 
