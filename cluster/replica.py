@@ -164,7 +164,9 @@ class Replica:
                 engine.add_request(adm.prompt_ids, adm.params, None, rid=adm.rid, is_embedding=adm.is_embedding,
                                    group=adm.group, resume_ids=adm.resume_ids, kv_source=adm.kv_source,
                                    hand_off=adm.hand_off)
-            except (RequestError, ValueError) as exc:
+            except Exception as exc:  # the request's own fault, or an internal error: this admission only
+                if not isinstance(exc, (RequestError, ValueError)):
+                    logger.exception("replica %s: admitting %s failed", self.name, adm.rid)
                 self.outboxes.disown(adm.rid)
                 replies.append(admission_error(adm.rid, exc))
                 continue

@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from itertools import count
 
@@ -36,18 +37,25 @@ from workers.step_channel import FRAME_LEN, MESSAGE_MODULES, decode, encode, rec
 logger = logging.getLogger(__name__)
 
 TOKEN_BYTES = 32
-# What the frames may rebuild (`workers.step_channel.decode`): the step messages' modules, and the
-# admissions and outputs.
-SERVING_MODULES = (*MESSAGE_MODULES, "cluster.replica", "cluster.engine.request")
+# What the frames may rebuild (`workers.step_channel.decode`): the step messages' dataclasses and
+# enums, and the admissions and outputs.
+SERVING_CLASSES = frozenset({("cluster.replica", "Admission"), ("cluster.engine.request", "RequestOutput")})
+
+
+def decode_frame(payload: bytes):
+    return decode(payload, MESSAGE_MODULES, SERVING_CLASSES)
 _HELLO_TIMEOUT_S = 10.0  # a connection that does not prove itself in this long is dropped
 
 
 def keepalive(sock: socket.socket) -> None:
-    """TCP_NODELAY (a frame goes out at once) and keepalive probes that end a connection whose
-    peer's host went away within ~15 s (5 s idle, then 3 probes 3 s apart)."""
+    """TCP_NODELAY (a frame goes out at once), and an end to a connection whose peer's host went
+    away within ~15 s: keepalive probes while it is idle (5 s, then 3 probes 3 s apart), and
+    TCP_USER_TIMEOUT while sent data waits unacknowledged (where keepalive sends no probes and
+    the kernel would retransmit for ~15 minutes)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3)):
+    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", 15_000)):
         opt = getattr(socket, name, None)
         if opt is not None:
             sock.setsockopt(socket.IPPROTO_TCP, opt, value)
@@ -147,12 +155,15 @@ class ServingListener:
         threading.Thread(target=self._accept_loop, name="serving-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn,), name="serving-conn", daemon=True).start()
+                threading.Thread(target=self._serve, args=(conn,), name="serving-conn", daemon=True).start()
+            except Exception as exc:  # out of file descriptors or threads: keep listening
+                if self._closed:
+                    return
+                logger.warning("serving channel: accept failed (%s: %s)", type(exc).__name__, exc)
+                time.sleep(0.1)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -177,11 +188,11 @@ class ServingListener:
         send_lock = threading.Lock()
         writer = threading.Thread(target=self._write_loop, args=(conn, client, send_lock),
                                   name="serving-out", daemon=True)
-        writer.start()
         try:
+            writer.start()
             while True:
                 (n,) = FRAME_LEN.unpack(recv_exact(conn, FRAME_LEN.size))
-                admissions, aborts = decode(recv_exact(conn, n), SERVING_MODULES)
+                admissions, aborts = decode_frame(recv_exact(conn, n))
                 replies = self._submit(client, admissions, aborts)
                 payload = encode(("submitted", replies))
                 with send_lock:
@@ -199,20 +210,27 @@ class ServingListener:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            writer.join(timeout=5)
+            if writer.is_alive():
+                writer.join(timeout=5)
             conn.close()
 
     def _write_loop(self, conn: socket.socket, client: str, send_lock: threading.Lock) -> None:
-        while True:
-            outs = self.outboxes.take(client)
-            if outs is None:
-                return
-            payload = encode(("outputs", outs))
-            try:
+        try:
+            while True:
+                outs = self.outboxes.take(client)
+                if outs is None:
+                    return
+                payload = encode(("outputs", outs))
                 with send_lock:
                     send_frame(conn, payload)
-            except OSError:
-                return  # the reader sees the same connection close and cleans up
+        except OSError:
+            pass  # the connection closed: the reader sees it too and cleans up
+        except Exception:  # outputs that cannot be sent: end the connection, not just this thread
+            logger.exception("serving channel: sending %s's outputs failed", client)
+        try:
+            conn.shutdown(socket.SHUT_RDWR)  # the reader's recv ends: it aborts the client's requests
+        except OSError:
+            pass
 
     def close(self) -> None:
         """Stop accepting and close every connection (their routers see the replica gone)."""

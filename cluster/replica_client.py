@@ -28,15 +28,16 @@ from collections.abc import AsyncIterator
 
 from cluster.engine.request import ADMITTED, Admitted, RequestOutput
 from cluster.replica import Admission
-from cluster.replica_channel import SERVING_MODULES, keepalive
+from cluster.replica_channel import decode_frame, keepalive
 from workers.sampling_params import SamplingParams
-from workers.step_channel import FRAME_LEN, decode, encode
+from workers.step_channel import FRAME_LEN, encode
 
 logger = logging.getLogger(__name__)
 
 
 class ReplicaGone(RuntimeError):
-    """The replica's actor failed a call of the serving path (`cause` is Ray's error)."""
+    """The replica's serving path failed (`cause`: Ray's error when its actor could not say
+    where to connect, else the connection's)."""
 
     def __init__(self, cause: BaseException):
         super().__init__(f"{type(cause).__name__}: {cause}")
@@ -83,6 +84,7 @@ class _Connection(asyncio.Protocol):
         self.client = client
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        self.error: Exception | None = None  # why we ended it, when we did
         self._buf = bytearray()
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -104,7 +106,7 @@ class _Connection(asyncio.Protocol):
             end = FRAME_LEN.size + n
             if len(buf) < end:
                 return
-            msg = decode(bytes(buf[FRAME_LEN.size:end]), SERVING_MODULES)
+            msg = decode_frame(bytes(buf[FRAME_LEN.size:end]))
             del buf[:end]
             self.client._on_frame(msg)
 
@@ -116,11 +118,20 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def fail(self, error: Exception) -> None:
+        """End the connection now (unsent data dropped); the client hears `error`."""
+        self.error = error
+        if self.transport is not None:
+            self.transport.abort()
+
 
 class ReplicaClient:
-    def __init__(self, name: str, actor, connect_timeout_s: float = 30.0):
+    def __init__(self, name: str, actor, connect_timeout_s: float = 30.0, answer_timeout_s: float = 20.0):
         self.name, self.actor = name, actor
-        self.connect_timeout_s = connect_timeout_s
+        # An admission frame unanswered for answer_timeout_s means a replica that stopped
+        # serving without closing the connection: it is ended, and its streams with it.
+        self.connect_timeout_s, self.answer_timeout_s = connect_timeout_s, answer_timeout_s
+        self._answer_timer: asyncio.TimerHandle | None = None
         self.streams: dict[str, RequestStream] = {}
         self._adds: list[Admission] = []
         self._aborts: list[str] = []
@@ -167,6 +178,21 @@ class ReplicaClient:
                 stream.submitted_wall = now
         self._unanswered.append(adds)
         self._conn.send((adds, aborts))
+        if self._answer_timer is None:
+            self._answer_timer = asyncio.get_running_loop().call_later(
+                self.answer_timeout_s, self._answer_overdue, self._conn)
+
+    def _answer_overdue(self, conn: _Connection) -> None:
+        self._answer_timer = None
+        if conn is self._conn and self._unanswered:
+            logger.warning("replica %s: an admission frame unanswered for %g s; ending its connection",
+                           self.name, self.answer_timeout_s)
+            conn.fail(TimeoutError(f"replica {self.name} did not answer an admission in {self.answer_timeout_s:g} s"))
+
+    def _stop_timer(self) -> None:
+        if self._answer_timer is not None:
+            self._answer_timer.cancel()
+            self._answer_timer = None
 
     async def _connect(self) -> None:
         """Open the channel (the actor says where), then send what queued meanwhile; on failure
@@ -198,6 +224,7 @@ class ReplicaClient:
             self._deliver(body)
             return
         # "submitted": the answer to the oldest unanswered frame, one entry per admission
+        self._stop_timer()
         adds = self._unanswered.popleft()
         for adm, out in zip(adds, body):
             stream = self.streams.get(adm.rid)
@@ -214,11 +241,17 @@ class ReplicaClient:
     def _on_lost(self, conn: _Connection, exc: Exception | None) -> None:
         if conn is not self._conn:
             return
+        self._reset()
+        if self.streams:
+            why = conn.error or exc or ConnectionError(f"replica {self.name} closed its serving channel")
+            self._fail(why, list(self.streams))
+
+    def _reset(self) -> None:
+        """Forget the connection and what was queued for it (its replica aborts what it owned)."""
+        self._stop_timer()
         self._conn = None
         self._unanswered.clear()
         self._adds, self._aborts = [], []
-        if self.streams:
-            self._fail(exc or ConnectionError(f"replica {self.name} closed its serving channel"), list(self.streams))
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         """Hand one frame of outputs to the streams."""
@@ -257,14 +290,19 @@ class ReplicaClient:
             if stream is not None:
                 stream.queue.put_nowait(ReplicaGone(exc))
 
-    async def aclose(self) -> None:
-        """Abort every open request and close the channel (the replica aborts whatever the
-        aborts did not reach)."""
-        for rid in list(self.streams):
-            self.abort(rid)
+    async def aclose(self, reason: str = "its replica client was closed") -> None:
+        """Abort every open request (their streams end with `ReplicaGone(reason)`) and close
+        the connection; the client may be used again (it connects anew)."""
+        streams = list(self.streams.values())
+        for stream in streams:
+            self.abort(stream.rid)  # sent now where the line is idle; else the replica aborts at the close
+        for stream in streams:
+            stream.queue.put_nowait(ReplicaGone(ConnectionError(f"replica {self.name}: {reason}")))
         if self._connecting is not None:
             self._connecting.cancel()
             await asyncio.gather(self._connecting, return_exceptions=True)
-        if self._conn is not None:
-            conn, self._conn = self._conn, None
-            conn.close()
+            self._connecting = None
+        conn = self._conn
+        self._reset()
+        if conn is not None:
+            conn.close()  # what was written goes first

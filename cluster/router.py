@@ -13,9 +13,10 @@ to answer, reports itself unhealthy, or fails a request before its first token i
 until it answers healthy again. A request that fails before its first token is retried on
 another replica; one that fails later ends with a clean error.
 
-Requests reach a replica through its `ReplicaClient` (`cluster/replica_client.py`): batched
-admissions and one long poll for every output, so the router's Ray traffic follows the engine's
-step rate, not the number of requests.
+Requests reach a replica through its `ReplicaClient` (`cluster/replica_client.py`), over a
+connection of its own (`cluster/replica_channel.py`): batched admissions in, one frame of every
+output per engine step out, so the traffic follows the engine's step rate, not the number of
+requests.
 """
 
 from __future__ import annotations
@@ -125,9 +126,16 @@ class Router:
         logger.info("router: replica %s added", name)
 
     def remove_replica(self, name: str) -> ReplicaHandle | None:
+        """Take a replica out of rotation; the streams still open on it end with `ReplicaGone`
+        (retried elsewhere if they have no token yet), and its connection closes."""
         handle = self.replicas.pop(name, None)
         if handle is not None and self.metrics is not None:
             self.metrics.remove_replica(name)
+        if handle is not None and handle.client is not None:
+            try:
+                asyncio.get_running_loop().create_task(handle.client.aclose("removed from the router"))
+            except RuntimeError:  # no loop (a test's plain call): nothing is open on it
+                pass
         return handle
 
     def _candidates(self, exclude: set[str], roles: tuple[str, ...] | None = None) -> list[ReplicaHandle]:
@@ -259,6 +267,8 @@ class Router:
             except ReplicaGone as exc:
                 finished = True  # the replica is gone with the request
                 self._mark_unhealthy(handle, str(exc))
+                # (Ray's ActorDiedError when the actor could not be asked where to connect; a
+                # connection that dropped is only unhealthy until the stats poll says more.)
                 handle.dead |= isinstance(exc.cause, ray.exceptions.ActorDiedError)
                 if first_seen:
                     yield self._failed(rid, handle.name, f"replica {handle.name} failed: {type(exc.cause).__name__}")
@@ -368,7 +378,8 @@ class Router:
 
     async def aclose(self) -> None:
         """Stop polling stats. Streams still open keep running to their end (each replica
-        client polls while it has any): a router replaced by a new one loses nothing."""
+        client's connection stays open while they do): a router replaced by a new one loses
+        nothing."""
         if self._poller is not None:
             self._poller.cancel()
             self._poller = None

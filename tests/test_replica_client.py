@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import asyncio
-import queue
 import socket
 
 import pytest
 
 from cluster.engine.request import RequestOutput
-from cluster.replica_channel import Outboxes, ServingListener
 from cluster.replica_client import ReplicaClient, RequestStream
+from tests.scripted_replica import ScriptedReplica
 from workers.step_channel import FRAME_LEN, encode
 
 
@@ -36,7 +35,7 @@ def test_a_reply_wakes_new_requests_first_and_keeps_each_streams_order():
         await asyncio.sleep(0)
         woken.clear()
         # One step's reply: the running a and b, then the new c and d (d's first output ends it),
-        # and a second step of a and c behind them (a poll that lagged a step).
+        # and a second step of a and c behind them (a frame that carries two steps).
         streams["c"].submitted_wall = 1.0
         reply = [_out("a", 1), _out("b", 1), _out("c", 0), _out("d", 0, finished=True),
                  _out("a", 2), _out("c", 1), _out("gone", 0)]
@@ -62,41 +61,12 @@ def test_a_reply_wakes_new_requests_first_and_keeps_each_streams_order():
     assert set(left) == {"a", "b", "c"}  # d finished; "gone" was never open
 
 
-class _Replica:
-    """A replica's real serving channel (`ServingListener`, `Outboxes`) in front of a scripted
-    engine: each admission frame is recorded, and answered when the test releases an answer.
-    `serving_channel.remote()` is what the actor handle gives the client (the address and
-    token, as an awaitable)."""
-
-    def __init__(self):
-        self.outboxes = Outboxes("r")
-        self.frames: queue.Queue = queue.Queue()  # (rids, aborts) of each frame, as it came
-        self.answers: queue.Queue = queue.Queue()  # one reply list per frame, from the test
-        self.aborted: list[str] = []
-        self.listener = ServingListener("127.0.0.1", self.outboxes, self._submit, self.aborted.append)
-        self.serving_channel = self
-
-    def remote(self):
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result((*self.listener.address, self.listener.token))
-        return fut
-
-    def _submit(self, client: str, admissions: list, aborts: list[str]) -> list:
-        for adm in admissions:
-            self.outboxes.own(adm.rid, client)
-        self.frames.put(([a.rid for a in admissions], aborts))
-        return self.answers.get(timeout=10)
-
-    async def frame(self) -> tuple[list[str], list[str]]:
-        return await asyncio.to_thread(self.frames.get, timeout=10)
-
-
 def test_a_burst_goes_in_few_frames_and_a_lone_request_leaves_in_its_own_turn():
     from cluster.engine.request import ADMITTED
     from workers.sampling_params import SamplingParams
 
     async def run() -> None:
-        replica = _Replica()
+        replica = ScriptedReplica()
         client = ReplicaClient("r", actor=replica)
         try:
             warm = client.open("warm", [1], SamplingParams())  # connects, then sends
@@ -121,7 +91,7 @@ def test_a_burst_goes_in_few_frames_and_a_lone_request_leaves_in_its_own_turn():
             assert client.output_messages == before + 1
         finally:
             await client.aclose()
-            replica.listener.close()
+            replica.close()
 
     asyncio.run(run())
 
@@ -164,7 +134,7 @@ def test_a_refused_admission_is_the_streams_only_output_and_a_lost_replica_ends_
     from workers.sampling_params import SamplingParams
 
     async def run() -> None:
-        replica = _Replica()
+        replica = ScriptedReplica()
         client = ReplicaClient("r", actor=replica)
         try:
             refused = client.open("a", [1], SamplingParams())
@@ -177,7 +147,7 @@ def test_a_refused_admission_is_the_streams_only_output_and_a_lost_replica_ends_
             await replica.frame()
             replica.answers.put([None])
             assert await anext(lost) is ADMITTED
-            replica.listener.close()  # the replica is gone: its connections close
+            replica.close()  # the replica is gone: its connections close
             with pytest.raises(ReplicaGone):
                 await asyncio.wait_for(anext(lost), 5)
             assert not client.streams
@@ -195,7 +165,7 @@ def test_a_router_that_goes_away_has_its_requests_aborted_on_the_replica():
     from workers.sampling_params import SamplingParams
 
     async def run() -> list[str]:
-        replica = _Replica()
+        replica = ScriptedReplica()
         client = ReplicaClient("r", actor=replica)
         try:
             client.open("x", [1], SamplingParams())
@@ -214,13 +184,13 @@ def test_a_router_that_goes_away_has_its_requests_aborted_on_the_replica():
             return sorted(replica.aborted)
         finally:
             await client.aclose()
-            replica.listener.close()
+            replica.close()
 
     assert asyncio.run(run()) == ["x", "y"]
 
 
 def test_the_serving_channel_drops_a_connection_without_the_token_unread():
-    replica = _Replica()
+    replica = ScriptedReplica()
     try:
         with socket.create_connection(replica.listener.address, timeout=5) as sock:
             evil = encode((["not", "admissions"], []))
@@ -232,4 +202,43 @@ def test_the_serving_channel_drops_a_connection_without_the_token_unread():
             assert got == b""  # closed by the replica
         assert replica.frames.empty() and replica.outboxes.clients() == 0
     finally:
-        replica.listener.close()
+        replica.close()
+
+
+def test_an_unanswered_admission_ends_the_connection_and_a_closed_client_ends_its_streams():
+    from cluster.engine.request import ADMITTED
+    from cluster.replica_client import ReplicaGone
+    from workers.sampling_params import SamplingParams
+
+    async def run() -> None:
+        replica = ScriptedReplica()
+        client = ReplicaClient("r", actor=replica, answer_timeout_s=0.3)
+        try:
+            # A replica that stops answering without closing the connection (hung, not dead).
+            stuck = client.open("a", [1], SamplingParams())
+            await replica.frame()
+            with pytest.raises(ReplicaGone, match="did not answer"):
+                await asyncio.wait_for(anext(stuck), 5)
+            replica.answers.put([None])  # the late answer goes nowhere: that connection is gone
+            # The client connects again; closing it ends the streams it still had.
+            live = client.open("b", [1], SamplingParams())
+            await replica.frame()
+            replica.answers.put([None])
+            assert await anext(live) is ADMITTED
+            await client.aclose()
+            with pytest.raises(ReplicaGone, match="closed"):
+                await asyncio.wait_for(anext(live), 5)
+            for _ in range(100):  # the replica aborts what the closed connection owned
+                if "b" in replica.aborted:
+                    break
+                await asyncio.sleep(0.02)
+            assert "b" in replica.aborted
+            again = client.open("c", [1], SamplingParams())  # and it serves again after a close
+            await replica.frame()
+            replica.answers.put([None])
+            assert await asyncio.wait_for(anext(again), 5) is ADMITTED
+        finally:
+            await client.aclose()
+            replica.close()
+
+    asyncio.run(run())

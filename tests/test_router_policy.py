@@ -9,6 +9,7 @@ import dataclasses
 
 from cluster.prefix_tree import PrefixTree
 from cluster.router import Router, RouterOptions
+from tests.scripted_replica import ScriptedReplica
 
 
 def router(policy: str, names=("a", "b", "c"), **options) -> Router:
@@ -80,34 +81,16 @@ def test_prefix_tree_evicts_least_recently_used_tokens_within_its_budget():
     assert t.size <= 8
 
 
-class _Actor:
-    """A replica actor's serving calls (`submit`, `poll`) without Ray: every admission gets
-    `outs` (with its rid), the refused ones at once, the others at the next poll."""
+def _replica(*outs):
+    """A replica (its real serving channel, a scripted engine) that answers every admission with
+    `outs` (with its rid): a refusal at once, else queued and the outputs emitted."""
+    refused = outs[0].error_type is not None
 
-    def __init__(self, *outs):
-        from types import SimpleNamespace
+    def mine(rid: str) -> list:
+        return [dataclasses.replace(o, rid=rid) for o in outs]
 
-        self.calls = 0
-        self.queued: list = []
-
-        async def submit(client, adds, aborts):
-            self.calls += len(adds)
-            replies = []
-            for adm in adds:
-                mine = [dataclasses.replace(o, rid=adm.rid) for o in outs]
-                refused = mine[0].error_type is not None
-                replies.append(mine[0] if refused else None)
-                if not refused:
-                    self.queued += mine
-            return replies
-
-        async def poll(client, timeout):
-            await asyncio.sleep(0)
-            taken, self.queued = self.queued, []
-            return taken
-
-        self.submit = SimpleNamespace(remote=submit)
-        self.poll = SimpleNamespace(remote=poll)
+    return ScriptedReplica(lambda rids: [mine(rid)[0] if refused else None for rid in rids],
+                           lambda rids: [o for rid in rids for o in mine(rid)])
 
 
 def test_a_request_refused_before_its_first_token_is_retried_and_counted():
@@ -117,9 +100,9 @@ def test_a_request_refused_before_its_first_token_is_retried_and_counted():
 
     metrics = ServerMetrics()
     r = Router(RouterOptions(policy="round_robin"), metrics, None, "m", max_context_len=1000, vocab_size=1000)
-    sick = _Actor(RequestOutput("x", finished=True, finish_reason="error", error_type="unavailable",
-                                error="replica is restarting"))
-    well = _Actor(RequestOutput("x", delta_token_ids=[5], finished=True, finish_reason="length"))
+    sick = _replica(RequestOutput("x", finished=True, finish_reason="error", error_type="unavailable",
+                                  error="replica is restarting"))
+    well = _replica(RequestOutput("x", delta_token_ids=[5], finished=True, finish_reason="length"))
     r.add_replica("a", sick)
     r.add_replica("b", well)
     r._poller = object()  # no stats polling in this test
@@ -127,9 +110,13 @@ def test_a_request_refused_before_its_first_token_is_retried_and_counted():
     async def run():
         return [o async for o in r.generate_stream([1, 2, 3], SamplingParams(max_tokens=1))]
 
-    outs = asyncio.run(run())
+    try:
+        outs = asyncio.run(run())
+    finally:
+        sick.close()
+        well.close()
     assert [o.replica for o in outs] == ["b"] and outs[-1].finish_reason == "length"
-    assert sick.calls == well.calls == 1 and not r.replicas["a"].healthy
+    assert sick.frames.qsize() == well.frames.qsize() == 1 and not r.replicas["a"].healthy
     assert 'manta:router_retries_total{reason="unavailable",replica="a"} 1.0' in metrics.render().decode()
 
 

@@ -81,19 +81,19 @@ def _enum_member(cls: Any, name: Any) -> enum.Enum:
 
 class _MessageUnpickler(pickle.Unpickler):
     """Rebuilds the step messages and nothing else: plain data and the dataclasses and enums of
-    `modules` (by default `MESSAGE_MODULES`). Any other global (a function, a class elsewhere:
+    `modules` (by default `MESSAGE_MODULES`) and of `classes`. Any other global (a function, a class elsewhere:
     what a hostile pickle would call) is refused, so a byte stream can never run code here."""
 
-    def __init__(self, file, modules: tuple[str, ...]):
+    def __init__(self, file, modules: tuple[str, ...], classes: frozenset[tuple[str, str]] = frozenset()):
         super().__init__(file)
-        self.modules = modules
+        self.modules, self.classes = modules, classes
 
     def find_class(self, module: str, name: str):
         if module == "builtins" and name in _BUILTINS:
             return super().find_class(module, name)
         if module == "builtins" and name == "getattr":
             return _enum_member
-        if module in self.modules:
+        if module in self.modules or (module, name) in self.classes:
             obj = super().find_class(module, name)
             if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
                 return obj
@@ -104,10 +104,12 @@ def encode(msg: Any) -> bytes:
     return pickle.dumps(msg, protocol=5)
 
 
-def decode(payload: bytes, modules: tuple[str, ...] = MESSAGE_MODULES) -> Any:
+def decode(payload: bytes, modules: tuple[str, ...] = MESSAGE_MODULES,
+           classes: frozenset[tuple[str, str]] = frozenset()) -> Any:
     """`msg` back from `encode(msg)`, where it is built of plain data and the dataclasses and
-    enums of `modules` (else `pickle.UnpicklingError`)."""
-    return _MessageUnpickler(io.BytesIO(payload), modules).load()
+    enums of `modules`, and those named in `classes` as (module, name) (else
+    `pickle.UnpicklingError`)."""
+    return _MessageUnpickler(io.BytesIO(payload), modules, classes).load()
 
 
 def _recv(sock: socket.socket) -> Any:

@@ -97,7 +97,7 @@ _PREFIX_FAMILIES = (
     ("manta:prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.", "prefix_query_tokens"),
 )
 # The serving path's messages (cluster/replica.py): they follow the engine's steps, not the
-# number of requests; output_messages <= output_steps always.
+# number of requests; output_messages <= output_steps per router connected (one router: in total).
 _MESSAGE_FAMILIES = (
     ("manta:replica_submit_messages", "Admission batches the replica received from routers.", "submit_calls"),
     ("manta:replica_admitted_requests", "Requests the replica admitted.", "admitted"),
