@@ -157,9 +157,7 @@ class Replica:
                 replies.append(RequestOutput(adm.rid, finished=True, finish_reason="error", error_type="unavailable",
                                              error=f"replica {self.name} is unhealthy: {self.unhealthy_reason}"))
                 continue
-            if not self.outboxes.own(adm.rid, client):
-                replies.append(None)  # its router is gone: nobody reads the reply
-                continue
+            self.outboxes.own(adm.rid, client)
             try:
                 engine.add_request(adm.prompt_ids, adm.params, None, rid=adm.rid, is_embedding=adm.is_embedding,
                                    group=adm.group, resume_ids=adm.resume_ids, kv_source=adm.kv_source,

@@ -17,7 +17,7 @@ deserialization thread, the core worker's queues); a frame on a socket costs a `
 only a router that can call the actor can attach, and nothing is unpickled before the token
 matched. A connection that closes is a router gone: its requests are aborted at once (their KV
 pages freed). A replica that dies closes the connection (the kernel does it for a killed
-process); TCP keepalive ends one whose node is unreachable.
+process); keepalive probes and TCP_USER_TIMEOUT end one whose node is unreachable (`keepalive`).
 """
 
 from __future__ import annotations
@@ -37,14 +37,15 @@ from workers.step_channel import FRAME_LEN, MESSAGE_MODULES, decode, encode, rec
 logger = logging.getLogger(__name__)
 
 TOKEN_BYTES = 32
+_HELLO_TIMEOUT_S = 10.0  # a connection that does not prove itself in this long is dropped
 # What the frames may rebuild (`workers.step_channel.decode`): the step messages' dataclasses and
 # enums, and the admissions and outputs.
 SERVING_CLASSES = frozenset({("cluster.replica", "Admission"), ("cluster.engine.request", "RequestOutput")})
 
 
 def decode_frame(payload: bytes):
+    """A frame of either direction back from its bytes (after the token matched)."""
     return decode(payload, MESSAGE_MODULES, SERVING_CLASSES)
-_HELLO_TIMEOUT_S = 10.0  # a connection that does not prove itself in this long is dropped
 
 
 def keepalive(sock: socket.socket) -> None:
@@ -71,20 +72,18 @@ class Outboxes:
         self._cv = threading.Condition()
         self._boxes: dict[str, list[RequestOutput]] = {}
         self._owner: dict[str, str] = {}  # rid -> client
-        self.output_steps = 0  # calls of put that carried outputs: the frames' upper bound
+        self.output_steps = 0  # calls of put (a step's outputs, or an abort's): a connection's frames' bound
         self.output_messages = 0  # frames sent
 
     def open(self, client: str) -> None:
         with self._cv:
             self._boxes[client] = []
 
-    def own(self, rid: str, client: str) -> bool:
-        """Route `rid`'s outputs to `client`; False when the client is gone."""
+    def own(self, rid: str, client: str) -> None:
+        """Route `rid`'s outputs to `client` (called on that client's reader thread, which is
+        also the one that closes it: the client is open)."""
         with self._cv:
-            if client not in self._boxes:
-                return False
             self._owner[rid] = client
-            return True
 
     def disown(self, rid: str) -> None:
         with self._cv:
