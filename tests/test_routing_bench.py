@@ -22,7 +22,7 @@ def test_event_routing_finds_more_of_the_prefix_than_the_tree_and_round_robin(tm
 
     d = tiny_model_dir(tmp_path_factory, "llama")
     work = Workload(conversations=32, turns=6, system_prompts=4, system_len=64, user_len=16, output_len=8,
-                    concurrency=8)
+                    concurrency=16)
     # Per replica: 512 tokens of GPU KV and a host tier of ~4,000 against ~32 x 200 tokens of
     # conversation (the GPU evicts, the host tier keeps most); the router's memory holds 128
     # tokens per replica — the proportions of a deployment, where a 200,000-token memory faces
@@ -48,9 +48,12 @@ def test_event_routing_finds_more_of_the_prefix_than_the_tree_and_round_robin(tm
     # found some of them there.
     assert res["round_robin"]["host_hit_rate"] + res["round_robin"]["store_hit_rate"] > 0, res
     rr, tree, events = (res[p]["local_hit_rate"] for p in ("round_robin", "tree", "events"))
-    # Round robin sends every other turn where the conversation's pages are not; the tree
-    # forgets what it sent where beyond its budget; the events know what every cache holds.
-    # Measured on the 2-core VM (2026-11-26, five runs): tree - rr 0.08-0.27 (the 0.08 in a
-    # full-suite run), events - tree 0.08-0.17.
-    assert tree > rr + 0.03, res
-    assert events > tree + 0.03, res
+    # Round robin sends every other turn where the conversation's pages are not; the tree's
+    # 128-token memory forgets what it sent where, so it routes by load; the events know what
+    # every cache holds. At 16 conversations at once the tree's routing by load lands a turn
+    # where its pages are about as often as round robin does (2-core VM, 2026-11-27, three runs:
+    # rr 0.24-0.35, tree 0.30-0.45, events 0.66-0.68). At 8 at once a conversation's own replica was
+    # often the lightest when its next turn came (it had just finished the last one), so the
+    # tree's rate swung with timing (0.57-0.72) and the events' margin over it fell to 0.01 in
+    # one CI run; tree against round robin is not asserted for that reason.
+    assert events > max(rr, tree) + 0.1, res
