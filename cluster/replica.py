@@ -110,7 +110,7 @@ class Replica:
         logger.error("replica %s: %s", self.name, reason)
         self.healthy, self.unhealthy_reason = False, reason
         if self.engine is not None:
-            self.engine.fail_all(f"replica {self.name} lost a worker: {reason}")
+            self.engine.fail_all(f"replica {self.name} lost a worker: {reason}", close=True)
         # Self-heal: tear the group down and build a new one (with backoff between tries).
         for attempt in range(5):
             try:
@@ -127,7 +127,7 @@ class Replica:
         self.healthy, self.unhealthy_reason = False, "restarting"
         self.restarts += 1
         if old is not None:
-            old.fail_all(f"replica {self.name} restarting")
+            old.fail_all(f"replica {self.name} restarting", close=True)
             try:
                 old.shutdown()
             except Exception:
@@ -241,6 +241,6 @@ class Replica:
         if self._listener is not None:
             self._listener.close()
         if self.engine is not None:
-            self.engine.fail_all(f"replica {self.name} shut down")
+            self.engine.fail_all(f"replica {self.name} shut down", close=True)
             self.engine.shutdown()
             self.engine = None

@@ -181,3 +181,22 @@ def test_context_limit_finishes_with_length(model_dirs):
     engine = Engine(EngineConfig(model=str(model_dirs["llama"]), max_context_len=16))
     res = engine.generate([list(range(5, 15))], greedy(50))[0]
     assert res.finish_reason == "length" and len(res.token_ids) == 6
+
+
+def test_an_engine_failed_for_good_refuses_admissions_as_unavailable(model_dirs):
+    """A replica replacing its engine (a worker died, a restart, shutdown) fails every request
+    and closes it in one step: a request that reached the old engine after its requests were
+    failed would never be stepped or ended. It is refused as unavailable instead, which the
+    router retries on another replica."""
+    from workers.request_errors import Unavailable
+
+    engine = Engine(EngineConfig(model=str(model_dirs["llama"])))
+    before = GenerationResult(rid="")
+    before.rid = engine.add_request(PROMPTS[0], greedy(), before.add)
+    engine.fail_all("a step failed")  # not for good: the engine keeps serving
+    assert before.finish_reason == "error"
+    assert len(engine.generate([PROMPTS[1]], greedy(3))[0].token_ids) == 3
+    engine.fail_all("replica r0 restarting", close=True)
+    with pytest.raises(Unavailable, match="replica r0 restarting"):
+        engine.add_request(PROMPTS[1], greedy(3), GenerationResult(rid="").add)
+    assert not engine.scheduler.waiting and not engine.scheduler.running

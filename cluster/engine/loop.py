@@ -34,6 +34,7 @@ from workers.forward_batch import ForwardMode
 from workers.group import WorkerGroup
 from workers.messages import StepPlan, TokenLogprobs
 from workers.model_config import serving_mode
+from workers.request_errors import Unavailable
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._closed: str | None = None  # why admissions are refused (fail_all(close=True), shutdown)
         self._ids = itertools.count()
         self.step_listeners: list[Callable[[Engine, float], None]] = []
         # Benchmarks: set to a list to record (step call start, completion time, mode, requests,
@@ -188,6 +190,8 @@ class Engine:
             self.detokenizer.add_tokens(detok, list(resume_ids), final=False)  # streamed already
         req.kv_source, req.hand_off = kv_source, hand_off
         with self._lock:
+            if self._closed is not None:  # nothing would ever end it: refuse, to be retried elsewhere
+                raise Unavailable(self._closed)
             self.scheduler.add_request(req)
             self._tracked[rid] = _Tracked(req, sink, detok)
             self._wake.notify()
@@ -347,10 +351,14 @@ class Engine:
             cached_tokens=req.cached_tokens,
         )
 
-    def fail_all(self, error: str) -> None:
+    def fail_all(self, error: str, close: bool = False) -> None:
         """Finish every request with an error (the worker group died). Requests that had no
-        token yet are marked `unavailable`, so a router may retry them elsewhere."""
+        token yet are marked `unavailable`, so a router may retry them elsewhere. `close`: this
+        engine is being replaced, and from the same moment refuses admissions (as unavailable),
+        so none lands after the others were failed and waits forever."""
         with self._lock:
+            if close:
+                self._closed = error
             self._discard = self.overlap
             tracked = list(self._tracked.values())
             self._tracked.clear()
@@ -440,6 +448,7 @@ class Engine:
         workers."""
         with self._lock:
             self._stop = True
+            self._closed = self._closed or "the engine is shut down"
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
