@@ -4,9 +4,7 @@ answers, stopped with SIGTERM; and what its process tree is doing (pids, CPU tim
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,23 +12,9 @@ from pathlib import Path
 
 import httpx
 
+from cluster.bench.ports import free_port
+
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999) and above Ray's worker ports
-    (10002-19999): a port the kernel hands out for bind(0) may be taken by one of the Ray
-    processes the server starts before it binds its own (seen in CI: "address already in use")."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32767")
 
 
 def descendants(root: int) -> list[int]:

@@ -90,8 +90,14 @@ def params(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-async def collect(router: Router, prompt: str, n: int) -> list:
-    return [out async for out in router.generate_stream(prompt, params(n))]
+async def collect(router: Router, prompt: str, n: int, tokens_from: dict[str, asyncio.Event] | None = None) -> list:
+    """Every output of one request; `tokens_from[replica]` is set when a token comes from it."""
+    outs = []
+    async for out in router.generate_stream(prompt, params(n)):
+        outs.append(out)
+        if tokens_from is not None and out.delta_token_ids and out.replica in tokens_from:
+            tokens_from[out.replica].set()
+    return outs
 
 
 def replica_stats(serving) -> dict[str, dict]:
@@ -186,11 +192,10 @@ def test_node_removed_replica_replaced(nodes):
         supervisor = ReplicaSupervisor(serving, interval_s=0.2, ready_timeout_s=120, backoff_s=1.0)
         await supervisor.start()
         try:
-            inflight = [asyncio.create_task(collect(router, f"in flight {i}", 300)) for i in range(4)]
-            deadline = time.monotonic() + 30
-            while router.replicas["replica-1"].inflight == 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.5)  # let replica-1's requests produce tokens
+            tokens_from = {"replica-1": asyncio.Event()}
+            inflight = [asyncio.create_task(collect(router, f"in flight {i}", 300, tokens_from)) for i in range(4)]
+            # replica-1's requests are producing tokens when its node goes.
+            await asyncio.wait_for(tokens_from["replica-1"].wait(), timeout=60)
             t0 = time.monotonic()
             await asyncio.to_thread(rc.remove_node, nodes["node_b"])
             while "replica-1" in router.replicas and time.monotonic() - t0 < 60:

@@ -21,6 +21,10 @@ from workers.sampling_params import SamplingParams
 # real Ray, real NIXL
 
 NS = "manta-kvstore-serving-test"
+# A store killed with SIGKILL serves its pages again within this long: Ray starts a new process
+# (which imports torch) and it rebuilds its index from the files; the bound leaves room for a
+# loaded CI machine (3.9 s on the idle 2-core VM, 2026-11-27; the test prints it).
+BACK_S = 20.0
 PAGE = 16  # the store serves replicas with pages of >= 16 tokens (cluster.engine.kv_offload.MIN_PAGE_TOKENS)
 
 
@@ -439,12 +443,12 @@ def test_store_killed_with_sigkill_under_load_is_back_within_seconds(no_store_af
                 except Exception:
                     return False
 
-            await asyncio.to_thread(wait_for, back, 10, "a new store process")
+            await asyncio.to_thread(wait_for, back, BACK_S, "a new store process")
             # Each prompt again, on the replica that did not compute it: a hit once the new
             # store answers (lookups pause briefly after the failures of the outage).
             hit = None
             for (a, a_tokens), p in zip(first, prompts):
-                while hit is None and time.monotonic() - t0 < 10:
+                while hit is None and time.monotonic() - t0 < BACK_S:
                     out, toks = await collect(p)
                     if out.replica != a.replica:
                         if out.cached_tokens == 192:
@@ -464,8 +468,9 @@ def test_store_killed_with_sigkill_under_load_is_back_within_seconds(no_store_af
     try:
         hit, took, loaded = asyncio.run(scenario())
         assert [o.finish_reason for o, _ in loaded] == ["length"] * 8  # nothing failed
-        assert hit is not None, "no store hit within 10 s of the kill"
-        assert hit[1] == hit[2] and took < 10, took  # the same tokens as computed
+        assert hit is not None, f"no store hit within {BACK_S} s of the kill"
+        print(f"a store hit {took:.1f} s after the kill")
+        assert hit[1] == hit[2] and took < BACK_S, took  # the same tokens as computed
     finally:
         asyncio.run(router.aclose())
         cluster.shutdown()

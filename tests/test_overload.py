@@ -164,7 +164,9 @@ def test_short_requests_are_not_cut_by_the_timeout(bounded):
 def test_streaming_disconnect_aborts_within_one_step_and_frees_kv(bounded):
     engine = bounded["engine"]
     before = aborts(bounded, "client_gone")
-    with SlowSteps(engine, 0.02) as slow:
+    # Steps of 50 ms: the server's thread has that long to see the EOF and abort, on a loaded
+    # 2-core machine too (the engine thread holds the GIL for most of a tiny model's step).
+    with SlowSteps(engine, 0.05) as slow:
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", bounded["url"] + "/v1/completions", json=long_body(bounded, True)) as r:
                 assert r.status_code == 200

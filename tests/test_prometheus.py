@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,13 @@ import httpx
 import pytest
 import yaml
 
+from cluster.bench.ports import free_port
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = shutil.which("prometheus")
 REPLICAS = 2 if (os.cpu_count() or 1) >= 2 else 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(what: str, check, timeout_s: float, proc: subprocess.Popen | None = None):
@@ -80,7 +75,7 @@ def test_prometheus_scrapes_manta_serve(tmp_path):
 
     if ray.is_initialized():
         ray.shutdown()
-    port, prom_port = _free_port(), _free_port()
+    port, prom_port = free_port(), free_port()  # not a bind(0) port: Ray may take it first
     env = {**os.environ, "MANTA_CACHE_DIR": str(tmp_path / "cache"), "RAY_ADDRESS": ""}
     serve_log = open(tmp_path / "serve.log", "w+")
     serve = subprocess.Popen(

@@ -275,9 +275,11 @@ def test_aiperf_streaming_profile(server, tmp_path, endpoint_type):
     ttft, itl = metrics["time_to_first_token"], metrics["inter_token_latency"]
     assert ttft["count"] == AIPERF_REQUESTS and ttft["min"] > 0
     # ITL per request = (latency - TTFT) / (output tokens - 1), the tokens counted from our usage.
-    # Every request's, min included: aiperf timestamps each network read, so a stream that arrives in
-    # one read has an ITL of 0 (the server's keep-alive responses did before it set TCP_NODELAY).
-    assert itl["count"] == AIPERF_REQUESTS and itl["min"] > 0
+    # aiperf timestamps each network read, so a stream that arrives in one read has an ITL of 0: the
+    # server's keep-alive responses did before it set TCP_NODELAY (5 of these 6 requests, so the
+    # median was 0). The median, not the min: a client that is late to read on a loaded machine
+    # may find one whole 8-token stream waiting.
+    assert itl["count"] == AIPERF_REQUESTS and itl["p50"] > 0
     assert metrics["usage_completion_tokens"]["min"] == metrics["usage_completion_tokens"]["max"] == OUTPUT_TOKENS
     assert metrics["output_sequence_length"]["avg"] == OUTPUT_TOKENS  # ignore_eos + max_tokens
     if endpoint_type == "completions":  # a chat prompt adds the template's tokens

@@ -1,7 +1,7 @@
 """`manta serve` as a process: it starts, answers the `openai` client and stops cleanly; and
 `--shutdown-timeout S` under load: SIGTERM stops admissions (503), lets requests finish for S
 seconds, then ends the streams still open with an error event (a client that does not read its
-stream cannot hold the server), and every process of the server is gone within S + 5 s, leaving
+stream cannot hold the server), and every process of the server is gone within S + 15 s, leaving
 nothing in /dev/shm.
 
 Each test shuts down any Ray instance of this pytest process first: the server starts its own.
@@ -44,14 +44,17 @@ def _unread_stream(port: int) -> socket.socket:
     return sock
 
 
-def _reader(url: str, out: list) -> None:
-    """A client that reads its stream to the end and keeps the last event."""
+def _reader(url: str, out: list, streaming: threading.Semaphore) -> None:
+    """A client that reads its stream to the end and keeps the last event (releases
+    `streaming` at its first)."""
     try:
         with httpx.stream("POST", url + "/v1/completions", timeout=60,
                           json={"prompt": "the mountain", "max_tokens": 480, "stream": True, "ignore_eos": True}) as r:
             last = None
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
+                    if last is None:
+                        streaming.release()
                     last = json.loads(line[6:])
             out.append(last)
     except httpx.HTTPError as exc:
@@ -66,10 +69,12 @@ def test_sigterm_ends_everything_by_the_deadline(tmp_path):
     try:
         unread = _unread_stream(served.port)
         results: list = []
-        readers = [threading.Thread(target=_reader, args=(served.url, results)) for _ in range(4)]
+        streaming = threading.Semaphore(0)
+        readers = [threading.Thread(target=_reader, args=(served.url, results, streaming)) for _ in range(4)]
         for t in readers:
             t.start()
-        time.sleep(2.0)  # generation under way
+        for _ in readers:  # generation under way on every stream before the signal
+            assert streaming.acquire(timeout=60), "a reader's stream did not start"
         tree = served.tree()
         served.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
@@ -92,8 +97,9 @@ def test_sigterm_ends_everything_by_the_deadline(tmp_path):
     assert not [p for p in tree if alive(p)]
     print(f"processes gone {gone_s:.1f} s after SIGTERM (deadline {DEADLINE_S} s)")
     # After the deadline: the server exits, then Ray's local instance and its actors. Measured on the
-    # 2-core VM (2026-11-24): 6.5-7.9 s after SIGTERM idle, 8.9 s once during a full test run.
-    assert gone_s <= DEADLINE_S + 8, f"processes gone after {gone_s:.1f} s"
+    # 2-core VM (2026-11-24): 6.5-7.9 s after SIGTERM idle, 8.9 s once during a full test run; the
+    # bound leaves room for a loaded CI machine (a process left behind waits the loop's 30 s out).
+    assert gone_s <= DEADLINE_S + 15, f"processes gone after {gone_s:.1f} s"
     assert _shm() <= shm_before, sorted(_shm() - shm_before)
 
 

@@ -36,7 +36,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from pathlib import Path
 
 import httpx
 
+from cluster.bench.ports import free_port
 from cluster.bench.proc_memory import tree_memory
 
 KINDS = {"stream": 0.35, "chat": 0.2, "fanout": 0.1, "bad": 0.2, "disconnect": 0.15}
@@ -233,12 +233,6 @@ class Soak:
 # the run
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pct(xs: list[float], q: float) -> float | None:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
@@ -254,7 +248,7 @@ def _scrape(text: str, name: str) -> dict[str, float]:
 
 def start_server(serve_args: list[str], timeout_s: float, log_path: str | None = None) -> tuple[subprocess.Popen, str]:
     """`manta serve` on a free loopback port; its output goes to `log_path` (None: discarded)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args]
     env = {**os.environ, "RAY_ADDRESS": ""}
     log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 (the child writes it)
