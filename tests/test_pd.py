@@ -242,7 +242,8 @@ def test_a_full_prefill_queue_sends_the_request_whole_to_the_decode_replica(ray_
 def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
     """A corrupted page, a transfer past its deadline, the prefill rank killed while the decode
     rank waits on it, then the restarted prefill replica serving again with fresh NIXL metadata."""
-    pd = PD(str(tiny_model_dir(None, "llama")), tmp_path / "kv", 1, 1, pd_transfer_timeout_s=2.0)
+    # A 4 s deadline: a first contact between the ranks (NIXL metadata) on a loaded CI machine fits it.
+    pd = PD(str(tiny_model_dir(None, "llama")), tmp_path / "kv", 1, 1, pd_transfer_timeout_s=4.0)
     try:
         _check_pd(pd, range(2))
 
@@ -250,18 +251,18 @@ def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
         _check_pd_faulted(pd, range(10, 12), "pd_corrupt")
         pd.fault(None)
 
-        pd.fault("delay", 4.0)  # past the 2 s deadline: the decode side computes the prompt itself
+        pd.fault("delay", 8.0)  # past the 4 s deadline: the decode side computes the prompt itself
         t0 = time.monotonic()
         _check_pd_faulted(pd, range(20, 21), "pd_timeouts")
         assert time.monotonic() - t0 < 30
         pd.fault(None)
-        deadline = time.monotonic() + 20  # the lent rows come back when the lease expires
+        deadline = time.monotonic() + 30  # the lent rows come back when the lease expires
         while any(r["host"]["pinned_rows"] for r in pd.rank_stats(pd.prefill)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(r["host"]["pinned_rows"] for r in pd.rank_stats(pd.prefill))
 
         # The prefill rank dies while the decode rank waits on its answer.
-        pd.fault("delay", 1.5)
+        pd.fault("delay", 3.0)  # the kill (0.3 s after the first token) lands inside it
         agents_before = {r["name"] for r in pd.rank_stats(pd.prefill)}
 
         async def killed_mid_transfer():
