@@ -249,22 +249,42 @@ def test_nothing_held_is_admitted_without_a_load_and_ends_the_prefetch():
     assert s.requests == {} and off.stats.hit_pages == 0 and not off.loading and not off.inflight
 
 
-def test_a_load_that_comes_back_short_fails_its_request_and_caches_only_good_pages():
-    """The ranks agreed on fewer pages than they had reported holding (never expected): the
-    request's KV past them is garbage. It ends with an error, and the radix cache takes only
-    the pages before the gap."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_load_that_comes_back_short_is_computed_again_past_the_good_pages(overlap):
+    """The ranks agreed on fewer pages than they had reported holding (a row lost between the
+    report and the load): the forward that read the load sampled garbage. That token is never
+    sent (overlapped: nor the one of the plan launched behind it, which decoded it); once
+    those results are in, the request computes its prompt past the 6 good pages, which the
+    radix cache kept, and ends normally."""
     prompt = list(range(100, 141))
     s, off = make(prefetch="wait_complete", probe=FakeProbe(keys_of(prompt[:40])))
+    s.overlap = overlap
     s.add_request(Request("r", prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
     step(s, prefetched={"r": (10, True)})
     plan = s.schedule()
     assert len(plan.kv_loads[0].page_ids) == 10
-    (ev,) = s.process_result(plan, result(plan, loaded={"r": 6}))
+    behind = s.schedule() if overlap else None  # launched before the load's result came
+    assert behind is None or [r.rid for r in behind.reqs] == ["r"]
+    events = s.process_result(plan, result(plan, loaded={"r": 6}))
+    r = s.requests["r"]
+    assert not [ev for ev in events if ev.token_ids] and r.output_ids == [] and list(s.waiting) == [r]
+    assert off.stats.short_loads == 1 and off.stats.hit_pages == 6 and s.radix.total_cached_pages == 6
+    if overlap:
+        held = s.schedule()  # the drop goes out; r waits for the result of the plan behind
+        assert "r" in held.finished_rids and not held.reqs
+        assert not [ev for ev in s.process_result(behind, result(behind)) if ev.token_ids]
+        s.process_result(held, result(held))
     s.check_integrity()
-    assert not ev.token_ids  # its token (read garbage) is not sent: only its end
-    assert ev.req.rid == "r" and ev.req.finish_reason == "error" and "KV store" in ev.req.error
-    assert s.requests == {} and s.radix.total_cached_pages == 6 and s.radix.protected_pages == 0
-    assert off.stats.hit_pages == 6 and not off.from_store
+    again = s.schedule()
+    (sr,) = again.reqs
+    assert sr.rid == "r" and sr.prefix_len == 6 * P and sr.input_ids == prompt[6 * P :] and not again.kv_loads
+    tokens = []
+    while again is not None:
+        tokens += [t for ev in s.process_result(again, result(again)) for t in ev.token_ids]
+        again = s.schedule()
+    s.check_integrity()
+    assert tokens == [7] * 4 and r.finish_reason.value == "length" and r.output_ids == [7] * 4
+    assert s.requests == {} and s.radix.protected_pages == 0 and not off.from_store and not s._discard
 
 
 @pytest.mark.parametrize("when", ["prefetching", "requeued", "loading"])

@@ -70,7 +70,8 @@ class KVLoad:
     the request's prefetch. The scheduler orders no more pages than the ranks reported holding
     (pinned since), so every rank has them; the ranks still agree on the count (min over
     ranks, `StepResult.kv_loaded[rid]`), and a count short of page_ids means the pages past it
-    are garbage (the scheduler fails the request rather than let it read them). Empty
+    are garbage (the scheduler drops the token that step sampled and has the request compute
+    its prompt past the good pages). Empty
     page_ids: just end the prefetch (nothing worth loading arrived)."""
 
     rid: str

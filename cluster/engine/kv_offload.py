@@ -32,8 +32,9 @@ Loading a prefix (when the store has a longer prefix than the radix cache):
    and a `KVLoad` copies them in ahead of the forward that computes the rest of its prompt.
    (Before, the load was a step of its own whose result then requeued the request: two more
    round trips through overlapped steps, ~50 ms at 200 running requests.) The ranks load only
-   what they all reported holding; if their agreed count still comes back short, the request
-   fails with an error (its KV is garbage past it) and only the good pages are cached.
+   what they all reported holding; if their agreed count still comes back short, the token
+   that step sampled is dropped and the request computes its prompt past the good pages
+   (`Scheduler.recompute`; the good pages stay cached).
 
 Saving pages (the write policy, when device pages get a copy in the host tier and the store):
 
@@ -114,6 +115,7 @@ class KVOffloadStats:
     bypassed: int = 0  # requests computed while the store is slower than recompute (still probed)
     busy: int = 0  # requests computed because MAX_LOADING others were loading
     drained_pages: int = 0  # pages ordered saved at shutdown
+    short_loads: int = 0  # loads the ranks agreed came back short: their requests computed again
 
 
 @dataclass(eq=False)
@@ -464,8 +466,9 @@ class SchedulerKVOffload:
 
     def _short_load(self, e: _Loading, n: int) -> None:
         """The ranks agreed on n < the pages a load was ordered with (they had reported
-        holding them all: never expected): the request's KV past them is garbage. It fails;
-        only the pages before that are cached."""
+        holding them all: a row lost meanwhile, a failed copy): the forward that read the load
+        computed garbage past them. The request computes its prompt again past the good pages
+        (which the radix cache keeps); the token it sampled is dropped."""
         req = e.req
         missing = len(e.pages) - n
         if e.peer:
@@ -473,14 +476,14 @@ class SchedulerKVOffload:
         else:
             self.stats.hit_pages -= missing
             self.stats.loaded_tokens -= missing * self.P
+        self.stats.short_loads += 1
         self.from_store.difference_update(e.pages[n:])
-        logger.error("KV store: request %s loaded %d of %d pages its ranks reported holding; failing it",
-                     req.rid, n, len(e.pages))
+        logger.warning("KV store: request %s loaded %d of %d pages its ranks reported holding; computing the rest",
+                       req.rid, n, len(e.pages))
         if req.finished or req.kv is None:
             return
         req.kv.num_tokens = min(req.kv.num_tokens, (e.base + n) * self.P)
-        req.error = "the KV store's pages for this prompt could not be loaded on every rank"
-        self.sched.fail(req)
+        self.sched.recompute(req)
 
     def _sweep(self) -> None:
         """Forget requests that finished (aborted) while set aside or requeued (the ranks

@@ -118,6 +118,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         self._pending_drop: list[str] = []
+        # Requests sent back to compute again while plans that sampled them were launched
+        # (`recompute`): rid -> the last such plan; their samples are dropped until its result.
+        self._discard: dict[str, int] = {}
         # Requests the scheduler itself ended (no token event carried the news yet).
         self._finished_silently: list[Request] = []
         self._step_id = 0
@@ -218,7 +221,7 @@ class Scheduler:
         while len(self.waiting) > skip and min(budget, prefill) > 0 and len(self.running) < self.max_running \
                 and self._free_rows:
             req = self.waiting[skip]
-            if req.pending:
+            if req.pending or req.rid in self._discard:
                 skip += 1  # preempted with a token in flight: re-admit once it is known
                 continue
             group = _group(req)
@@ -413,8 +416,8 @@ class Scheduler:
         logprobs = result.logprobs or [None] * len(result.sampled_rids)
         for rid, tok, lp in zip(result.sampled_rids, result.next_token_ids, logprobs):
             req = self.requests.get(rid)
-            if req is None or req.finished:
-                continue  # aborted (or ended on a stop string) while the step ran
+            if req is None or req.finished or plan.step_id <= self._discard.get(rid, -1):
+                continue  # aborted (or ended on a stop string) while the step ran, or computed again
             if req.pending:  # overlapped: the oldest placeholder is this token
                 n_out = req.num_output_tokens + 1
                 req.output_ids[n_out - 1] = tok
@@ -439,7 +442,13 @@ class Scheduler:
                 continue
             events.append(TokenEvent(req, [], [], embedding=emb))
             self.finish(req, FinishReason.STOP)
+        self._forget_discards(plan.step_id)
         return events
+
+    def _forget_discards(self, step_id: int) -> None:
+        """The result of plan `step_id` is in: requests waiting on it to be computed again may be."""
+        for rid in [r for r, last in self._discard.items() if last <= step_id]:
+            del self._discard[rid]
 
     def _token_finish_reason(self, req: Request, tok: int, n_out: int) -> FinishReason | None:
         """Why `req` ends with `tok` as its n_out-th output token (None: it goes on)."""
@@ -472,6 +481,17 @@ class Scheduler:
         the next result's events."""
         self.finish(req, FinishReason.ERROR)
         self._finished_silently.append(req)
+
+    def recompute(self, req: Request) -> None:
+        """`req`'s KV past `req.kv.num_tokens` is wrong (a load came back short after the plan
+        that read it was launched): what it sampled since is dropped, and it goes to the front
+        of the queue to compute the rest (the good pages go to the prefix cache), once the
+        results of the plans launched so far are in."""
+        if req.pending:
+            del req.output_ids[len(req.output_ids) - req.pending :]
+            req.pending = 0
+        self._discard[req.rid] = self._step_id
+        self._preempt(req)
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
