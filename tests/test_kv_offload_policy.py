@@ -287,6 +287,39 @@ def test_a_load_that_comes_back_short_is_computed_again_past_the_good_pages(over
     assert s.requests == {} and s.radix.protected_pages == 0 and not off.from_store and not s._discard
 
 
+def test_pages_the_host_tier_holds_are_loaded_by_the_first_plan():
+    """What the first rank reports its host tier holding (`kv_host_ready` / `kv_host_evicted`)
+    admits a request at once with a load of those pages past its radix match: no store
+    lookup, no prefetch, no set-aside. An evicted key ends the run it can load."""
+    from workers.messages import StepPlan
+
+    prompt = list(range(100, 141))  # prompt[:-1]: 10 whole pages
+    keys = keys_of(prompt[:40])
+    s, off = make(probe=FakeProbe(keys))  # the store holds them too: the host tier goes first
+    off.on_result(StepPlan(0, ForwardMode.IDLE, []), StepResult(0, kv_host_ready=keys + ["other"]))
+    off.on_result(StepPlan(1, ForwardMode.IDLE, []), StepResult(1, kv_host_evicted=[keys[8]]))
+    assert list(off.host.keys) == keys[:8] + keys[9:] + ["other"]
+    s.add_request(Request("r", prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    plan = s.schedule()
+    (load,) = plan.kv_loads
+    (sr,) = plan.reqs
+    assert load.keys == keys[:8] and len(load.page_ids) == 8 and not plan.kv_prefetch
+    assert sr.prefix_len == 8 * P and sr.input_ids == prompt[8 * P :] and sr.sample
+    assert off.stats.host_admissions == 1 and off.stats.hit_pages == 8 and off.stats.loads == 1
+    tokens = []
+    while plan is not None:
+        tokens += [t for ev in s.process_result(plan, result(plan)) for t in ev.token_ids]
+        plan = s.schedule()
+    s.check_integrity()
+    assert tokens == [7] * 3 and s.requests == {} and s.stats.prefix_hit_tokens == 8 * P
+    assert not off.loading and not off.inflight and s.radix.protected_pages == 0
+    # What the radix cache holds is not loaded again; with fewer than min_pages past it in
+    # the host tier, the request goes the usual way (here: the store's prefetch).
+    s.add_request(Request("r2", prompt, SamplingParams(max_tokens=1)))
+    plan = s.schedule()
+    assert off.stats.host_admissions == 1 and not plan.kv_loads
+
+
 @pytest.mark.parametrize("when", ["prefetching", "requeued", "loading"])
 def test_abort_at_any_point_of_a_load_releases_everything(when):
     prompt = list(range(100, 141))

@@ -216,7 +216,7 @@ def test_tp2_keys_per_page_and_writer_ranks(no_store_after, tmp_path, llama_dir,
     After the radix cache is dropped and another prompt has pushed the first one out of the
     ranks' host tiers, reloading it reads every page back from the store on both ranks (MLA
     rank 1 reading the keys rank 0 wrote) and the ranks agree on the count; once more, and it
-    comes from the host tiers."""
+    comes from the host tiers, loaded by the plan that admits it."""
     from cluster.engine.loop import Engine
     from cluster.engine.ranks import runner_options
     from workers.model_config import ModelConfig
@@ -257,6 +257,8 @@ def test_tp2_keys_per_page_and_writer_ranks(no_store_after, tmp_path, llama_dir,
         ranks = ray.get([w.kv_store_stats.remote() for w in group.workers])
         assert [r["pages_read"] for r in ranks] == [25, 25] and all(r["offload_host_hit_pages"] >= 25 for r in ranks)
         assert eng.kv_offload.stats.hit_pages == 50 and eng.kv_offload.stats.loads == 2
+        # admitted at once on what the first rank reported its host tier holding: no prefetch
+        assert eng.kv_offload.stats.host_admissions == 1 and eng.kv_offload.stats.short_loads == 0
     finally:
         group.shutdown()
 

@@ -31,8 +31,11 @@ class HostTier:
     pinned: eviction skips them. Every method takes `lock`; the bytes of a row are read or
     written outside it only while the row is taken or pinned."""
 
-    def __init__(self, capacity_pages: int, page_bytes: int, pin: bool):
+    def __init__(self, capacity_pages: int, page_bytes: int, pin: bool, log_changes: bool = False):
         self.page_bytes = page_bytes
+        # key -> whether it is ready now, for the keys published or evicted since the last
+        # `take_changes` (`log_changes`: the rank that tells the scheduler what its tier holds).
+        self.changes: dict[str, bool] | None = {} if log_changes else None
         self.pinned = pin
         self.data = torch.empty((capacity_pages, page_bytes), dtype=torch.uint8, pin_memory=pin)
         self.ready: OrderedDict[str, int] = OrderedDict()
@@ -78,6 +81,8 @@ class HostTier:
                         continue
                     del self.ready[key]
                     self.evictions += 1
+                    if self.changes is not None:
+                        self.changes[key] = False
                     rows.append(row)
                     if len(rows) == n:
                         break
@@ -94,6 +99,8 @@ class HostTier:
                     row = self.ready[key]
                 else:
                     self.ready[key] = row
+                    if self.changes is not None:
+                        self.changes[key] = True
                 if pin:
                     self.pins[row] = self.pins.get(row, 0) + 1
                 held.append(row)
@@ -107,6 +114,15 @@ class HostTier:
                 self.ready.move_to_end(key)
                 self.pins[row] = self.pins.get(row, 0) + 1
             return row
+
+    def take_changes(self) -> tuple[list[str], list[str]]:
+        """(keys ready now, keys evicted) among those published or evicted since the last
+        call. Empty unless `log_changes`."""
+        with self.lock:
+            if not self.changes:
+                return [], []
+            changes, self.changes = self.changes, {}
+        return [k for k, ready in changes.items() if ready], [k for k, ready in changes.items() if not ready]
 
     def give(self, rows: list[int]) -> None:
         with self.lock:

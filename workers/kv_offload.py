@@ -73,7 +73,7 @@ class RankKVOffload(RankIOThreads):
                                     staging_slots=opts.io_threads + 2)  # + the reader's, the drain's
         self.page_bytes = self.client.page_bytes
         pages = max(opts.host_cache_bytes // self.page_bytes, opts.chunk_pages)
-        self.host = HostTier(pages, self.page_bytes, pin=torch.cuda.is_available())
+        self.host = HostTier(pages, self.page_bytes, pin=torch.cuda.is_available(), log_changes=tp.is_first)
         # Pages move straight between the store and the host rows (no staging copy): the
         # client's NIXL agent takes the host tier's memory, or this rank runs without the store.
         if not self.client.register_rows(self.host.data):
@@ -147,6 +147,7 @@ class RankKVOffload(RankIOThreads):
         progress = report_progress(self.tp, [j.ready for j in jobs], [j.done.is_set() for j in jobs])
         if self.tp.is_first:
             result.kv_prefetched = dict(zip([j.rid for j in jobs], progress))
+            result.kv_host_ready, result.kv_host_evicted = self.host.take_changes()
 
     def _save(self, save: KVSave) -> None:
         from kvstore.pages import gather_pages
@@ -250,6 +251,8 @@ class RankKVOffload(RankIOThreads):
         job = self.jobs.pop(load.rid, None)
         if job is not None:
             job.cancel(self.host)  # the I/O thread stops after its current chunk
+        else:  # admitted on what the host tier holds (no prefetch): every page a host hit
+            self.counters["host_hit_pages"] += n_local
         if load.page_ids:
             self.counters["loads"] += 1
             self.counters["pages_loaded"] += n

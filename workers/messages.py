@@ -97,3 +97,7 @@ class StepResult:
     # whether every rank's read has ended).
     kv_loaded: dict[str, int] = field(default_factory=dict)
     kv_prefetched: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    # The first rank's host tier since the last result: chain keys now ready, keys evicted
+    # (the scheduler's picture of it: `cluster.engine.kv_offload`, admissions that load from it).
+    kv_host_ready: list[str] = field(default_factory=list)
+    kv_host_evicted: list[str] = field(default_factory=list)

@@ -62,7 +62,7 @@ def plan_fetch(off, req, now: float) -> PeerFetch | None:
     if n - m < 1:
         return None
     src_keys = chain_keys(tokens, P, src.fingerprint, src.layout)
-    chain = off._chain(req, n)
+    chain = off.chain_of(req, n)
     off.handoff.fetches += 1
     off.handoff.fetch_pages += n - m
     return PeerFetch(m, n, match.node, chain, now + src.timeout_s + DEADLINE_MARGIN_S,
@@ -85,7 +85,7 @@ def hand_off_pages(off, req, pages: list[int], num_tokens: int, token_ids: list[
     n = min(num_tokens, len(req.prompt_ids)) // P
     if n < 1:
         return
-    chain = off._chain(req, n, token_ids=token_ids)
+    chain = off.chain_of(req, n, token_ids=token_ids)
     off.pending_handoff.append(KVSave(list(pages[:n]), chain[:n], store=False))
     off.handoff.handed_off += 1
     off.handoff.handed_off_pages += n

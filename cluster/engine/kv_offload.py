@@ -36,6 +36,9 @@ Loading a prefix (when the store has a longer prefix than the radix cache):
    that step sampled is dropped and the request computes its prompt past the good pages
    (`Scheduler.recompute`; the good pages stay cached).
 
+Pages the first rank's host tier holds skip all that: such a request is admitted at once, its
+load in the plan that admits it (`cluster/engine/kv_host_admission.py`).
+
 Saving pages (the write policy, when device pages get a copy in the host tier and the store):
 
 - write_back_selective (default): write_back's pages plus write_through_selective's. A page is
@@ -64,10 +67,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from cluster.engine import kv_handoff
 from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES
+from cluster.engine.kv_host_admission import HostTierPicture
+from cluster.engine.kv_loads import KVOffloadStats, Loading, Verdict
 from cluster.engine.kv_store_judge import StoreJudge
 from kvstore.messages import STORE_NAME
 from workers.kv_messages import KVLoad, KVPrefetch, KVSave
@@ -89,55 +94,8 @@ WRITE_BACK = ("write_back", "write_back_selective")  # policies that save on evi
 SELECTIVE = ("write_through_selective", "write_back_selective")  # policies that save hot pages
 
 
-class Verdict:
-    """What the store integration says about admitting a request now (`set_aside`)."""
-
-    ADMIT = "admit"  # admit it as usual
-    SET_ASIDE = "set_aside"  # it left the queue to have its prefix loaded from the store
-    DEFER = "defer"  # its store lookup has not answered yet: admit the ones behind it first
-
-
 # ---------------------------------------------------------------------------------------------
 # the scheduler side
-
-
-@dataclass
-class KVOffloadStats:
-    query_pages: int = 0  # pages past the radix match looked up in the store
-    probe_hit_pages: int = 0  # of those, present for every rank when probed
-    hit_pages: int = 0  # pages loaded into the device pool (agreed by all ranks)
-    loaded_tokens: int = 0  # hit_pages * page_size: prompt tokens the prefill did not compute
-    loads: int = 0  # requests that went through a store load
-    saved_pages: int = 0  # pages ordered saved (device -> host tier -> store)
-    early_stops: int = 0  # prefetches stopped before they finished (best_effort, timeout)
-    probe_skips: int = 0  # requests not probed while probing pauses after a store error
-    probe_timeouts: int = 0  # lookups not answered within PROBE_WAIT_S
-    bypassed: int = 0  # requests computed while the store is slower than recompute (still probed)
-    busy: int = 0  # requests computed because MAX_LOADING others were loading
-    drained_pages: int = 0  # pages ordered saved at shutdown
-    short_loads: int = 0  # loads the ranks agreed came back short: their requests computed again
-
-
-@dataclass(eq=False)
-class _Loading:
-    req: object
-    chain: list[str]
-    m: int  # radix pages matched (locked) when set aside
-    node: object
-    s: int  # leading pages every rank's keys were in the store for, when probed (> m)
-    started: float
-    deadline: float
-    ready: int = 0  # pages past m that every rank holds, as last reported
-    reported: bool = False  # a progress report has come back (the ranks run the prefetch)
-    finished: bool = False  # every rank's read has ended
-    queued: bool = False  # back in the waiting queue: admitted with its load
-    base: int = 0  # at admission: the radix pages matched then (the load's pages follow them)
-    pages: list[int] = field(default_factory=list)  # at admission: the pages the load fills
-    load_step: int = 0  # the plan that carries the load (and admits the request)
-    requeued_at: float = 0.0
-    admitted_at: float = 0.0
-    loaded_at: float = 0.0  # the result of the plan that carried the load came back
-    peer: bool = False  # read from a prefill replica (cluster/engine/kv_handoff.py), not the store
 
 
 class SchedulerKVOffload:
@@ -149,7 +107,7 @@ class SchedulerKVOffload:
                  write_policy: str = "write_back_selective", prefetch_policy: str = "timeout",
                  prefetch_timeout_s: float = 0.5, prefetch_timeout_per_page_s: float = 0.002,
                  store_name: str = STORE_NAME, namespace: str | None = None, probe_timeout_s: float = 2.0,
-                 min_pages: int | None = None, backoff_s: float = 2.0, probe=None):
+                 min_pages: int | None = None, backoff_s: float = 2.0, probe=None, host_pages: int = 1 << 20):
         from kvstore.probe import StoreProbe
 
         if write_policy not in KV_WRITE_POLICIES or prefetch_policy not in KV_PREFETCH_POLICIES:
@@ -170,8 +128,8 @@ class SchedulerKVOffload:
         self.saved: set[int] = set()  # tree pages already saved (or loaded from the store)
         self.hits: Counter[int] = Counter()  # write_through_selective: admissions that matched a page
         self.pending_saves: list[tuple[int, str]] = []
-        self.loading: dict[str, _Loading] = {}  # set aside or requeued, until admitted
-        self.inflight: dict[str, _Loading] = {}  # admitted with a load whose result has not come
+        self.loading: dict[str, Loading] = {}  # set aside or requeued, until admitted
+        self.inflight: dict[str, Loading] = {}  # admitted with a load whose result has not come
         self.from_store: set[int] = set()  # loaded pages owned by running requests (not saved again)
         self._loads: list[KVLoad] = []  # this plan's loads (its admissions')
         self.probed: set[str] = set()  # requests whose store question is settled
@@ -180,6 +138,7 @@ class SchedulerKVOffload:
         self.chains: dict[str, list[str]] = {}
         self.in_store: dict[str, int] = {}  # rid -> leading pages its lookup found in the store (never saved again)
         self._prefetch: list[KVPrefetch] = []
+        self.host = HostTierPicture(host_pages)  # what the first rank's host tier holds
         self._skip_until = 0.0
         self.judge = StoreJudge(self.min_pages * self.P)  # store or recompute, by time to first token
         self.stats = KVOffloadStats()
@@ -208,7 +167,7 @@ class SchedulerKVOffload:
             return
         if n - len(self.radix.match_prefix(req.prompt_ids[: n * self.P]).pages) < self.min_pages:
             return  # the GPU cache holds (almost) all of it already
-        self.probes[req.rid] = self.probe.start(self._chain(req, n))
+        self.probes[req.rid] = self.probe.start(self.chain_of(req, n))
 
     def note_first_token(self, req, ttft_s: float) -> None:
         """`req`'s first token came `ttft_s` after its arrival (the engine loop says)."""
@@ -227,9 +186,19 @@ class SchedulerKVOffload:
             if f is None:
                 return Verdict.ADMIT
             self.radix.lock(f.node)
-            self.loading[req.rid] = _Loading(req, f.chain, f.m, f.node, f.n, now, f.deadline, peer=True)
+            self.loading[req.rid] = Loading(req, f.chain, f.m, f.node, f.n, now, f.deadline, peer=True)
             self._prefetch.append(f.prefetch)
             return Verdict.SET_ASIDE
+        if self.host.trusted():
+            e = self.host.plan_load(self, req)
+            if e is not None:  # admitted with a load of what the host tier holds, in this plan
+                self.loading[req.rid] = e
+                self.probed.add(req.rid)
+                pending = self.probes.pop(req.rid, None)
+                if pending is not None:
+                    pending.abandon()
+                self.stats.host_admissions += 1
+                return Verdict.ADMIT
         pending = self.probes.get(req.rid)
         if pending is None:  # not looked up at arrival (short, cached, or the store paused)
             self.probed.add(req.rid)
@@ -276,8 +245,8 @@ class SchedulerKVOffload:
             return Verdict.ADMIT
         self.radix.lock(match.node)
         deadline = now + self.timeout_s + self.per_page_s * found
-        chain = self._chain(req, n)
-        self.loading[req.rid] = _Loading(req, chain, m, match.node, m + found, now, deadline)
+        chain = self.chain_of(req, n)
+        self.loading[req.rid] = Loading(req, chain, m, match.node, m + found, now, deadline)
         self._prefetch.append(KVPrefetch(req.rid, chain[m : m + found]))
         return Verdict.SET_ASIDE
 
@@ -342,7 +311,8 @@ class SchedulerKVOffload:
                     self.stats.loads += 1
                     self.stats.hit_pages += len(e.pages)
                     self.stats.loaded_tokens += len(e.pages) * self.P
-                    self.judge.loaded(req.rid, len(e.pages) * self.P, e)
+                    if not e.host:  # the judge weighs the store against recompute
+                        self.judge.loaded(req.rid, len(e.pages) * self.P, e)
             else:  # set aside, yet admitted before its stop (never expected): end its prefetch
                 self._loads.append(KVLoad(req.rid, [], []))
         if self.write_policy in SELECTIVE and req.kv is not None:
@@ -361,7 +331,7 @@ class SchedulerKVOffload:
         self.from_store -= loaded
         if n_full <= kept:
             return
-        chain = self._chain(req, n_full, token_ids=token_ids)
+        chain = self.chain_of(req, n_full, token_ids=token_ids)
         prompt_full = len(req.prompt_ids) // self.P
         for i in range(kept, n_full):
             self.tree_keys[pages[i]] = chain[i]
@@ -405,6 +375,7 @@ class SchedulerKVOffload:
         return _Orders(saves, prefetch, loads)
 
     def on_result(self, plan, result) -> None:
+        self.host.update(result.kv_host_ready, result.kv_host_evicted)
         for rid, (ready, ended) in result.kv_prefetched.items():
             e = self.loading.get(rid)
             if e is not None:
@@ -418,7 +389,7 @@ class SchedulerKVOffload:
                 self._short_load(e, max(n, 0))
 
     # ---------------- internals ----------------
-    def _chain(self, req, n_pages: int, token_ids: list[int] | None = None) -> list[str]:
+    def chain_of(self, req, n_pages: int, token_ids: list[int] | None = None) -> list[str]:
         """Chain keys of req's first n_pages pages (cached per request, extended as it grows)."""
         from kvstore.keys import chain_keys
 
@@ -455,7 +426,7 @@ class SchedulerKVOffload:
         the store (the KV events' tiers: cluster/engine/kv_events.py)."""
         return self._evict_copied.intersection(pages)
 
-    def _should_stop(self, e: _Loading, now: float) -> bool:
+    def _should_stop(self, e: Loading, now: float) -> bool:
         if e.peer:
             return kv_handoff.should_stop(e, now)
         if self.prefetch_policy == "best_effort":
@@ -464,7 +435,7 @@ class SchedulerKVOffload:
             return e.finished or now - e.started > WAIT_COMPLETE_CAP_S
         return e.finished or now >= e.deadline
 
-    def _short_load(self, e: _Loading, n: int) -> None:
+    def _short_load(self, e: Loading, n: int) -> None:
         """The ranks agreed on n < the pages a load was ordered with (they had reported
         holding them all: a row lost meanwhile, a failed copy): the forward that read the load
         computed garbage past them. The request computes its prompt again past the good pages
@@ -477,6 +448,8 @@ class SchedulerKVOffload:
             self.stats.hit_pages -= missing
             self.stats.loaded_tokens -= missing * self.P
         self.stats.short_loads += 1
+        if e.host:  # another rank's tier may lack what the first one reports: stop trusting it a while
+            self.host.distrust()
         self.from_store.difference_update(e.pages[n:])
         logger.warning("KV store: request %s loaded %d of %d pages its ranks reported holding; computing the rest",
                        req.rid, n, len(e.pages))

@@ -55,7 +55,7 @@ class StoreJudge:
 
     def loaded(self, rid: str, tokens: int, load=None) -> None:
         """`rid` was admitted with `tokens` of its prompt loaded (`load`: its
-        `cluster.engine.kv_offload._Loading`, for the phase marks)."""
+        `cluster.engine.kv_loads.Loading`, for the phase marks)."""
         self._loaded[rid] = (tokens, load)
 
     def first_token(self, req, ttft_s: float) -> None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from cluster.engine import encoder_decoder as encdec
 from cluster.engine.kv_allocator import PageAllocator, RequestKV, slots_for
-from cluster.engine.kv_offload import Verdict
+from cluster.engine.kv_loads import Verdict
 from cluster.engine.radix_cache import RadixCache
 from cluster.engine.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from workers.forward_batch import ForwardMode
