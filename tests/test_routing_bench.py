@@ -47,13 +47,18 @@ def test_event_routing_finds_more_of_the_prefix_than_the_tree_and_round_robin(tm
     # Pages went through the host tier and the store: a conversation sent away from its pages
     # found some of them there.
     assert res["round_robin"]["host_hit_rate"] + res["round_robin"]["store_hit_rate"] > 0, res
-    rr, tree, events = (res[p]["local_hit_rate"] for p in ("round_robin", "tree", "events"))
     # Round robin sends every other turn where the conversation's pages are not; the tree's
     # 128-token memory forgets what it sent where, so it routes by load; the events know what
-    # every cache holds. At 16 conversations at once the tree's routing by load lands a turn
-    # where its pages are about as often as round robin does (2-core VM, 2026-11-27, three runs:
-    # rr 0.24-0.35, tree 0.30-0.45, events 0.66-0.68). At 8 at once a conversation's own replica was
-    # often the lightest when its next turn came (it had just finished the last one), so the
-    # tree's rate swung with timing (0.57-0.72) and the events' margin over it fell to 0.01 in
-    # one CI run; tree against round robin is not asserted for that reason.
-    assert events > max(rr, tree) + 0.1, res
+    # every cache holds. Since admissions load what a replica's host tier holds at once
+    # (cluster/engine/kv_host_admission.py), a turn sent away from its GPU pages finds much of
+    # them in that replica's host tier (written there when an earlier turn's pages were
+    # evicted), so routing shows most in the GPU hits. 2-core VM, 2026-11-27, three runs: GPU
+    # rr 0.25-0.27, tree 0.31-0.34, events 0.47-0.48; GPU + host rr 0.65-0.66, tree 0.67-0.70,
+    # events 0.77. (Before, at 8 conversations at once, a conversation's own replica was often
+    # the lightest when its next turn came, so the tree's rate swung with timing and the events'
+    # margin over it fell to 0.01 in one CI run: 16 at once, and tree against round robin is
+    # not asserted.)
+    gpu = {p: res[p]["gpu_hit_rate"] for p in res}
+    local = {p: res[p]["local_hit_rate"] for p in res}
+    assert gpu["events"] > max(gpu["round_robin"], gpu["tree"]) + 0.08, res
+    assert local["events"] > max(local["round_robin"], local["tree"]) + 0.03, res
