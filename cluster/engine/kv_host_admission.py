@@ -14,6 +14,10 @@ first rank reports (another rank's tier could lack a page, e.g. one whose store 
 start). Either way the ranks agree on fewer pages than ordered, and the request computes its
 prompt past the good ones (`SchedulerKVOffload._short_load`); after such a miss the picture is
 not used for `HOST_SKIP_S`.
+
+The picture travels with step results, so it is as fresh as the last step: a page published
+after an idle replica's last step is unknown to it until the next one, and the first request
+after a pause goes the store's way (whose prefetch then finds the page in the host tier).
 """
 
 from __future__ import annotations
