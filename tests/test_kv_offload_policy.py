@@ -320,6 +320,60 @@ def test_pages_the_host_tier_holds_are_loaded_by_the_first_plan():
     assert off.stats.host_admissions == 1 and not plan.kv_loads
 
 
+def _host_admitted(keys_held, prompt, overlap=False, **kw):
+    """A scheduler whose host-tier picture holds `keys_held`, and the plan that admits a
+    request of `prompt` with their load."""
+    from workers.messages import StepPlan
+
+    s, off = make(**kw)
+    s.overlap = overlap
+    off.on_result(StepPlan(0, ForwardMode.IDLE, []), StepResult(0, kv_host_ready=list(keys_held)))
+    s.add_request(Request("r", prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    plan = s.schedule()
+    assert plan.kv_loads and off.stats.host_admissions == 1
+    return s, off, plan
+
+
+def test_a_short_host_load_forgets_what_the_picture_had_wrong():
+    """Pages the ranks did not have leave the picture (no next request orders them again); a
+    load of none of them (a rank without the tier) pauses admissions from it."""
+    prompt = list(range(100, 141))
+    keys = keys_of(prompt[:40])
+    s, off, plan = _host_admitted(keys, prompt)
+    s.process_result(plan, result(plan, loaded={"r": 6}))
+    assert list(off.host.keys) == keys[:6] and off.host.trusted()
+    assert s.requests["r"].cached_tokens == 6 * P and s.stats.prefix_hit_tokens == 6 * P
+    s, off, plan = _host_admitted(keys, prompt)
+    s.process_result(plan, result(plan, loaded={"r": 0}))
+    assert not off.host.keys and off.host.skip_until > time.monotonic()
+
+
+@pytest.mark.parametrize("how", ["aborted", "preempted"])
+def test_pages_of_a_load_whose_result_has_not_come_are_never_cached(how):
+    """Overlapped: the request leaves the running set (aborted, or preempted by the plan built
+    behind) before its load's result says it came back short. None of the load's pages reach
+    the radix cache, and a preempted request's token from that plan is dropped."""
+    prompt = list(range(100, 141))
+    s, off, plan = _host_admitted(keys_of(prompt[:40]), prompt, overlap=True)
+    r = s.requests["r"]
+    if how == "aborted":
+        s.abort("r")
+    else:
+        s._preempt(r)  # as _reserve or the fair share does while planning the next step
+    assert s.radix.total_cached_pages == 0  # not the 10 loaded pages, not yet confirmed
+    events = s.process_result(plan, result(plan, loaded={"r": 6}))
+    assert not [ev for ev in events if ev.token_ids] and s.radix.total_cached_pages == 0
+    tokens = []
+    plan = s.schedule()
+    while plan is not None:
+        tokens += [t for ev in s.process_result(plan, result(plan)) for t in ev.token_ids]
+        plan = s.schedule()
+    s.check_integrity()
+    assert s.requests == {} and not s._discard and s.radix.protected_pages == 0
+    assert tokens == ([] if how == "aborted" else [7] * 3)
+    assert how == "aborted" or r.output_ids == [7] * 3
+
+
 @pytest.mark.parametrize("when", ["prefetching", "requeued", "loading"])
 def test_abort_at_any_point_of_a_load_releases_everything(when):
     prompt = list(range(100, 141))

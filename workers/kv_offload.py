@@ -125,14 +125,17 @@ class RankKVOffload(RankIOThreads):
             job = self.jobs.pop(rid, None)
             if job is not None:
                 job.cancel(self.host)
+        # The loads' host rows, pinned before this plan's saves take rows: a save evicts the
+        # least recently used rows, often the very prefix a load brings back.
+        held = [self.host.leading(ld.keys[: len(ld.page_ids)]) for ld in plan.kv_loads]
         for save in plan.kv_saves:
             self._save(save)
         for pre in plan.kv_prefetch:
             self._start_prefetch(pre)
         if plan.kv_loads:
             t0 = time.monotonic()
-            for load in plan.kv_loads:
-                result.kv_loaded[load.rid] = self._load(load)
+            for load, rows in zip(plan.kv_loads, held):
+                result.kv_loaded[load.rid] = self._load(load, rows)
             spent = time.monotonic() - t0
             self.counters["load_s"] += spent  # on the step's thread: launches only, never a wait
             self.counters["load_max_s"] = max(self.counters["load_max_s"], spent)
@@ -227,13 +230,15 @@ class RankKVOffload(RankIOThreads):
             self._reads.append(job)
             self._cv.notify_all()
 
-    def _load(self, load: KVLoad) -> int:
+    def _load(self, load: KVLoad, rows: list[int]) -> int:
+        """Copy `load`'s pages from their host rows (`rows`: the leading ones the tier holds,
+        pinned by `run`; unpinned here once copied) into its device pages; the count every
+        rank loaded."""
         from kvstore.pages import scatter_pages
         from kvstore.transfer import agree_on_pages
 
-        n_local, rows = 0, []
+        n_local = 0
         try:
-            rows = self.host.leading(load.keys[: len(load.page_ids)])
             n_local = len(rows)
             if rows and self._gpu_rows:
                 self._copy_in(load.page_ids[:n_local], rows)
@@ -252,7 +257,7 @@ class RankKVOffload(RankIOThreads):
         if job is not None:
             job.cancel(self.host)  # the I/O thread stops after its current chunk
         else:  # admitted on what the host tier holds (no prefetch): every page a host hit
-            self.counters["host_hit_pages"] += n_local
+            self.counters["host_hit_pages"] += n
         if load.page_ids:
             self.counters["loads"] += 1
             self.counters["pages_loaded"] += n

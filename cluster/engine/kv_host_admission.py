@@ -11,9 +11,11 @@ pages past its radix match are in that picture is admitted in the plan being bui
 
 The picture may be a step behind (a page evicted while the plan was on its way), and only the
 first rank reports (another rank's tier could lack a page, e.g. one whose store client did not
-start). Either way the ranks agree on fewer pages than ordered, and the request computes its
-prompt past the good ones (`SchedulerKVOffload._short_load`); after such a miss the picture is
-not used for `HOST_SKIP_S`.
+start). Either way the ranks agree on fewer pages than ordered, the request computes its prompt
+past the good ones (`SchedulerKVOffload._short_load`) and the picture forgets the pages it was
+wrong about; when the ranks loaded none of them, it is not used for `HOST_SKIP_S`. On the ranks
+the loads' rows are pinned before the plan's saves take rows (`workers.kv_offload`), so a
+plan's own evictions never cost its loads.
 
 The picture travels with step results, so it is as fresh as the last step: a page published
 after an idle replica's last step is unknown to it until the next one, and the first request
@@ -48,6 +50,10 @@ class HostTierPicture:
             self.keys.move_to_end(key)
         while len(self.keys) > self.capacity:
             self.keys.popitem(last=False)
+
+    def forget(self, keys: list[str]) -> None:
+        for key in keys:
+            self.keys.pop(key, None)
 
     def trusted(self) -> bool:
         return bool(self.keys) and time.monotonic() >= self.skip_until

@@ -438,8 +438,10 @@ class SchedulerKVOffload:
     def _short_load(self, e: Loading, n: int) -> None:
         """The ranks agreed on n < the pages a load was ordered with (they had reported
         holding them all: a row lost meanwhile, a failed copy): the forward that read the load
-        computed garbage past them. The request computes its prompt again past the good pages
-        (which the radix cache keeps); the token it sampled is dropped."""
+        computed garbage past them. What that plan (and, overlapped, the next) sampled for the
+        request is dropped; a running request computes its prompt again past the good pages
+        (which the radix cache keeps). A request preempted or ended before this result cached
+        none of the load's pages (`unconfirmed`)."""
         req = e.req
         missing = len(e.pages) - n
         if e.peer:
@@ -448,15 +450,27 @@ class SchedulerKVOffload:
             self.stats.hit_pages -= missing
             self.stats.loaded_tokens -= missing * self.P
         self.stats.short_loads += 1
-        if e.host:  # another rank's tier may lack what the first one reports: stop trusting it a while
-            self.host.distrust()
+        req.cached_tokens = max(0, req.cached_tokens - missing * self.P)
+        self.sched.stats.prefix_hit_tokens -= missing * self.P
+        if e.host:  # the picture was wrong about these; a rank that loads none lacks the tier
+            self.host.forget(e.chain[e.base + n : e.base + len(e.pages)])
+            if n == 0:
+                self.host.distrust()
         self.from_store.difference_update(e.pages[n:])
         logger.warning("KV store: request %s loaded %d of %d pages its ranks reported holding; computing the rest",
                        req.rid, n, len(e.pages))
-        if req.finished or req.kv is None:
+        if req.finished:
             return
-        req.kv.num_tokens = min(req.kv.num_tokens, (e.base + n) * self.P)
+        if req.kv is not None:
+            req.kv.num_tokens = min(req.kv.num_tokens, (e.base + n) * self.P)
         self.sched.recompute(req)
+
+    def unconfirmed(self, req) -> None:
+        """Before `req`'s pages go to the radix cache (it ends or is preempted): none that a load
+        whose result has not come filled (the load may come back short)."""
+        e = self.inflight.get(req.rid)
+        if e is not None and e.pages and req.kv is not None:
+            req.kv.num_tokens = min(req.kv.num_tokens, e.base * self.P)
 
     def _sweep(self) -> None:
         """Forget requests that finished (aborted) while set aside or requeued (the ranks

@@ -295,7 +295,8 @@ class Scheduler:
         if len(groups) < 2:
             return self.max_running, counts, set()
         share = max(1, self.max_running // len(groups))
-        starved = {_group(r) for r in self.waiting if not r.pending and counts[_group(r)] < share}
+        starved = {_group(r) for r in self.waiting
+                   if not r.pending and r.rid not in self._discard and counts[_group(r)] < share}
         if starved and not self._free_rows:
             for _ in range(min(len(starved), FAIR_PREEMPT_PER_STEP)):
                 over = max(counts, key=lambda g: counts[g])
@@ -475,6 +476,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         del self.requests[req.rid]
+        self._discard.pop(req.rid, None)
 
     def fail(self, req: Request) -> None:
         """End `req` with an error (`req.error` says which); its final output goes out with
@@ -484,14 +486,15 @@ class Scheduler:
 
     def recompute(self, req: Request) -> None:
         """`req`'s KV past `req.kv.num_tokens` is wrong (a load came back short after the plan
-        that read it was launched): what it sampled since is dropped, and it goes to the front
-        of the queue to compute the rest (the good pages go to the prefix cache), once the
-        results of the plans launched so far are in."""
+        that read it was launched): what it sampled since is dropped, and (running) it goes to
+        the front of the queue to compute the rest (the good pages go to the prefix cache),
+        once the results of the plans launched so far are in."""
         if req.pending:
             del req.output_ids[len(req.output_ids) - req.pending :]
             req.pending = 0
         self._discard[req.rid] = self._step_id
-        self._preempt(req)
+        if req.status == RequestStatus.RUNNING:
+            self._preempt(req)
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
@@ -510,6 +513,8 @@ class Scheduler:
         if req.pending:  # cache (and save) only tokens that are known: not the one in flight
             ids = req.known_ids
             req.kv.num_tokens = min(req.kv.num_tokens, len(ids))
+        if self.kv_offload is not None:  # nothing from a load whose result has not come
+            self.kv_offload.unconfirmed(req)
         pages, computed = req.kv.pages, req.kv.num_tokens
         if req.encoder_ids is not None:  # never cached: its K/V depend on its encoder input
             encdec.release(req, self.allocator)
