@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.kv_offload import MIN_PAGE_TOKENS, SchedulerKVOffload
 from kvstore.actor import in_ray_cluster
 from kvstore.messages import STORE_NAME
-from workers.forward_batch import ForwardMode
 from workers.kv_messages import KVOffloadOptions
-from workers.messages import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -115,25 +112,3 @@ def attach_kv_offload(engine) -> SchedulerKVOffload | None:
                 cfg.kv_write_policy, cfg.kv_prefetch_policy, fingerprint[:12])
     return off
 
-
-def drain_kv(engine, budget_s: float) -> None:
-    """At shutdown (`Engine.shutdown`, its loop stopped: nothing else steps), under write-back
-    policies: write the pages still cached to the store, a chunk per idle plan, until done or
-    `budget_s` has passed."""
-    saves = engine.kv_offload.drain_saves() if budget_s > 0 else []
-    if not saves:
-        return
-    while engine._inflight:  # overlapped plans still on the ranks: finish them first
-        engine._inflight.popleft()
-        engine.workers.collect()
-    t0 = time.monotonic()
-    done = 0
-    for save in saves:
-        if time.monotonic() - t0 > budget_s:
-            break
-        engine.scheduler._step_id += 1
-        engine.workers.execute(StepPlan(engine.scheduler._step_id, ForwardMode.IDLE, [], kv_saves=[save]))
-        engine.kv_offload.drained(save)
-        done += len(save.page_ids)
-    total = sum(len(s.page_ids) for s in saves)
-    logger.info("KV store: saved %d of %d cached pages at shutdown in %.1f s", done, total, time.monotonic() - t0)

@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer, DetokState
 from cluster.engine.kv_events import KVEventLog
-from cluster.engine.kv_store_link import attach_kv_offload, drain_kv, kv_host_pages
+from cluster.engine.kv_store_link import attach_kv_offload, kv_host_pages
 from cluster.engine.ranks import make_worker_group
 from cluster.engine.request import ADMITTED, Admitted, FinishReason, Request, RequestOutput
 from cluster.engine.scheduler import RequestRejected, TokenEvent
 from cluster.engine.spec_scheduler import scheduler_class
 from workers.encoder_decoder import GenerationRules
+from workers.forward_batch import ForwardMode
 from workers.group import WorkerGroup
-from workers.messages import TokenLogprobs
+from workers.messages import StepPlan, TokenLogprobs
 from workers.model_config import serving_mode
 from workers.request_errors import Unavailable
 from workers.sampling_params import SamplingParams
@@ -454,11 +455,33 @@ class Engine:
             self._thread = None
         if self.kv_offload is not None:
             try:
-                drain_kv(self, self.config.kv_drain_timeout_s if drain_s is None else drain_s)
+                self._drain_kv(self.config.kv_drain_timeout_s if drain_s is None else drain_s)
             except Exception:  # the workers may be the reason we stop
                 logger.exception("saving the cached KV pages at shutdown failed")
             self.kv_offload.close()
         self.workers.shutdown()
+
+    def _drain_kv(self, budget_s: float) -> None:
+        """Write-back policies: write the pages still cached to the store, a chunk per idle
+        plan, until done or `budget_s` has passed (the loop is stopped: nothing else steps)."""
+        saves = self.kv_offload.drain_saves() if budget_s > 0 else []
+        if not saves:
+            return
+        while self._inflight:  # overlapped plans still on the ranks: finish them first
+            self._inflight.popleft()
+            self.workers.collect()
+        t0 = time.monotonic()
+        done = 0
+        for save in saves:
+            if time.monotonic() - t0 > budget_s:
+                break
+            self.scheduler._step_id += 1
+            self.workers.execute(StepPlan(self.scheduler._step_id, ForwardMode.IDLE, [], kv_saves=[save]))
+            self.kv_offload.drained(save)
+            done += len(save.page_ids)
+        total = sum(len(s.page_ids) for s in saves)
+        logger.info("KV store: saved %d of %d cached pages at shutdown in %.1f s", done, total,
+                    time.monotonic() - t0)
 
     async def generate_stream(
         self,

@@ -448,8 +448,9 @@ class Scheduler:
 
     def _forget_discards(self, step_id: int) -> None:
         """The result of plan `step_id` is in: requests waiting on it to be computed again may be."""
-        for rid in [r for r, last in self._discard.items() if last <= step_id]:
-            del self._discard[rid]
+        if self._discard:
+            for rid in [r for r, last in self._discard.items() if last <= step_id]:
+                del self._discard[rid]
 
     def _token_finish_reason(self, req: Request, tok: int, n_out: int) -> FinishReason | None:
         """Why `req` ends with `tok` as its n_out-th output token (None: it goes on)."""

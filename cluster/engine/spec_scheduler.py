@@ -145,8 +145,8 @@ class SpecScheduler(Scheduler):
         events: list[TokenEvent] = []
         for sr in plan.reqs:
             req = self.requests.get(sr.rid)
-            if req is None or req.finished or plan.step_id <= self._discard.get(sr.rid, -1):
-                continue  # aborted while the round ran (its pages are already free), or computed again
+            if req is None or req.finished:
+                continue  # aborted while the round ran (its pages are already free)
             assert req.kv is not None
             j = index[sr.rid]
             n = result.spec_num_accepted[j]
@@ -167,7 +167,6 @@ class SpecScheduler(Scheduler):
                     self.finish(req, reason)  # the tokens after a stop are dropped
                     break
             events.append(TokenEvent(req, toks[:kept], lps[:kept]))
-        self._forget_discards(plan.step_id)
         return events
 
     # ---------------- leaving ----------------
