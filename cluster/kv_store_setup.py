@@ -59,6 +59,9 @@ def add_kv_store_args(p) -> None:
     g.add_argument("--kv-store-disk-gb", type=float, default=16.0, help="the store's file tier")
     g.add_argument("--kv-host-cache-gb", type=float, default=2.0,
                    help="each rank's host tier (pinned on a GPU): pages on their way to and from the store")
+    g.add_argument("--no-kv-host-warm", action="store_false", dest="kv_host_warm",
+                   help="start with empty host tiers (default: each rank reads the store's most recent pages of "
+                        "this model into its host tier at start, so a restarted replica serves them at once)")
     g.add_argument("--kv-write-policy", default="write_back_selective", choices=KV_WRITE_POLICIES,
                    help="when pages are written to the store (cluster/engine/kv_offload.py): write_back_selective "
                         "(default) writes a page when the GPU evicts it, when it proves hot (matched twice) and "
@@ -87,7 +90,7 @@ def kv_store_config_from_args(args) -> dict:
     elif root is None and getattr(args, "kv_store_embedded", False):
         root = str(default_cache_dir() / "kvstore")
     return {"kv_store": root, "kv_store_host_gb": args.kv_store_host_gb, "kv_store_disk_gb": args.kv_store_disk_gb,
-            "kv_host_cache_gb": args.kv_host_cache_gb, "kv_write_policy": args.kv_write_policy,
+            "kv_host_cache_gb": args.kv_host_cache_gb, "kv_host_warm": args.kv_host_warm, "kv_write_policy": args.kv_write_policy,
             "kv_prefetch_policy": args.kv_prefetch_policy, "kv_prefetch_timeout_s": args.kv_prefetch_timeout_s,
             "kv_drain_timeout_s": args.kv_drain_timeout_s, "pd_transfer_timeout_s": args.pd_transfer_timeout_s,
             "kv_prefetch_timeout_per_page_s": args.kv_prefetch_timeout_per_page_s}

@@ -19,7 +19,6 @@ rank reads the same single key per page.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import queue
@@ -27,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -37,6 +36,8 @@ from kvstore.keys import (
     check_layout,
     keys_per_page,
     leading_pages,
+    model_tag,
+    recent_chain,
     store_keys,
     validate_keys,
 )
@@ -49,45 +50,12 @@ from kvstore.pages import (
     pool_page_bytes,
     scatter_pages,
 )
+from kvstore.staging import Stage, serialized
 from kvstore.store_link import FAILED, ClientCounters, StoreLink
 from kvstore.transfer import checksums, nixl_transfer
 
 logger = logging.getLogger(__name__)
 
-
-
-def _serialized(method):
-    """A data-path call holds one of the client's staging areas for its duration: up to
-    `staging_slots` calls run at once (from different threads), each in its own area."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        if getattr(self._tls, "stage", None) is not None:  # nested: already holds an area
-            return method(self, *args, **kwargs)
-        stage = self._free.get()
-        self._tls.stage = stage
-        errors = self.counters.errors
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._tls.stage = None
-            self._free.put(stage)
-            failed = self.counters.errors - errors  # attributed to this call's kind, for the metrics
-            if failed > 0:
-                if method.__name__ in ("batch_set", "save_pages"):
-                    self.counters.write_errors += failed
-                else:
-                    self.counters.read_errors += failed
-
-    return wrapper
-
-
-@dataclass(eq=False)
-class _Stage:
-    """One staging area: `staging_pages` page buffers inside the registered buffer."""
-
-    tensor: torch.Tensor
-    np: np.ndarray
 
 
 class KVStoreClient:
@@ -111,11 +79,11 @@ class KVStoreClient:
         # zeros, not empty: touched now, so the first transfers do not pay page faults.
         self._buffer = torch.zeros(staging_slots * staging_pages * self.page_bytes, dtype=torch.uint8,
                                    pin_memory=torch.cuda.is_available())
-        self._free: queue.SimpleQueue[_Stage] = queue.SimpleQueue()
+        self._free: queue.SimpleQueue[Stage] = queue.SimpleQueue()
         area = staging_pages * self.page_bytes
         for i in range(staging_slots):
             t = self._buffer[i * area : (i + 1) * area]
-            self._free.put(_Stage(t, t.numpy()))
+            self._free.put(Stage(t, t.numpy()))
         self._tls = threading.local()
         self._store_agent: str | None = None
         self._registered_gen = -1
@@ -155,8 +123,17 @@ class KVStoreClient:
         flags = self.link.call("exists", store_keys(chain, self.layout, self.tp_rank))
         return 0 if flags is FAILED else leading_pages(flags, self.kpp)
 
+    def recent(self, limit: int) -> list[str]:
+        """Chain keys of up to `limit` pages of this model that the store holds for this rank,
+        most recently used first ([] when the store is unreachable)."""
+        if limit <= 0 or not self._connect():
+            return []
+        rank = None if self.layout == "mla" else self.tp_rank
+        keys = self.link.call("recent", model_tag(self.fingerprint), rank, limit * self.kpp)
+        return [] if keys is FAILED else recent_chain(keys, self.layout)[:limit]
+
     # ---------------- raw page buffers ----------------
-    @_serialized
+    @serialized
     def batch_set(self, chain: Sequence[str], page_tensors: Sequence[Sequence[torch.Tensor]]) -> bool:
         """Store pages: page_tensors[i] holds page i's keys_per_page tensors (MHA: K, V; MLA:
         the latent), any dtype and device. True when every page is in the store afterwards
@@ -183,7 +160,7 @@ class KVStoreClient:
             ok = self._write_areas(sub, sizes) and ok
         return ok
 
-    @_serialized
+    @serialized
     def batch_get(self, chain: Sequence[str], out_tensors: Sequence[Sequence[torch.Tensor]]) -> int:
         """Load the leading pages present into out_tensors (same layout as batch_set's,
         contiguous); returns how many pages were loaded (0 on any failure)."""
@@ -235,7 +212,7 @@ class KVStoreClient:
             areas.append(row.numpy())
         return areas
 
-    @_serialized
+    @serialized
     def read_rows(self, chain: Sequence[str], rows: Sequence[torch.Tensor], key_bytes: Sequence[int]) -> int:
         """Load the leading stored pages of chain straight into host rows (registered with
         `register_rows`), page i's keys packed by `key_bytes` from the start of rows[i];
@@ -255,22 +232,28 @@ class KVStoreClient:
         if chain and self._valid(chain) and self._connect():
             self.link.send("stage", self.name, store_keys(chain, self.layout, self.tp_rank))
 
-    @_serialized
-    def write_rows(self, chain: Sequence[str], rows: Sequence[torch.Tensor], key_bytes: Sequence[int]) -> bool:
+    @serialized
+    def write_rows(self, chain: Sequence[str], rows: Sequence[torch.Tensor], key_bytes: Sequence[int],
+                   prompt: int = 0) -> bool:
         """Store pages straight from host rows (registered with `register_rows`), laid out as
-        `read_rows` reads them. Same result contract as batch_set."""
+        `read_rows` reads them; the first `prompt` pages hold prompt tokens (the store keeps
+        that, for a restarted replica's warm). Same result contract as batch_set."""
         if self.backup_skip:
             self.counters.pages_backup_skipped += len(chain)
             return True
         if not chain or not self._valid(chain):
             return not chain
-        return self._write_areas(chain, [list(key_bytes)] * len(chain), self._areas(rows[: len(chain)]))
+        return self._write_areas(chain, [list(key_bytes)] * len(chain), self._areas(rows[: len(chain)]), prompt)
 
     # ---------------- KV pool pages ----------------
-    @_serialized
-    def save_pages(self, pool, page_ids: Sequence[int], chain: Sequence[str]) -> bool:
+    @serialized
+    def save_pages(self, pool, page_ids: Sequence[int], chain: Sequence[str], prompt: int = 0,
+                   wait_s: float = 0.0) -> bool:
         """Store pool pages page_ids[i] under chain[i] (this rank's heads / the latent),
-        gathered straight into the staging buffer. Same result contract as batch_set."""
+        gathered straight into the staging buffer; the first `prompt` hold prompt tokens.
+        Pages the store refuses for want of room (its RAM full of pages on their way to its
+        files) are offered again for up to `wait_s` in all (the drain at shutdown: nothing waits
+        on it, and a refused page would cut its prefix short). Same result contract as batch_set."""
         if self.backup_skip:
             self.counters.pages_backup_skipped += len(chain)
             return True
@@ -279,13 +262,21 @@ class KVStoreClient:
         self._check_pool(pool, len(page_ids), len(chain))
         sizes = pool_key_bytes(pool)
         ok = True
+        deadline = time.monotonic() + wait_s
         for start in range(0, len(chain), self.staging_pages):
             sub = chain[start : start + self.staging_pages]
             self._gather(pool, page_ids[start : start + len(sub)])
-            ok = self._write_areas(sub, [sizes] * len(sub)) and ok
+            while True:
+                before = self.counters.pages_refused
+                done = self._write_areas(sub, [sizes] * len(sub), None, prompt - start)
+                if done or self.counters.pages_refused == before or time.monotonic() > deadline:
+                    break
+                self.counters.pages_refused = before  # offered again: counted once, if it stays refused
+                time.sleep(0.005)
+            ok = done and ok
         return ok
 
-    @_serialized
+    @serialized
     def load_pages(self, pool, page_ids: Sequence[int], chain: Sequence[str]) -> int:
         """Load the leading stored pages of chain into pool pages page_ids; returns how many.
         TP ranks then agree with `agree_on_pages`."""
@@ -350,7 +341,8 @@ class KVStoreClient:
     def _register(self) -> bool:
         if self._registered_gen == self.link.generation and self._store_agent is not None:
             return True  # another thread did it while this one waited
-        reply = self.link.call("register_client", self.name, self.agent.get_agent_metadata())
+        reply = self.link.call("register_client", self.name, self.agent.get_agent_metadata(),
+                               model_tag(self.fingerprint))
         if reply is FAILED:
             return False
         store_agent, metadata = reply
@@ -391,9 +383,11 @@ class KVStoreClient:
         """The first n page areas of the calling thread's staging area."""
         return [self._np[i * self.page_bytes : (i + 1) * self.page_bytes] for i in range(n)]
 
-    def _write_areas(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None) -> bool:
+    def _write_areas(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None,
+                     prompt: int = 0) -> bool:
         """Send pages from registered memory: page i's keys packed by `sizes[i]` from the start
-        of `areas[i]` (default: the staging area, page i at i * page_bytes)."""
+        of `areas[i]` (default: the staging area, page i at i * page_bytes); pages i < `prompt`
+        hold prompt tokens."""
         keys = store_keys(chain, self.layout, self.tp_rank)
         areas = self._staged(len(chain)) if areas is None else areas
         where = [(areas[i], sum(s[:j])) for i, s in enumerate(sizes) for j in range(len(s))]
@@ -402,12 +396,13 @@ class KVStoreClient:
         if reply is FAILED:
             return False
         assert isinstance(reply, ReserveReply)
-        local, remote, sent, views = [], [], [], []
-        for key, (area, off), loc in zip(keys, where, reply.locs):
+        local, remote, sent, views, flags = [], [], [], [], []
+        for i, (key, (area, off), loc) in enumerate(zip(keys, where, reply.locs)):
             if loc is None:
                 continue
             views.append(area[off : off + loc.size])
             sent.append(key)
+            flags.append(i // self.kpp < prompt)
             base = area.ctypes.data
             for addr, n in loc.regions:
                 local.append((base + off, n, 0))
@@ -419,7 +414,7 @@ class KVStoreClient:
             self.link.send("release", reply.lease)  # frees the reservation
             return False
         else:
-            committed = self.link.call("commit", self.name, reply.lease, sent, checksums(views))
+            committed = self.link.call("commit", self.name, reply.lease, sent, checksums(views), flags)
             if committed is FAILED or committed != len(sent):
                 if committed is not FAILED:
                     self.counters.errors += 1

@@ -1,7 +1,10 @@
 """The store's file tier: one file per store key under a root directory, moved with NIXL POSIX.
 
-Layout: `root/<key[:2]>/<key>.kv` = a 128-byte header (magic, key, page size, crc32 of the page)
-followed by the page bytes. A file is written as `<name>.tmp` and renamed, so a reader (or a
+Layout: `root/<key[:2]>/<key>.kv` = a 128-byte header (magic, key, page size, crc32 of the page,
+the writer's tag, whether it holds prompt tokens) followed by the page bytes. The tag (8 bytes
+of the writing replica's model fingerprint, zeros when unknown) and the prompt flag let a
+restarted replica find its own model's pages among a shared store's, prompts first
+(`KVStore.recent`). A file is written as `<name>.tmp` and renamed, so a reader (or a
 store rebuilding its index after a restart) sees a whole page or none. The header's checksum is
 the page's: the store verifies it after every read into RAM.
 
@@ -35,12 +38,17 @@ from kvstore.keys import is_valid_key, validate_key
 logger = logging.getLogger(__name__)
 
 MAGIC = b"MANTAKV1"
-HEADER = struct.Struct("<8s96sQI")  # magic, key (ascii, NUL padded), page size, crc32
+HEADER = struct.Struct("<8s96sQI8sB")  # magic, key (ascii, NUL padded), page size, crc32, tag, prompt
 HEADER_BYTES = 128
 SUFFIX = ".kv"
 
 
 BLOCK = 4096  # what a file takes on disk is counted in whole blocks
+
+
+def tag_bytes(tag: str) -> bytes:
+    """A writer's tag (16 hex digits, "" when unknown) as the header's 8 bytes."""
+    return bytes.fromhex(tag) if tag else bytes(8)
 
 
 def file_bytes(page_size: int) -> int:
@@ -175,9 +183,10 @@ class FileTier:
                     pass
             self.agent.deregister_memory(reg, backends=["POSIX"])
 
-    def write(self, key: str, regions: Sequence[tuple[int, int]], size: int, checksum: int) -> bool:
+    def write(self, key: str, regions: Sequence[tuple[int, int]], size: int, checksum: int, tag: str = "",
+              prompt: bool = False) -> bool:
         """Write a page atomically (tmp + rename) and count it; the caller made room (`victims`)."""
-        if not self.write_bytes(key, regions, size, checksum):
+        if not self.write_bytes(key, regions, size, checksum, tag, prompt):
             return False
         self.add(key, size)
         return True
@@ -188,7 +197,8 @@ class FileTier:
         if not reserved:
             self.used += file_bytes(size)
 
-    def write_bytes(self, key: str, regions: Sequence[tuple[int, int]], size: int, checksum: int) -> bool:
+    def write_bytes(self, key: str, regions: Sequence[tuple[int, int]], size: int, checksum: int,
+                    tag: str = "", prompt: bool = False) -> bool:
         """The I/O of `write`, without counting the file: safe outside the store's lock (the
         flusher writes there; `add` counts the file under the lock afterwards)."""
         path = self.path(key)
@@ -200,7 +210,7 @@ class FileTier:
             try:
                 ok = self._transfer("WRITE", fd, regions)
                 if ok:
-                    header = HEADER.pack(MAGIC, key.encode(), size, checksum)
+                    header = HEADER.pack(MAGIC, key.encode(), size, checksum, tag_bytes(tag), int(prompt))
                     os.pwrite(fd, header.ljust(HEADER_BYTES, b"\0"), 0)
                     if self.fsync:
                         os.fsync(fd)
@@ -230,7 +240,7 @@ class FileTier:
         except OSError:
             return False
         try:
-            return self._header(fd, key) == (size, checksum) and self._transfer("READ", fd, regions)
+            return self._header(fd, key)[:2] == (size, checksum) and self._transfer("READ", fd, regions)
         finally:
             os.close(fd)
 
@@ -246,7 +256,7 @@ class FileTier:
                 except OSError:
                     fds.append(None)
                     continue
-                if self._header(fd, key) != (size, checksum):
+                if self._header(fd, key)[:2] != (size, checksum):
                     os.close(fd)
                     fd = None
                 fds.append(fd)
@@ -301,27 +311,29 @@ class FileTier:
         """The page bytes through plain file I/O (control path: verify())."""
         try:
             with open(self.path(key), "rb") as f:
-                if self._header(f.fileno(), key) != (size, checksum):
+                if self._header(f.fileno(), key)[:2] != (size, checksum):
                     return None
                 f.seek(HEADER_BYTES)
                 return f.read()
         except OSError:
             return None
 
-    def _header(self, fd: int, key: str) -> tuple[int, int] | None:
-        """(size, crc32) from a page file's header, or None when it is not a whole page of key."""
+    def _header(self, fd: int, key: str) -> tuple[int | None, int | None, str, bool]:
+        """(size, crc32, tag, prompt) from a page file's header; (None, None, "", False) when it
+        is not a whole page of key."""
         raw = os.pread(fd, HEADER.size, 0)
+        bad = None, None, "", False
         if len(raw) != HEADER.size:
-            return None
-        magic, hkey, size, crc = HEADER.unpack(raw)
+            return bad
+        magic, hkey, size, crc, tag, prompt = HEADER.unpack(raw)
         if magic != MAGIC or hkey.rstrip(b"\0") != key.encode():
-            return None
+            return bad
         if os.fstat(fd).st_size != HEADER_BYTES + size:
-            return None
-        return size, crc
+            return bad
+        return size, crc, tag.hex() if any(tag) else "", bool(prompt)
 
-    def scan(self) -> tuple[list[tuple[str, int, int]], int]:
-        """Index the page files under root: ([(key, size, crc)] oldest first, number of broken
+    def scan(self) -> tuple[list[tuple[str, int, int, str, bool]], int]:
+        """Index the page files under root: ([(key, size, crc, tag, prompt)] oldest first, number of broken
         files deleted). Leftover tmp files are deleted; files that are not ours are left."""
         found, broken = [], 0
         for sub in sorted(self.root.iterdir()):
@@ -343,14 +355,14 @@ class FileTier:
                         os.close(fd)
                 except OSError:
                     pass
-                if meta is None:
+                if meta is None or meta[0] is None:
                     broken += 1
                     path.unlink(missing_ok=True)
                     continue
                 found.append((mtime, key, *meta))
         out = []
-        for _, key, size, crc in sorted(found):
-            self.lru[key] = file_bytes(size)
-            self.used += file_bytes(size)
-            out.append((key, size, crc))
+        for _, key, *meta in sorted(found):
+            self.lru[key] = file_bytes(meta[0])
+            self.used += file_bytes(meta[0])
+            out.append((key, *meta))
         return out, broken

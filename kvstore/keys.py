@@ -197,3 +197,60 @@ def leading_pages(present: Sequence[bool], per_page: int) -> int:
             break
         n += 1
     return n
+
+
+# ---------------------------------------------------------------------------------------------
+# model tags: whose pages a store holds (a restarted replica warms its host tier with its own)
+
+TAG_RE = re.compile(r"^(?:[0-9a-f]{16})?$")
+
+
+def model_tag(fingerprint: str) -> str:
+    """The store's name for a model (and cache layout): the first 16 hex digits of its
+    fingerprint. The store keeps it with every page a client of that model writes (in the
+    page file's header too), so a replica started again finds its pages (`KVStore.recent`)."""
+    return validate_tag(fingerprint[:16])
+
+
+def validate_tag(tag: object) -> str:
+    """`tag` if it is a model tag ("" is: unknown); ValueError otherwise."""
+    if not isinstance(tag, str) or TAG_RE.fullmatch(tag) is None:
+        raise ValueError(f"not a model tag: {str(tag)[:40]!r}")
+    return tag
+
+
+def recent_keys(index: dict, lrus: Sequence, tag: str, rank: int | None, limit: int) -> list[str]:
+    """Up to `limit` keys of `index` (store key -> an entry with a `tag` and a `prompt` flag)
+    of model `tag`: those of TP rank `rank` (MHA), or those with no rank (None: MLA); pages
+    that hold prompt tokens first (a prefix is what the next request asks for), then the
+    others, each most recent first in the order of the LRU orders `lrus` (each oldest first;
+    the more recent tier first)."""
+    ends = None if rank is None else (f"-r{rank}-k", f"-r{rank}-v")
+    ranked: tuple[list[str], list[str]] = ([], [])
+    seen: set[str] = set()
+    for lru in lrus:
+        for key in reversed(lru):
+            if key in seen:
+                continue
+            seen.add(key)
+            entry = index.get(key)
+            if entry is None or entry.tag != tag:
+                continue
+            if not key.endswith(ends) if ends else len(key) != 64:
+                continue
+            ranked[0 if entry.prompt else 1].append(key)
+            if len(ranked[0]) == limit:
+                return ranked[0]
+    return (ranked[0] + ranked[1])[:limit]
+
+
+def recent_chain(keys: Sequence[str], layout: str) -> list[str]:
+    """The chain keys of one rank's store keys (`recent_keys`'s answer), in their order: an
+    MHA page is there when both its K and V keys are."""
+    if check_layout(layout) == "mla":
+        return list(keys)
+    halves: dict[str, int] = {}
+    for key in keys:
+        chain = key[:64]
+        halves[chain] = halves.get(chain, 0) + 1
+    return [c for c, n in halves.items() if n == 2]

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.file_tier import FileTier
-from kvstore.keys import validate_key, validate_keys
+from kvstore.keys import recent_keys, validate_key, validate_keys, validate_tag
 from kvstore.messages import STORE_NAME, LocateReply, PageLoc, ReserveReply, page_checksum
 from kvstore.ram_tier import RamTier
 from kvstore.store_files import Entry, StoreFiles
@@ -110,6 +110,7 @@ class KVStore(StoreFiles):
         self.dirty: OrderedDict[str, None] = OrderedDict()  # committed, in RAM only
         self.leases: dict[int, _Lease] = {}
         self.clients: dict[str, str] = {}  # client name -> its NIXL agent name
+        self.client_tags: dict[str, str] = {}  # client name -> the model tag of its pages
         self.counters: Counter[str] = Counter()
         self.writes_by_client: Counter[str] = Counter()
         self._next_lease = 1
@@ -127,9 +128,12 @@ class KVStore(StoreFiles):
                              daemon=True).start()
 
     # ---------------- control ----------------
-    def register_client(self, name: str, agent_metadata: bytes) -> tuple[str, bytes]:
-        """Learn a client's NIXL agent; returns (store agent name, store agent metadata)."""
+    def register_client(self, name: str, agent_metadata: bytes, tag: str = "") -> tuple[str, bytes]:
+        """Learn a client's NIXL agent and its model tag (`kvstore.keys.model_tag`: kept with
+        every page it writes, for `recent`); returns (store agent name, store agent metadata)."""
+        validate_tag(tag)
         with self._lock:
+            self.client_tags[name] = tag
             if name in self.clients:
                 try:
                     self.agent.remove_remote_agent(self.clients[name])
@@ -178,6 +182,17 @@ class KVStore(StoreFiles):
     def keys(self) -> list[str]:
         with self._lock:
             return list(self.index)
+
+    def recent(self, tag: str, rank: int | None, limit: int) -> list[str]:
+        """Up to `limit` keys of pages written by clients of model tag `tag`, prompt pages first,
+        each kind most recently used first (RAM, then files), of TP rank `rank` (an MHA rank's
+        `-r{rank}-k|v` keys) or of no rank (None: MLA pages): what a restarted replica warms
+        its host tiers with."""
+        validate_tag(tag)
+        if not tag or limit <= 0:
+            return []
+        with self._lock:
+            return recent_keys(self.index, (self.ram_lru, self.files.lru), tag, rank, limit)
 
     def clear(self) -> None:
         """Delete every page, in RAM and on disk (pending writes and leases are dropped).
@@ -230,12 +245,14 @@ class KVStore(StoreFiles):
                 locs.append(PageLoc(key, int(size), 0, self.ram.regions(slots, int(size))))
             return ReserveReply(self.agent_name, lease.id, present, locs)
 
-    def commit(self, client: str, lease: int, keys: list[str], checksums: list[int]) -> int:
-        """Publish the keys of a write lease whose bytes have landed; frees the rest of the
-        lease. Returns how many keys were committed."""
+    def commit(self, client: str, lease: int, keys: list[str], checksums: list[int],
+               prompt: list[bool] | None = None) -> int:
+        """Publish the keys of a write lease whose bytes have landed (`prompt[i]`: keys[i] holds
+        prompt tokens); frees the rest of the lease. Returns how many keys were committed."""
+        prompt = prompt or [False] * len(keys)
         with self._lock:
             done = 0
-            for key, crc in zip(keys, checksums):
+            for key, crc, is_prompt in zip(keys, checksums, prompt):
                 item = self.pending.get(key)
                 if item is None or item[0] != lease:
                     continue
@@ -245,7 +262,8 @@ class KVStore(StoreFiles):
                     self.counters["corrupt"] += 1
                     self.ram.give(slots)
                     continue
-                self.index[key] = Entry(size, int(crc), client, slots=slots)
+                self.index[key] = Entry(size, int(crc), client, self.client_tags.get(client, ""), bool(is_prompt),
+                                        slots=slots)
                 self.ram_lru[key] = None
                 self.dirty[key] = None
                 self.counters["pages_written"] += 1

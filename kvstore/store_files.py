@@ -27,6 +27,8 @@ class Entry:
     size: int
     checksum: int
     writer: str  # client name ("" when rebuilt from disk)
+    tag: str = ""  # the writer's model tag (`kvstore.keys.model_tag`; "" unknown): whose page it is
+    prompt: bool = False  # it holds prompt tokens (a restarted replica warms these first)
     slots: list[int] | None = None  # RAM copy (sorted slot ids), None when only on file
     on_file: bool = False
     pins: int = 0  # read leases (and file I/O in flight) holding the RAM copy
@@ -59,7 +61,8 @@ class StoreFiles:
         if victims is None:
             return False
         self._drop_files(victims)
-        if not self.files.write(key, self.ram.regions(entry.slots, entry.size), entry.size, entry.checksum):
+        if not self.files.write(key, self.ram.regions(entry.slots, entry.size), entry.size, entry.checksum,
+                                entry.tag, entry.prompt):
             self.counters["errors"] += 1
             self.counters["file_write_errors"] += 1
             return False
@@ -164,8 +167,8 @@ class StoreFiles:
         """Index the page files under root (a restart on the same directory)."""
         found, broken = self.files.scan()
         self.counters["corrupt"] += broken
-        for key, size, crc in found:
-            self.index[key] = Entry(size, crc, "", on_file=True)
+        for key, size, crc, tag, prompt in found:
+            self.index[key] = Entry(size, crc, "", tag, prompt, on_file=True)
         self.files.fit_to_disk(warn=True)  # never past the filesystem's reserve
         if self.files.used > self.files.capacity:  # started with a smaller capacity, or a fuller disk
             for victim in self.files.victims(0, keep="") or []:
@@ -199,7 +202,8 @@ class StoreFiles:
                         batch = self._take_dirty(16)
                     if not batch:
                         break  # the disk refuses: try again next round
-                    done = [self.files.write_bytes(key, regions, e.size, e.checksum) for key, e, regions in batch]
+                    done = [self.files.write_bytes(key, regions, e.size, e.checksum, e.tag, e.prompt)
+                            for key, e, regions in batch]
                     with self._lock:
                         self._flushed(batch, done)
             except Exception:

@@ -45,6 +45,20 @@ serve_stop() {  # SIGINT to the server (it drains the KV cache, flushes the stor
   while kill -0 $SPID 2>/dev/null && [ $((SECONDS - t0)) -lt 180 ]; do sleep 0.5; done
   echo "serve stopped in $((SECONDS - t0)) s"; kill -KILL -- -$SPID 2>/dev/null; SPID=
 }
+serve_warmed() {  # wait (up to 180 s) until the replica's ranks have warmed their host tiers from the store
+  python3 - "$PORT" <<'PY'
+import re, sys, time, urllib.request
+t0 = time.time()
+while time.time() - t0 < 180:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
+    val = lambda name: sum(float(v) for v in re.findall(r"^%s\{[^}]*\} (\S+)" % name, text, re.M))
+    pages, warming = val("manta:kvstore_warm_pages_total"), val("manta:kvstore_warming")
+    if pages > 0 and warming == 0 or time.time() - t0 > 60 and pages == 0:
+        break
+    time.sleep(1)
+print(f"host tiers warmed: {pages:.0f} pages, {time.time() - t0:.1f} s after /health")
+PY
+}
 http_bench() {  # http_bench NAME: the workload against the running server; JSON + a /metrics scrape
   # PROFILE=1: py-spy samples the server and the replica actor for 8 s in the middle of the run.
   if [ -n "${PROFILE:-}" ]; then
@@ -58,15 +72,15 @@ http_bench() {  # http_bench NAME: the workload against the running server; JSON
     > "$OUT/$1_metrics.txt"
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/admin/replicas').read().decode())" \
     > "$OUT/$1_replicas.json"  # each replica's stats: the KV store's load/prefill rates, loads, bypasses
-  grep -E "^manta:(kvstore_(hit|query)_pages|replica_output_(messages|steps))" "$OUT/$1_metrics.txt"
+  grep -E "^manta:(kvstore_(hit|query|warm)_pages|kvstore_host_admissions|replica_output_(messages|steps))" "$OUT/$1_metrics.txt"
   python3 -c "import re,sys; t=open(sys.argv[1]).read(); print('time to first token by stage, mean ms:', {s: round(1e3 *
     sum(map(float, re.findall(r'_sum\{[^}]*stage=\"%s\"[^}]*\} (\S+)' % s, t))) / max(1.0, sum(map(float,
     re.findall(r'_count\{[^}]*stage=\"%s\"[^}]*\} (\S+)' % s, t)))), 1) for s in ('to_engine_server', 'to_engine_transit',
     'engine', 'from_engine_transit', 'from_engine_server')})" "$OUT/$1_metrics.txt"
   python3 -c "import json,sys; [print(r['name'], {k: v for k, v in ((r.get('stats') or {}).get('kvstore') or {}).items()
-    if k in ('loads', 'hit_pages', 'early_stops', 'bypassed', 'busy', 'probe_timeouts', 'ttft_tokens_per_s_loaded',
+    if k in ('loads', 'hit_pages', 'host_admissions', 'short_loads', 'early_stops', 'bypassed', 'busy', 'probe_timeouts', 'ttft_tokens_per_s_loaded',
              'ttft_tokens_per_s_computed', 'saved_pages', 'drained_pages', 'load_phase_ms')},
-    [{k: v for k, v in rk.items() if k.startswith(('read_', 'offload_prefetch_', 'offload_load_')) or k in ('pages_read', 'pages_present', 'offload_prefetched_pages')}
+    [{k: v for k, v in rk.items() if k.startswith(('read_', 'offload_prefetch_', 'offload_load_', 'offload_warm')) or k in ('pages_read', 'pages_present', 'offload_prefetched_pages')}
      for rk in ((r.get('stats') or {}).get('kvstore') or {}).get('ranks', [])]) for r in json.load(open(sys.argv[1]))['replicas']]" \
     "$OUT/$1_replicas.json" 2>&1 | tail -2
   ps -eo pid,pcpu,rss,args | grep -E "ray::(Replica|RankWorker|KVStore)|cluster.cli serve" | grep -v grep
@@ -163,9 +177,10 @@ for s in $stages; do
     l8http) serve_model  # defaults (KV store on), a small file tier on this disk
         KV=${KV_DIR:-/tmp/kvstore}; rm -rf "$KV"; df -h /tmp | tail -1
         SF="$F --kv-store $KV --kv-store-disk-gb ${KV_DISK_GB:-24} --kv-drain-timeout ${KV_DRAIN_S:-60}"
+        SF="$SF --kv-host-cache-gb ${HOST_GB:-2}"  # HOST_GB=32: the replay's prompts fit the host tier
         serve_start cold $SF && { http_bench l8_http_cold; serve_stop; }
         if [ "${REPLAY:-1}" = 1 ]; then  # REPLAY=0: the cold run only
-          du -sh "$KV"; serve_start replay $SF && { http_bench l8_http_replay; serve_stop; }
+          du -sh "$KV"; serve_start replay $SF && { serve_warmed; http_bench l8_http_replay; serve_stop; }
         fi
         rm -rf "$KV" ;;
     l8pd) serve_model  # one GPU, two replicas on half of it each: mixed (--replicas 2) against 1 prefill + 1 decode

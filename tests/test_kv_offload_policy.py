@@ -158,6 +158,31 @@ def test_write_back_saves_pages_when_the_radix_cache_evicts_them():
     assert set(first.kv_saves[0].page_ids) & reused
 
 
+def test_the_drain_saves_prompt_prefixes_first_and_marks_them():
+    """At shutdown the cached pages go out prompt pages first, by depth in their chain (every
+    prompt's first page before any second page: a drain cut short leaves whole prefixes),
+    then the output pages; each save says how many of its leading pages hold prompt tokens,
+    and write-back saves at eviction carry their prompt pages first too."""
+    s, off = make("write_back_selective", num_pages=65)
+    a, b = req("a", 33, max_tokens=20), req("b", 33, first=500, max_tokens=20)
+    for r in (a, b):
+        s.add_request(r)
+    run_until_idle(s)
+    saves = off.drain_saves()
+    keys = [k for sv in saves for k in sv.keys]
+    ka, kb = keys_of(a.all_ids[:52]), keys_of(b.all_ids[:52])  # 8 prompt pages each (33 tokens), 5 output ones
+    prompt = [k for pair in zip(kb[:8], ka[:8]) for k in pair]  # b finished last: the more recent at each depth
+    assert keys[:16] == prompt and set(keys[16:]) == set(ka[8:] + kb[8:])
+    assert sum(sv.prompt for sv in saves) == 16 and all(sv.sync for sv in saves)
+    s2, off2 = make("write_back", num_pages=17)
+    s2.add_request(req("c", 33, max_tokens=20))
+    run_until_idle(s2)
+    s2.add_request(req("d", 40, first=900))  # evicts c's pages: the prompt ones lead its save
+    saves = [sv for p in run_until_idle(s2) for sv in p.kv_saves]
+    assert saves and all(set(sv.keys[: sv.prompt]) <= set(keys_of(list(range(100, 132)))) for sv in saves)
+    assert sum(sv.prompt for sv in saves) >= 1
+
+
 def test_pages_the_store_already_holds_are_not_saved_again(monkeypatch):
     """A request computed although the store holds its prefix (here: the store's loads are all
     busy) never writes those pages back: only the pages past what its lookup found."""

@@ -277,7 +277,7 @@ def test_write_behind_flusher_writes_files(store, tmp_path):
     chain = c.chain_keys(tokens(3, salt=12), PAGE)
     assert c.batch_set(chain, [[torch.ones(64)] for _ in chain])
     deadline = time.monotonic() + 30
-    while ray.get(handle.stats.remote())["dirty"] and time.monotonic() < deadline:
+    while ray.get(handle.stats.remote())["counters"].get("files_written", 0) < 32 and time.monotonic() < deadline:
         time.sleep(0.1)
     st = ray.get(handle.stats.remote())
     assert st["dirty"] == 0 and st["file"]["pages"] == 3 and st["ram"]["pages"] == 3
@@ -409,6 +409,39 @@ def test_restart_keeps_pages_drops_corrupt_ones_and_dead_store_misses(ray_local,
     assert c.save_pages(src, [1, 2, 3], chain) is False
     assert time.monotonic() - t0 < 3.0
     assert c.stats()["errors"] == errors + 3
+
+
+def test_recent_lists_a_models_own_pages_of_a_rank_prompts_first_across_a_restart(ray_local, tmp_path):
+    """What a restarted replica warms its host tiers with (`KVStore.recent`): the pages its
+    model's clients wrote (the tag kept in RAM and in the page files' headers), of its TP rank
+    (MHA) or of none (MLA); pages saved as prompt pages first, then the others, each most
+    recently used first; never another model's, nor a page whose writer is unknown."""
+    handle, name = new_store(tmp_path)
+    src = mha_pool()
+    fill(src, 4)
+    r0, r1 = (client(handle, name, "mha", rank=r, tp=2, page_bytes=pool_page_bytes(src)) for r in (0, 1))
+    x, y, z = (r0.chain_keys(tokens(n, salt=salt), PAGE) for n, salt in ((3, 1), (2, 2), (2, 5)))
+    assert r0.save_pages(src, [6, 7], z, prompt=2)  # the oldest, but prompt pages
+    assert r0.save_pages(src, [1, 2, 3], x) and r1.save_pages(src, [1, 2, 3], x)
+    assert r0.save_pages(src, [4, 5], y)
+    mla = client(handle, name, "mla")  # another model (its fingerprint differs)
+    other = mla.chain_keys(tokens(2, salt=3), PAGE)
+    assert mla.batch_set(other, [[torch.full((64,), 1.0)] for _ in other])
+    ray.get(handle.put.remote(K.chain_keys(tokens(1, salt=4), PAGE, fingerprint("mla"), "mla")[0], b"\0" * 64))
+    assert r0.recent(10) == z[::-1] + y[::-1] + x[::-1]
+    assert r0.recent(3) == z[::-1] + [y[1]]
+    assert r1.recent(10) == x[::-1]
+    assert mla.recent(10) == other[::-1]  # not the page `put` wrote: its writer is unknown
+    assert ray.get(handle.recent.remote(K.model_tag(r0.fingerprint), None, 10)) == []  # no MLA-style keys of it
+    with pytest.raises(ray.exceptions.RayTaskError, match="not a model tag"):
+        ray.get(handle.recent.remote("../etc", 0, 10))
+    ray.get(handle.flush.remote())
+    _kill(handle, name)
+    handle = _restart(tmp_path, name)  # tags and prompt flags come back from the page files' headers
+    assert set(r0.recent(2)) == set(z) and set(r0.recent(10)) == set(x + y + z) and set(r1.recent(10)) == set(x)
+    assert set(mla.recent(10)) == set(other)
+    assert r0.load_pages(mha_pool(), [1, 2, 3], x) == 3
+    assert r0.recent(5)[2:] == x[::-1]  # read since the restart: the most recently used after the prompts
 
 
 def test_stage_reads_file_pages_into_ram_ahead_of_the_reads(ray_local, tmp_path):
@@ -621,6 +654,30 @@ def test_writes_are_refused_not_spilled_while_ram_is_full_of_unflushed_pages(ray
     assert ray.get(handle.flush.remote()) == 8
     assert c.batch_set(chain[8:], pages[8:])  # clean pages now make room (no write waits)
     assert ray.get(handle.exists.remote(K.store_keys(chain[8:], "mla", 0))) == [True] * 4
+
+
+def test_a_drain_offers_refused_pages_again_until_the_flusher_makes_room(ray_local, tmp_path):
+    """The drain at shutdown (`save_pages(wait_s=...)`) writes more pages than the store's RAM
+    holds: the pages it refuses while its RAM is full of unflushed pages are offered again
+    as the write-behind flusher cleans RAM, so none is lost (without the wait, the trailing
+    ones are refused); the refusals of the retries are not counted as drops."""
+    handle, name = new_store(tmp_path, ram_bytes=8 * 4096, slot_bytes=4096, flush_interval_s=0.05)
+    src = mla_pool(num_pages=40)
+    fill(src, 9)
+    c = client(handle, name, "mla", page_bytes=pool_page_bytes(src))
+    assert pool_page_bytes(src) <= 4096
+    chain = c.chain_keys(tokens(32, salt=41), PAGE)
+    assert c.save_pages(src, list(range(1, 33)), chain, wait_s=30.0)
+    assert ray.get(handle.exists.remote(chain)) == [True] * 32
+    assert c.stats()["pages_refused"] == 0
+    st = ray.get(handle.stats.remote())
+    assert st["counters"]["refused_full"] > 0  # the store did refuse some, for a while
+    deadline = time.monotonic() + 30  # the last pages on their way to files pin the RAM tier meanwhile
+    while ray.get(handle.stats.remote())["counters"].get("files_written", 0) < 32 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out = mla_pool(num_pages=40)  # read back a RAM tier's worth at a time (8 slots)
+    assert sum(c.load_pages(out, list(range(i + 1, i + 9)), chain[i : i + 8]) for i in range(0, 32, 8)) == 32
+    assert [page_bytes_of(out, p) for p in range(1, 33)] == [page_bytes_of(src, p) for p in range(1, 33)]
 
 
 def test_concurrent_reads_of_the_same_file_pages(ray_local, tmp_path):

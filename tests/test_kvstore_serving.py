@@ -398,6 +398,45 @@ def test_default_policy_writes_at_eviction_and_shutdown_not_per_request(engines,
     assert all(o.cached_tokens == 160 for o in outs)
 
 
+def test_a_restarted_replica_warms_its_host_tier_and_admits_from_it_at_once(engines, tmp_path, llama_dir):
+    """Stopped and started again (the store too: its pages only on file), a replica reads the
+    store's pages of its model into its host tier before anyone asks; once a step has told
+    the scheduler, the same prompts are admitted at once with loads from the host rows (no
+    store prefetch) and answer as before."""
+    root = tmp_path / "kv"
+    start_store(root)
+    cfg = engine_config(llama_dir, root, kv_write_policy="write_back_selective", kv_host_cache_gb=0.01)
+    prompts = [prompt_ids(161, seed=s) for s in (60, 61, 62)]  # prompt[:-1]: 10 whole pages each
+    first = engines(cfg)
+    ref = first.generate(prompts, greedy(4))
+    first.shutdown()  # the drain saves what the GPU cache holds
+    pages = len(store_keys()) // 2  # MHA: a K and a V key per page
+    assert pages >= 3 * 10
+    from kvstore.actor import lookup_store
+
+    ray.get(lookup_store().flush.remote())
+    kill_store()
+    start_store(root)  # its index (and the pages' model tags) rebuilt from the files
+    again = engines(cfg)
+
+    def warmed():
+        ranks = kv_store_stats(again)["ranks"]
+        return bool(ranks) and ranks[0]["offload_warming"] == 0 and ranks[0]["offload_warm_pages"] == pages
+
+    wait_for(warmed, 60, "the host tier warmed")
+    again.generate([prompt_ids(20, seed=63)], greedy(1))  # a step: the scheduler learns what the tier holds
+    outs = again.generate(prompts, greedy(4))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert [o.cached_tokens for o in outs] == [160] * 3
+    assert again.kv_offload.stats.host_admissions == 3 and again.kv_offload.stats.hit_pages == 30
+    ranks = kv_store_stats(again)["ranks"]
+    assert ranks[0]["offload_prefetched_pages"] == 0  # nothing was read on a request's behalf
+    again.scheduler.check_integrity()
+    cold = engines(engine_config(llama_dir, root, kv_host_warm=False))  # --no-kv-host-warm
+    wait_for(lambda: bool(kv_store_stats(cold)["ranks"]), 30, "the ranks' stats")
+    assert "offload_warm_pages" not in kv_store_stats(cold)["ranks"][0]
+
+
 @pytest.mark.slow
 def test_store_killed_with_sigkill_under_load_is_back_within_seconds(no_store_after, tmp_path, llama_dir):
     """kill -9 of the store's process while requests stream: none of them fails, Ray starts the

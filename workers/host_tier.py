@@ -88,6 +88,11 @@ class HostTier:
                         break
             return rows
 
+    def take_free(self, n: int) -> list[int]:
+        """Up to n free rows (never an eviction)."""
+        with self.lock:
+            return [self.free.pop() for _ in range(min(n, len(self.free)))]
+
     def publish(self, keys: list[str], rows: list[int], pin: bool = False) -> list[int]:
         """Rows now hold keys; a key already ready keeps its row and the new one is freed.
         Returns the rows that hold the keys (pinned when `pin`)."""

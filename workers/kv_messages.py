@@ -24,6 +24,7 @@ class KVSave:
     keys: list[str]
     sync: bool = False
     store: bool = True  # False: into the host tier only (a prefill replica's hand-off to decode)
+    prompt: int = 0  # the leading pages that hold prompt tokens (a restarted replica warms those first)
 
 
 @dataclass
@@ -99,3 +100,4 @@ class KVOffloadOptions:
     chunk_pages: int = 16
     idle_wait_s: float = 0.01
     io_threads: int = 3  # requests whose pages move to or from the store at once
+    warm: bool = True  # fill the host tier at start with the store's recent pages (workers/host_warm.py)

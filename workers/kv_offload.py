@@ -47,10 +47,13 @@ from collections import deque
 import torch
 
 from workers.host_tier import HostTier, runs
+from workers.host_warm import WARM_THREADS, HostWarm
 from workers.kv_messages import KVLoad, KVOffloadOptions, KVPrefetch, KVSave
 from workers.kv_offload_io import RankIOThreads, _Prefetch, _Write
 
 logger = logging.getLogger(__name__)
+
+DRAIN_WAIT_S = 2.0  # how long a drain's pages refused by a full store are offered again (per chunk)
 
 
 class RankKVOffload(RankIOThreads):
@@ -70,7 +73,8 @@ class RankKVOffload(RankIOThreads):
         self.client = KVStoreClient(None, opts.layout, tp.rank, tp.size, pool_page_bytes(pool), opts.fingerprint,
                                     staging_pages=opts.chunk_pages, timeout_s=opts.timeout_s,
                                     store_name=opts.store_name, namespace=opts.namespace,
-                                    staging_slots=opts.io_threads + 2)  # + the reader's, the drain's
+                                    # + the reader's, the drain's, the warm's
+                                    staging_slots=opts.io_threads + 2 + WARM_THREADS * opts.warm)
         self.page_bytes = self.client.page_bytes
         pages = max(opts.host_cache_bytes // self.page_bytes, opts.chunk_pages)
         self.host = HostTier(pages, self.page_bytes, pin=torch.cuda.is_available(), log_changes=tp.is_first)
@@ -110,6 +114,9 @@ class RankKVOffload(RankIOThreads):
         self._threads = [threading.Thread(target=RankKVOffload._io_main, args=(weakref.ref(self), i == 0),
                                           name=f"kv-offload-r{tp.rank}-{'read' if i == 0 else i}", daemon=True)
                          for i in range(opts.io_threads + 1)]
+        self.warm = HostWarm(weakref.ref(self), f"kv-offload-r{tp.rank}") if opts.warm else None
+        if self.warm is not None:
+            self._threads += self.warm.threads()
         for t in self._threads:
             t.start()
         logger.info("KV store client on rank %d: layout %s, %d-byte pages, host tier %d pages (%.1f MiB)",
@@ -158,7 +165,9 @@ class RankKVOffload(RankIOThreads):
         if save.sync:
             self._save_now(save)
             return
-        todo = [(p, k) for p, k in zip(save.page_ids, save.keys) if not self.host.has(k)]
+        ahead = [not self.host.has(k) for k in save.keys]
+        todo = [(p, k) for p, k, a in zip(save.page_ids, save.keys, ahead) if a]
+        prompt = sum(ahead[: save.prompt])  # the leading pages that hold prompt tokens
         rows = self.host.take(len(todo))
         if len(rows) < len(todo):
             # Every host row is still on its way to the store (it is slow or down): drop the
@@ -173,11 +182,11 @@ class RankKVOffload(RankIOThreads):
             self.leases.expect([k for _, k in todo])
         try:
             if self._gpu_rows:
-                write = _Write([k for _, k in todo], rows, None, self._copy_out(pages, rows), save.store)
+                write = _Write([k for _, k in todo], rows, None, self._copy_out(pages, rows), save.store, prompt)
             else:  # on the CPU: gathered now, put into its rows by the I/O thread
                 stage = torch.empty((len(pages), self.page_bytes), dtype=torch.uint8)
                 gather_pages(self.pool, pages, stage)
-                write = _Write([k for _, k in todo], rows, stage, store=save.store)
+                write = _Write([k for _, k in todo], rows, stage, store=save.store, prompt=prompt)
         except Exception:
             logger.exception("kv offload: copying %d pages out of the device pool failed", len(todo))
             self.counters["errors"] += 1
@@ -215,7 +224,7 @@ class RankKVOffload(RankIOThreads):
     def _save_now(self, save: KVSave) -> None:
         """Write pages straight from the device pool to the store (the drain: no step runs)."""
         n = len(save.page_ids)
-        if n and self.client.save_pages(self.pool, save.page_ids, save.keys):
+        if n and self.client.save_pages(self.pool, save.page_ids, save.keys, save.prompt, wait_s=DRAIN_WAIT_S):
             self.counters["drained_pages"] += n
         elif n:
             self.counters["write_failures"] += 1
@@ -292,6 +301,8 @@ class RankKVOffload(RankIOThreads):
         st["errors"] += self.counters["errors"]
         st.update({f"offload_{k}": v for k, v in self.counters.items() if k != "errors"})
         st.update(self.peer.counters, **self.leases.counters)
+        if self.warm is not None:
+            st.update(self.warm.stats())
         st["host"] = {"used_bytes": self.host.used_bytes, "capacity_bytes": self.host.capacity * self.page_bytes,
                       "pages": len(self.host.ready), "evictions": self.host.evictions,
                       "pinned_rows": len(self.host.pins)}

@@ -33,6 +33,7 @@ class _Write:
     stage: torch.Tensor | None
     event: object = None
     store: bool = True  # False: the host tier only (a hand-off to a decode replica)
+    prompt: int = 0  # the leading keys that hold prompt tokens
 
 
 @dataclass(eq=False)
@@ -153,7 +154,8 @@ class RankIOThreads:
             return
         held = self.host.publish(w.keys, w.rows, pin=True)  # pinned until the store write is done
         try:
-            self._count_write(self.client.write_rows, w.keys, [self.host.data[r] for r in held], self.key_bytes)
+            self._count_write(self.client.write_rows, w.keys, [self.host.data[r] for r in held], self.key_bytes,
+                              w.prompt)
         finally:
             self.host.unpin(held)
 

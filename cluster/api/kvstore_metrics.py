@@ -18,6 +18,11 @@ zero, which `rate()` reads as a counter reset).
                                                store refused them (its RAM full of pages not yet
                                                written to files: the store is slower than the saves)
     manta:kvstore_usage_bytes{tier}            "ram" and "file" (the store), "host" (ranks' host tiers)
+    manta:kvstore_host_admissions_total{replica}  requests admitted at once on pages their replica's
+                                               host tier held (no store lookup; their pages count in hit_pages)
+    manta:kvstore_warm_pages_total{replica}    pages the ranks read from the store into their host tiers
+                                               at start (workers/host_warm.py)
+    manta:kvstore_warming{replica}             ranks of the replica still warming their host tiers
 
 Prefill/decode disaggregation (cluster/engine/kv_handoff.py, workers/kv_peer.py), on the decode
 replica that pulls pages unless said otherwise:
@@ -88,6 +93,14 @@ class KVStoreCollector(Collector):
         usage = GaugeMetricFamily("manta:kvstore_usage_bytes",
                                   "Bytes held by KV store tiers: ram and file (the shared store), host (the "
                                   "ranks' host tiers, all replicas).", labels=["tier"])
+        host_adm = CounterMetricFamily("manta:kvstore_host_admissions",
+                                       "Requests admitted at once on prompt pages their replica's host tier held.",
+                                       labels=["replica"])
+        warm = CounterMetricFamily("manta:kvstore_warm_pages",
+                                   "Pages read from the KV store into the ranks' host tiers at start.",
+                                   labels=["replica"])
+        warming = GaugeMetricFamily("manta:kvstore_warming",
+                                    "Ranks still warming their host tier from the KV store.", labels=["replica"])
         pd = {name: CounterMetricFamily(f"manta:pd_{name}", text, labels=["replica"]) for name, text in (
             ("handed_off", "Requests a prefill replica kept the prompt's pages for (disaggregated serving)."),
             ("transfers", "Requests that read their prompt's pages from a prefill replica."),
@@ -102,6 +115,7 @@ class KVStoreCollector(Collector):
             for replica, rep in self._replicas.items():
                 hits.add_metric([replica], rep.get("hit_pages", 0))
                 queries.add_metric([replica], rep.get("query_pages", 0))
+                host_adm.add_metric([replica], rep.get("host_admissions", 0))
                 ranks = rep.get("ranks", [])
                 errors.add_metric([replica, "probe"], rep.get("probe_errors", 0))
                 errors.add_metric([replica, "write"], sum(r.get("write_errors", 0) for r in ranks))
@@ -116,6 +130,8 @@ class KVStoreCollector(Collector):
                     wbytes += r.get("bytes_written", 0)
                     rbytes += r.get("bytes_read", 0)
                     host += r.get("host", {}).get("used_bytes", 0)
+                warm.add_metric([replica], sum(r.get("offload_warm_pages", 0) for r in ranks))
+                warming.add_metric([replica], sum(r.get("offload_warming", 0) for r in ranks))
                 nbytes.add_metric([replica, "write"], wbytes)
                 nbytes.add_metric([replica, "read"], rbytes)
                 ho = rep.get("handoff") or {}
@@ -134,7 +150,8 @@ class KVStoreCollector(Collector):
                 errors.add_metric(["store", "file_write"], store.get("file_write_errors", 0))
             if self._replicas:
                 usage.add_metric(["host"], host)
-        yield from (written, read, hits, queries, nbytes, errors, dropped, usage, *pd.values(), pd_fail)
+        yield from (written, read, hits, queries, nbytes, errors, dropped, usage, host_adm, warm, warming,
+                    *pd.values(), pd_fail)
 
     def describe(self) -> Iterator[Metric]:
         return self.collect()

@@ -75,6 +75,7 @@ class EngineConfig:
     kv_store_host_gb: float = 1.0
     kv_store_disk_gb: float = 16.0
     kv_host_cache_gb: float = 2.0
+    kv_host_warm: bool = True  # at start, fill the host tiers with the store's recent pages of this model
     kv_write_policy: str = "write_back_selective"
     kv_prefetch_policy: str = "timeout"
     kv_prefetch_timeout_s: float = 0.5

@@ -19,7 +19,9 @@ plan's own evictions never cost its loads.
 
 The picture travels with step results, so it is as fresh as the last step: a page published
 after an idle replica's last step is unknown to it until the next one, and the first request
-after a pause goes the store's way (whose prefetch then finds the page in the host tier).
+after a pause goes the store's way (whose prefetch then finds the page in the host tier). That
+includes the pages a rank warms its tier with at start (`workers/host_warm.py`): a replica
+started again on a store that outlived it admits its old prompts this way from its first step.
 """
 
 from __future__ import annotations

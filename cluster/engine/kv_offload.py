@@ -127,7 +127,7 @@ class SchedulerKVOffload:
         self.tree_keys: dict[int, str] = {}  # page in the radix tree -> its chain key
         self.saved: set[int] = set()  # tree pages already saved (or loaded from the store)
         self.hits: Counter[int] = Counter()  # write_through_selective: admissions that matched a page
-        self.pending_saves: list[tuple[int, str]] = []
+        self.pending_saves: list[tuple[int, str, bool]] = []  # (page, key, holds prompt tokens)
         self.loading: dict[str, Loading] = {}  # set aside or requeued, until admitted
         self.inflight: dict[str, Loading] = {}  # admitted with a load whose result has not come
         self.from_store: set[int] = set()  # loaded pages owned by running requests (not saved again)
@@ -135,6 +135,7 @@ class SchedulerKVOffload:
         self.probed: set[str] = set()  # requests whose store question is settled
         self.probes: dict[str, object] = {}  # rid -> kvstore.probe.PendingProbe
         self.prompt_pages: set[int] = set()  # tree pages that hold prompt tokens (drained first)
+        self.depth: dict[int, int] = {}  # tree page -> its index in its chain (a prefix drains first)
         self.chains: dict[str, list[str]] = {}
         self.in_store: dict[str, int] = {}  # rid -> leading pages its lookup found in the store (never saved again)
         self._prefetch: list[KVPrefetch] = []
@@ -335,6 +336,7 @@ class SchedulerKVOffload:
         prompt_full = len(req.prompt_ids) // self.P
         for i in range(kept, n_full):
             self.tree_keys[pages[i]] = chain[i]
+            self.depth[pages[i]] = i
             if pages[i] in loaded or i < self.in_store.get(req.rid, 0):
                 self.saved.add(pages[i])  # it came from the store, or the store has it already
                 continue
@@ -345,16 +347,19 @@ class SchedulerKVOffload:
 
     def drain_saves(self) -> list[KVSave]:
         """At shutdown (write_back policies): `sync` saves of every cached page not saved yet,
-        prompt pages first, most recently cached first, in chunks the caller sends one at a
-        time until its deadline. Empty for the write-through policies (their pages went out)."""
+        prompt pages first, each kind by depth in its chain (a page is no use without the ones
+        before it: a drain cut short by its deadline leaves whole prefixes), most recently
+        cached first at one depth; in chunks the caller sends one at a time until its
+        deadline. Empty for the write-through policies (their pages went out)."""
         if self.write_policy not in WRITE_BACK:
             return []
         recent = [p for p in reversed(self.tree_keys) if p not in self.saved]
-        order = [p for p in recent if p in self.prompt_pages] + [p for p in recent if p not in self.prompt_pages]
+        order = sorted(recent, key=lambda p: (p not in self.prompt_pages, self.depth.get(p, 0)))  # stable
         out = []
         for i in range(0, len(order), DRAIN_CHUNK_PAGES):
             chunk = order[i : i + DRAIN_CHUNK_PAGES]
-            out.append(KVSave(chunk, [self.tree_keys[p] for p in chunk], sync=True))
+            out.append(KVSave(chunk, [self.tree_keys[p] for p in chunk], sync=True,
+                              prompt=sum(p in self.prompt_pages for p in chunk)))
         return out
 
     def drained(self, save: KVSave) -> None:
@@ -364,7 +369,8 @@ class SchedulerKVOffload:
     def orders(self):
         """This step's KV orders (saves, prefetch starts, its admissions' loads), or None when
         there are none and no request waits on the store."""
-        saves = [KVSave([p for p, _ in self.pending_saves], [k for _, k in self.pending_saves])]
+        pending = sorted(self.pending_saves, key=lambda s: not s[2])  # prompt pages first
+        saves = [KVSave([p for p, _, _ in pending], [k for _, k, _ in pending], prompt=sum(s[2] for s in pending))]
         saves = (saves if self.pending_saves else []) + kv_handoff.take_handoff_saves(self)
         self.pending_saves = []
         prefetch, self._prefetch = self._prefetch, []
@@ -404,7 +410,7 @@ class SchedulerKVOffload:
 
     def _save(self, page: int, key: str) -> None:
         self.saved.add(page)
-        self.pending_saves.append((page, key))
+        self.pending_saves.append((page, key, page in self.prompt_pages))
         self.stats.saved_pages += 1
 
     def _on_evict(self, leaf, take: int) -> None:
@@ -414,9 +420,10 @@ class SchedulerKVOffload:
         for p in leaf.pages[len(leaf.pages) - take :]:
             key = self.tree_keys.pop(p, None)
             self.hits.pop(p, None)
-            self.prompt_pages.discard(p)
+            self.depth.pop(p, None)
             if self.write_policy in WRITE_BACK and key is not None and p not in self.saved:
                 self._save(p, key)
+            self.prompt_pages.discard(p)
             if p in self.saved:  # its copy is in the host tier and on its way to the store
                 self._evict_copied.add(p)
             self.saved.discard(p)

@@ -76,7 +76,8 @@ def kv_offload_options(config: EngineConfig) -> KVOffloadOptions | None:
     if ident is None:
         return None
     return KVOffloadOptions(fingerprint=ident[0], layout=ident[1],
-                            host_cache_bytes=int(config.kv_host_cache_gb * 2**30), store_name=STORE_NAME)
+                            host_cache_bytes=int(config.kv_host_cache_gb * 2**30), store_name=STORE_NAME,
+                            warm=config.kv_host_warm)
 
 
 def kv_host_pages(config: EngineConfig) -> int:

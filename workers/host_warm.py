@@ -1,0 +1,125 @@
+"""A rank's host tier warmed at start from the shared store.
+
+When a replica starts again on a store that outlived it (a restart, a redeploy, a crash), its
+GPU cache and host tier are empty while the store's file tier still holds the pages of the
+prompts it served. Read back on demand, a page costs its request a store lookup, a prefetch
+and a requeue (`cluster.engine.kv_offload`), which under load is slower than computing a
+1k-token prompt, so the store's judge bypasses the store. Read into the host tier before anyone
+asks, that cost is paid before the requests come: the first rank reports the warmed keys with
+its next step result, and a request whose prefix is there is admitted at once with a load
+from pinned host rows (`cluster.engine.kv_host_admission`).
+
+What is read: the store's most recently used pages of this model and cache layout (the model
+tag the store keeps with every page: `kvstore.keys.model_tag`) for this rank (an MHA rank's
+own K/V shards; MLA pages are the same for every rank), most recent first, up to
+`WARM_FRACTION` of the tier (the rest stays free for the first saves). It takes free rows
+only, so it never evicts a page the replica put there meanwhile; `chunk_pages` a read on
+`WARM_THREADS` threads, beside the rank's steps (nothing in a step waits for it); a page the
+store no longer has, or that fails its checksum, is skipped. It stops at close, or after
+`GIVE_UP` reads in a row brought nothing (the store is down). Counted in the
+rank's stats: `offload_warm_pages`, `offload_warm_s` (until the last thread ended) and
+`offload_warming` (1 while it runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+logger = logging.getLogger(__name__)
+
+WARM_FRACTION = 0.9  # of the host tier's rows that a warm fills at most
+WARM_THREADS = 2  # store reads at once (each holds one of the client's staging areas)
+GIVE_UP = 3  # reads in a row that brought no page
+
+
+class HostWarm:
+    """One warm of one rank's host tier; `threads()` are started by the rank's offload, which
+    they hold weakly (a dropped offload ends them) and which joins them at close."""
+
+    def __init__(self, offload_ref, name: str):
+        self._ref = offload_ref
+        self._name = name
+        self._chunks: deque[list[str]] = deque()
+        self._listed = threading.Event()
+        self._lock = threading.Lock()
+        self._running = WARM_THREADS
+        self._empty_reads = 0
+        self.started = time.monotonic()
+        self.pages = 0
+        self.listed_pages = 0
+        self.seconds = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self._running > 0
+
+    def threads(self) -> list[threading.Thread]:
+        return [threading.Thread(target=self._main, args=(i == 0,), name=f"{self._name}-warm{i}", daemon=True)
+                for i in range(WARM_THREADS)]
+
+    def _main(self, lister: bool) -> None:
+        try:
+            if lister:
+                try:
+                    self._list()
+                finally:
+                    self._listed.set()
+            self._listed.wait()
+            while self._read_next():
+                pass
+        except Exception:
+            logger.exception("kv offload: warming the host tier")
+        finally:
+            self._listed.set()
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    self.seconds = time.monotonic() - self.started
+                    if self.pages:
+                        logger.info("%s: host tier warmed with %d pages from the KV store in %.1f s",
+                                    self._name, self.pages, self.seconds)
+
+    def _list(self) -> None:
+        off = self._ref()
+        if off is None:
+            return
+        host = off.host
+        limit = int(host.capacity * WARM_FRACTION) - (host.capacity - len(host.free))
+        chain = [k for k in off.client.recent(limit) if not host.has(k)] if limit > 0 else []
+        n = max(1, off.opts.chunk_pages)
+        self._chunks.extend(chain[i : i + n] for i in range(0, len(chain), n))
+        self.listed_pages = len(chain)
+
+    def _read_next(self) -> bool:
+        """Read one chunk into free rows; False when there is nothing (more) to do."""
+        import ray
+
+        off = self._ref()
+        if off is None or off._stop or not ray.is_initialized():
+            return False
+        with self._lock:
+            if not self._chunks or self._empty_reads >= GIVE_UP:
+                return False
+            chunk = self._chunks.popleft()
+        host = off.host
+        rows = host.take_free(len(chunk))
+        if not rows:
+            return False  # the tier filled up (the replica's own pages): done
+        chunk = chunk[: len(rows)]
+        n = off.client.read_rows(chunk, [host.data[r] for r in rows], off.key_bytes)
+        host.give(rows[n:])
+        host.publish(chunk[:n], rows[:n])
+        with self._lock:
+            self.pages += n
+            self._empty_reads = 0 if n else self._empty_reads + 1
+            if n + 1 < len(chunk):  # page n is gone or failed its checksum: go on past it
+                self._chunks.appendleft(chunk[n + 1 :])
+        return True
+
+    def stats(self) -> dict:
+        return {"offload_warm_pages": self.pages, "offload_warm_listed": self.listed_pages,
+                "offload_warm_s": self.seconds if not self.running else time.monotonic() - self.started,
+                "offload_warming": int(self.running)}
