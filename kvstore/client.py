@@ -37,7 +37,6 @@ from kvstore.keys import (
     keys_per_page,
     leading_pages,
     model_tag,
-    recent_chain,
     store_keys,
     validate_keys,
 )
@@ -87,6 +86,7 @@ class KVStoreClient:
         self._tls = threading.local()
         self._store_agent: str | None = None
         self._registered_gen = -1
+        self._tagless = False  # the store takes no model tags or prompt flags (an older store)
         self._conn_lock = threading.Lock()  # registration with the store
         self._regions: list[tuple[int, int, object]] = []  # registered row buffers: (address, bytes, handle)
         self.agent = None
@@ -124,13 +124,14 @@ class KVStoreClient:
         return 0 if flags is FAILED else leading_pages(flags, self.kpp)
 
     def recent(self, limit: int) -> list[str]:
-        """Chain keys of up to `limit` pages of this model that the store holds for this rank,
-        most recently used first ([] when the store is unreachable)."""
+        """Chain keys of up to `limit` pages of this model that the store holds for every rank
+        of this one's TP group, prompt pages first, most recently used first ([] when the store
+        is unreachable)."""
         if limit <= 0 or not self._connect():
             return []
-        rank = None if self.layout == "mla" else self.tp_rank
-        keys = self.link.call("recent", model_tag(self.fingerprint), rank, limit * self.kpp)
-        return [] if keys is FAILED else recent_chain(keys, self.layout)[:limit]
+        keys = self.link.call("recent", model_tag(self.fingerprint), None if self.layout == "mla" else self.tp_size,
+                              limit)
+        return [] if keys is FAILED else validate_keys(keys)[:limit]
 
     # ---------------- raw page buffers ----------------
     @serialized
@@ -266,13 +267,15 @@ class KVStoreClient:
         for start in range(0, len(chain), self.staging_pages):
             sub = chain[start : start + self.staging_pages]
             self._gather(pool, page_ids[start : start + len(sub)])
+            tally = [0, 0]  # pages refused by this attempt, attempts before it
             while True:
-                before = self.counters.pages_refused
-                done = self._write_areas(sub, [sizes] * len(sub), None, prompt - start)
-                if done or self.counters.pages_refused == before or time.monotonic() > deadline:
+                tally[0] = 0
+                done = self._write_areas(sub, [sizes] * len(sub), None, prompt - start, tally)
+                if done or not tally[0] or time.monotonic() > deadline:
                     break
-                self.counters.pages_refused = before  # offered again: counted once, if it stays refused
-                time.sleep(0.005)
+                tally[1] += 1
+                time.sleep(0.02)
+            self.counters.pages_refused += tally[0]  # those the last attempt left out
             ok = done and ok
         return ok
 
@@ -343,6 +346,9 @@ class KVStoreClient:
             return True  # another thread did it while this one waited
         reply = self.link.call("register_client", self.name, self.agent.get_agent_metadata(),
                                model_tag(self.fingerprint))
+        self._tagless = reply is FAILED and self.link.refused_args
+        if self._tagless:  # a store of an older version (it outlived an upgrade): no tags, no warm
+            reply = self.link.call("register_client", self.name, self.agent.get_agent_metadata())
         if reply is FAILED:
             return False
         store_agent, metadata = reply
@@ -384,10 +390,12 @@ class KVStoreClient:
         return [self._np[i * self.page_bytes : (i + 1) * self.page_bytes] for i in range(n)]
 
     def _write_areas(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None,
-                     prompt: int = 0) -> bool:
+                     prompt: int = 0, tally: list[int] | None = None) -> bool:
         """Send pages from registered memory: page i's keys packed by `sizes[i]` from the start
         of `areas[i]` (default: the staging area, page i at i * page_bytes); pages i < `prompt`
-        hold prompt tokens."""
+        hold prompt tokens. `tally` ([refused, attempts before]): the pages the store refused
+        are added to tally[0] rather than counted (the caller may offer them again), and a
+        retry does not count the pages an attempt before it wrote as present."""
         keys = store_keys(chain, self.layout, self.tp_rank)
         areas = self._staged(len(chain)) if areas is None else areas
         where = [(areas[i], sum(s[:j])) for i, s in enumerate(sizes) for j in range(len(s))]
@@ -414,7 +422,8 @@ class KVStoreClient:
             self.link.send("release", reply.lease)  # frees the reservation
             return False
         else:
-            committed = self.link.call("commit", self.name, reply.lease, sent, checksums(views), flags)
+            committed = self.link.call("commit", self.name, reply.lease, sent, checksums(views),
+                                       *([] if self._tagless else [flags]))
             if committed is FAILED or committed != len(sent):
                 if committed is not FAILED:
                     self.counters.errors += 1
@@ -427,9 +436,12 @@ class KVStoreClient:
             if all(k in done for k in page):
                 self.counters.pages_written += 1
             elif all(present):
-                self.counters.pages_present += 1
+                self.counters.pages_present += tally is None or not tally[1]
             elif not all(k in done or here for k, here in zip(page, present)):
-                self.counters.pages_refused += 1
+                if tally is None:
+                    self.counters.pages_refused += 1
+                else:
+                    tally[0] += 1
         return all(p or loc is not None for p, loc in zip(reply.present, reply.locs))
 
     def _read_areas(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None) -> int:

@@ -219,38 +219,28 @@ def validate_tag(tag: object) -> str:
     return tag
 
 
-def recent_keys(index: dict, lrus: Sequence, tag: str, rank: int | None, limit: int) -> list[str]:
-    """Up to `limit` keys of `index` (store key -> an entry with a `tag` and a `prompt` flag)
-    of model `tag`: those of TP rank `rank` (MHA), or those with no rank (None: MLA); pages
-    that hold prompt tokens first (a prefix is what the next request asks for), then the
-    others, each most recent first in the order of the LRU orders `lrus` (each oldest first;
-    the more recent tier first)."""
-    ends = None if rank is None else (f"-r{rank}-k", f"-r{rank}-v")
+def recent_pages(index: dict, lrus: Sequence, tag: str, tp_size: int | None, limit: int) -> list[str]:
+    """Chain keys of up to `limit` whole pages in `index` (store key -> an entry with a `tag`
+    and a `prompt` flag) of model `tag`: MHA pages of a TP group of `tp_size` (all 2 x tp_size
+    keys there), or MLA pages (None: one key, no rank). Pages that hold prompt tokens first (a
+    prefix is what the next request asks for), then the others, each by recency of its most
+    recent key in the LRU orders `lrus` (each oldest first; the more recent tier first). Every
+    rank of a replica gets the same list from the same index, so their host tiers agree."""
     ranked: tuple[list[str], list[str]] = ([], [])
     seen: set[str] = set()
     for lru in lrus:
         for key in reversed(lru):
-            if key in seen:
+            chain = key[:64]
+            if chain in seen or (tp_size is None) != (len(key) == 64):
                 continue
-            seen.add(key)
+            seen.add(chain)
             entry = index.get(key)
             if entry is None or entry.tag != tag:
                 continue
-            if not key.endswith(ends) if ends else len(key) != 64:
+            if tp_size is not None and not all(
+                    k in index for r in range(tp_size) for k in rank_keys(chain, "mha", r)):
                 continue
-            ranked[0 if entry.prompt else 1].append(key)
+            ranked[0 if entry.prompt else 1].append(chain)
             if len(ranked[0]) == limit:
                 return ranked[0]
     return (ranked[0] + ranked[1])[:limit]
-
-
-def recent_chain(keys: Sequence[str], layout: str) -> list[str]:
-    """The chain keys of one rank's store keys (`recent_keys`'s answer), in their order: an
-    MHA page is there when both its K and V keys are."""
-    if check_layout(layout) == "mla":
-        return list(keys)
-    halves: dict[str, int] = {}
-    for key in keys:
-        chain = key[:64]
-        halves[chain] = halves.get(chain, 0) + 1
-    return [c for c, n in halves.items() if n == 2]

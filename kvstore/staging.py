@@ -29,7 +29,7 @@ def serialized(method):
             self._free.put(stage)
             failed = self.counters.errors - errors  # attributed to this call's kind, for the metrics
             if failed > 0:
-                if method.__name__ in ("batch_set", "save_pages"):
+                if method.__name__ in ("batch_set", "save_pages", "write_rows"):
                     self.counters.write_errors += failed
                 else:
                     self.counters.read_errors += failed

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.file_tier import FileTier
-from kvstore.keys import recent_keys, validate_key, validate_keys, validate_tag
+from kvstore.keys import recent_pages, validate_key, validate_keys, validate_tag
 from kvstore.messages import STORE_NAME, LocateReply, PageLoc, ReserveReply, page_checksum
 from kvstore.ram_tier import RamTier
 from kvstore.store_files import Entry, StoreFiles
@@ -183,16 +183,16 @@ class KVStore(StoreFiles):
         with self._lock:
             return list(self.index)
 
-    def recent(self, tag: str, rank: int | None, limit: int) -> list[str]:
-        """Up to `limit` keys of pages written by clients of model tag `tag`, prompt pages first,
-        each kind most recently used first (RAM, then files), of TP rank `rank` (an MHA rank's
-        `-r{rank}-k|v` keys) or of no rank (None: MLA pages): what a restarted replica warms
-        its host tiers with."""
+    def recent(self, tag: str, tp_size: int | None, limit: int) -> list[str]:
+        """Chain keys of up to `limit` whole pages written by clients of model tag `tag` (MHA:
+        every key of a TP group of `tp_size`; None: MLA pages), prompt pages first, each kind
+        most recently used first (RAM, then files): what a restarted replica warms its ranks'
+        host tiers with (every rank gets the same list)."""
         validate_tag(tag)
         if not tag or limit <= 0:
             return []
         with self._lock:
-            return recent_keys(self.index, (self.ram_lru, self.files.lru), tag, rank, limit)
+            return recent_pages(self.index, (self.ram_lru, self.files.lru), tag, tp_size, limit)
 
     def clear(self) -> None:
         """Delete every page, in RAM and on disk (pending writes and leases are dropped).

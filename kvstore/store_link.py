@@ -5,6 +5,7 @@ client follows the store Ray restarts). Page bytes never pass here (`kvstore.cli
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ class StoreLink:
         self._last_lookup = 0.0
         self._failing = 0  # failed calls since the last success
         self._warned_at = 0.0
+        self._tls = threading.local()  # per calling thread: whether its last call's arguments were refused
 
     def _lookup(self) -> bool:
         now = time.monotonic()
@@ -68,10 +70,17 @@ class StoreLink:
         self.store, self.generation = handle, self.generation + 1
         return True
 
+    @property
+    def refused_args(self) -> bool:
+        return getattr(self._tls, "refused", False)
+
     def call(self, method: str, *args):
-        """ray.get(store.method(*args)) within timeout_s, or FAILED (counted)."""
+        """ray.get(store.method(*args)) within timeout_s, or FAILED (counted; `refused_args`
+        then says whether the store refused the arguments themselves: a TypeError, e.g. a
+        store of an older version)."""
         import ray
 
+        self._tls.refused = False
         for attempt in range(2):
             if self.store is None and not self._lookup():
                 break
@@ -88,6 +97,7 @@ class StoreLink:
                 self._warn(f"{method}: the store actor is unavailable")
                 break
             except Exception as exc:  # the store refused (bad key) or failed
+                self._tls.refused = isinstance(exc, TypeError)
                 self._warn(f"{method} failed: {exc}")
                 break
         self.counters.errors += 1

@@ -26,3 +26,15 @@ def test_only_the_logging_rank_keeps_a_log():
     tier = HostTier(2, 8, pin=False)
     tier.publish(["a"], tier.take(1))
     assert tier.take_changes() == ([], []) and tier.changes is None
+
+
+def test_published_at_the_oldest_end_the_first_given_is_evicted_last():
+    """A warm's pages (most valuable first) go to the least recently used end, so the
+    replica's own pages and the warm's best pages outlast its least valuable ones."""
+    tier = HostTier(4, 8, pin=False)
+    tier.publish(["a"], tier.take(1))
+    tier.publish(["best", "next"], tier.take(2), oldest=True)
+    tier.publish(["last"], tier.take(1), oldest=True)
+    assert list(tier.ready) == ["last", "next", "best", "a"]
+    tier.take(1)  # full: evicts the least recently used
+    assert "last" not in tier.ready and tier.has("best") and tier.has("a")

@@ -411,34 +411,34 @@ def test_restart_keeps_pages_drops_corrupt_ones_and_dead_store_misses(ray_local,
     assert c.stats()["errors"] == errors + 3
 
 
-def test_recent_lists_a_models_own_pages_of_a_rank_prompts_first_across_a_restart(ray_local, tmp_path):
+def test_recent_lists_a_models_whole_pages_prompts_first_across_a_restart(ray_local, tmp_path):
     """What a restarted replica warms its host tiers with (`KVStore.recent`): the pages its
-    model's clients wrote (the tag kept in RAM and in the page files' headers), of its TP rank
-    (MHA) or of none (MLA); pages saved as prompt pages first, then the others, each most
-    recently used first; never another model's, nor a page whose writer is unknown."""
+    model's clients wrote (the tag kept in RAM and in the page files' headers) that the store
+    holds whole for its TP group (every rank's K and V) or, MLA, its one key; pages saved as
+    prompt pages first, then the others, each most recently used first; the same list for
+    every rank; never another model's, nor a page whose writer is unknown."""
     handle, name = new_store(tmp_path)
     src = mha_pool()
     fill(src, 4)
     r0, r1 = (client(handle, name, "mha", rank=r, tp=2, page_bytes=pool_page_bytes(src)) for r in (0, 1))
-    x, y, z = (r0.chain_keys(tokens(n, salt=salt), PAGE) for n, salt in ((3, 1), (2, 2), (2, 5)))
-    assert r0.save_pages(src, [6, 7], z, prompt=2)  # the oldest, but prompt pages
-    assert r0.save_pages(src, [1, 2, 3], x) and r1.save_pages(src, [1, 2, 3], x)
-    assert r0.save_pages(src, [4, 5], y)
+    x, y, z, w = (r0.chain_keys(tokens(n, salt=salt), PAGE) for n, salt in ((3, 1), (2, 2), (2, 5), (1, 6)))
+    for chain, pages, prompt in ((z, [6, 7], 2), (x, [1, 2, 3], 0), (y, [4, 5], 0)):  # z: the oldest, prompt pages
+        assert r0.save_pages(src, pages, chain, prompt=prompt) and r1.save_pages(src, pages, chain, prompt=prompt)
+    assert r0.save_pages(src, [1], w, prompt=1)  # rank 1's half never arrived: not a whole page
     mla = client(handle, name, "mla")  # another model (its fingerprint differs)
     other = mla.chain_keys(tokens(2, salt=3), PAGE)
     assert mla.batch_set(other, [[torch.full((64,), 1.0)] for _ in other])
     ray.get(handle.put.remote(K.chain_keys(tokens(1, salt=4), PAGE, fingerprint("mla"), "mla")[0], b"\0" * 64))
-    assert r0.recent(10) == z[::-1] + y[::-1] + x[::-1]
+    assert r0.recent(10) == r1.recent(10) == z[::-1] + y[::-1] + x[::-1]
     assert r0.recent(3) == z[::-1] + [y[1]]
-    assert r1.recent(10) == x[::-1]
     assert mla.recent(10) == other[::-1]  # not the page `put` wrote: its writer is unknown
     assert ray.get(handle.recent.remote(K.model_tag(r0.fingerprint), None, 10)) == []  # no MLA-style keys of it
     with pytest.raises(ray.exceptions.RayTaskError, match="not a model tag"):
-        ray.get(handle.recent.remote("../etc", 0, 10))
+        ray.get(handle.recent.remote("../etc", 2, 10))
     ray.get(handle.flush.remote())
     _kill(handle, name)
     handle = _restart(tmp_path, name)  # tags and prompt flags come back from the page files' headers
-    assert set(r0.recent(2)) == set(z) and set(r0.recent(10)) == set(x + y + z) and set(r1.recent(10)) == set(x)
+    assert set(r0.recent(2)) == set(z) and set(r0.recent(10)) == set(x + y + z) and r1.recent(10) == r0.recent(10)
     assert set(mla.recent(10)) == set(other)
     assert r0.load_pages(mha_pool(), [1, 2, 3], x) == 3
     assert r0.recent(5)[2:] == x[::-1]  # read since the restart: the most recently used after the prompts

@@ -93,9 +93,11 @@ class HostTier:
         with self.lock:
             return [self.free.pop() for _ in range(min(n, len(self.free)))]
 
-    def publish(self, keys: list[str], rows: list[int], pin: bool = False) -> list[int]:
+    def publish(self, keys: list[str], rows: list[int], pin: bool = False, oldest: bool = False) -> list[int]:
         """Rows now hold keys; a key already ready keeps its row and the new one is freed.
-        Returns the rows that hold the keys (pinned when `pin`)."""
+        Returns the rows that hold the keys (pinned when `pin`). `oldest`: new keys go to the
+        least recently used end, each before the one published before it (the first key
+        given is evicted last of them)."""
         held = []
         with self.lock:
             for key, row in zip(keys, rows):
@@ -104,6 +106,8 @@ class HostTier:
                     row = self.ready[key]
                 else:
                     self.ready[key] = row
+                    if oldest:
+                        self.ready.move_to_end(key, last=False)
                     if self.changes is not None:
                         self.changes[key] = True
                 if pin:

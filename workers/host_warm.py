@@ -109,9 +109,14 @@ class HostWarm:
         if not rows:
             return False  # the tier filled up (the replica's own pages): done
         chunk = chunk[: len(rows)]
-        n = off.client.read_rows(chunk, [host.data[r] for r in rows], off.key_bytes)
-        host.give(rows[n:])
-        host.publish(chunk[:n], rows[:n])
+        n = 0
+        try:
+            n = off.client.read_rows(chunk, [host.data[r] for r in rows], off.key_bytes)
+        finally:  # (a raise leaves every row free again)
+            host.give(rows[n:])
+            # At the least recently used end, each chunk before the last: the list is most
+            # valuable first, and the replica's own pages evict the least valuable first.
+            host.publish(chunk[:n], rows[:n], oldest=True)
         with self._lock:
             self.pages += n
             self._empty_reads = 0 if n else self._empty_reads + 1

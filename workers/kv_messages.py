@@ -25,6 +25,7 @@ class KVSave:
     sync: bool = False
     store: bool = True  # False: into the host tier only (a prefill replica's hand-off to decode)
     prompt: int = 0  # the leading pages that hold prompt tokens (a restarted replica warms those first)
+    wait_s: float = 0.0  # `sync`: how long pages the store refuses for want of room are offered again
 
 
 @dataclass

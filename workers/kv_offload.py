@@ -53,8 +53,6 @@ from workers.kv_offload_io import RankIOThreads, _Prefetch, _Write
 
 logger = logging.getLogger(__name__)
 
-DRAIN_WAIT_S = 2.0  # how long a drain's pages refused by a full store are offered again (per chunk)
-
 
 class RankKVOffload(RankIOThreads):
     """Carries out a plan's KV orders on one rank (`run`, called by the model runner at the
@@ -224,7 +222,7 @@ class RankKVOffload(RankIOThreads):
     def _save_now(self, save: KVSave) -> None:
         """Write pages straight from the device pool to the store (the drain: no step runs)."""
         n = len(save.page_ids)
-        if n and self.client.save_pages(self.pool, save.page_ids, save.keys, save.prompt, wait_s=DRAIN_WAIT_S):
+        if n and self.client.save_pages(self.pool, save.page_ids, save.keys, save.prompt, wait_s=save.wait_s):
             self.counters["drained_pages"] += n
         elif n:
             self.counters["write_failures"] += 1

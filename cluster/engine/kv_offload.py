@@ -87,6 +87,7 @@ MIN_PAGE_TOKENS = 16
 WAIT_COMPLETE_CAP_S = 60.0  # wait_complete still gives up after this long
 PROBE_WAIT_S = 0.1  # a store lookup not answered by then is a miss (and probing pauses)
 DRAIN_CHUNK_PAGES = 64  # pages per drain order at shutdown
+DRAIN_WAIT_S = 2.0  # at most this long a drain order's pages refused by a full store are offered again
 # Requests loading from the store at once: beyond that the store's pipeline (each rank's I/O
 # threads) is busy and one more would queue behind the others; it is computed instead.
 MAX_LOADING = 4
@@ -359,7 +360,7 @@ class SchedulerKVOffload:
         for i in range(0, len(order), DRAIN_CHUNK_PAGES):
             chunk = order[i : i + DRAIN_CHUNK_PAGES]
             out.append(KVSave(chunk, [self.tree_keys[p] for p in chunk], sync=True,
-                              prompt=sum(p in self.prompt_pages for p in chunk)))
+                              prompt=sum(p in self.prompt_pages for p in chunk), wait_s=DRAIN_WAIT_S))
         return out
 
     def drained(self, save: KVSave) -> None:

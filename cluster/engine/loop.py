@@ -476,6 +476,7 @@ class Engine:
             if time.monotonic() - t0 > budget_s:
                 break
             self.scheduler._step_id += 1
+            save.wait_s = min(save.wait_s, max(0.0, budget_s - (time.monotonic() - t0)))  # within the budget
             self.workers.execute(StepPlan(self.scheduler._step_id, ForwardMode.IDLE, [], kv_saves=[save]))
             self.kv_offload.drained(save)
             done += len(save.page_ids)
