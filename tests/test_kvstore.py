@@ -24,6 +24,7 @@ from kvstore.file_tier import HEADER_BYTES, SUFFIX
 from kvstore.file_tier import file_bytes as page_file_bytes
 from kvstore.pages import pool_page_bytes
 from kvstore.probe import StoreProbe
+from kvstore.store import KVStore
 from kvstore.transfer import agree_on_pages
 from workers.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from workers.parallel import TPGroup
@@ -654,6 +655,35 @@ def test_writes_are_refused_not_spilled_while_ram_is_full_of_unflushed_pages(ray
     assert ray.get(handle.flush.remote()) == 8
     assert c.batch_set(chain[8:], pages[8:])  # clean pages now make room (no write waits)
     assert ray.get(handle.exists.remote(K.store_keys(chain[8:], "mla", 0))) == [True] * 4
+
+
+class _OlderStore(KVStore):
+    """A store of the version before model tags and prompt flags (its signatures)."""
+
+    def register_client(self, name, agent_metadata):
+        return super().register_client(name, agent_metadata)
+
+    def commit(self, client, lease, keys, checksums):
+        return super().commit(client, lease, keys, checksums)
+
+
+def test_a_store_of_an_older_version_is_used_without_tags(ray_local, tmp_path):
+    """A store that outlived an upgrade refuses the model tag and the prompt flags: the client
+    registers and writes without them (the pages are still saved and loaded), and there is
+    nothing to warm from it."""
+    name = f"kvstore-old-{uuid.uuid4().hex[:8]}"
+    store = ray.remote(_OlderStore).options(name=name, namespace=NS, num_cpus=0, max_concurrency=8).remote(
+        str(tmp_path), flush_interval_s=None)
+    ray.get(store.info.remote())
+    src, dst = mha_pool(), mha_pool()
+    fill(src, 7)
+    c = client(store, name, "mha", page_bytes=pool_page_bytes(src))
+    chain = c.chain_keys(tokens(2, salt=51), PAGE)
+    assert c.save_pages(src, [1, 2], chain, prompt=2)
+    assert c.load_pages(dst, [3, 4], chain) == 2
+    assert [page_bytes_of(dst, p) for p in (3, 4)] == [page_bytes_of(src, p) for p in (1, 2)]
+    assert c.recent(10) == []
+    ray.kill(store)
 
 
 def test_a_drain_offers_refused_pages_again_until_the_flusher_makes_room(ray_local, tmp_path):
