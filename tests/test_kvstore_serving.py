@@ -400,9 +400,9 @@ def test_default_policy_writes_at_eviction_and_shutdown_not_per_request(engines,
 
 def test_a_restarted_replica_warms_its_host_tier_and_admits_from_it_at_once(engines, tmp_path, llama_dir):
     """Stopped and started again (the store too: its pages only on file), a replica reads the
-    store's pages of its model into its host tier before anyone asks; once a step has told
-    the scheduler, the same prompts are admitted at once with loads from the host rows (no
-    store prefetch) and answer as before."""
+    store's pages of its model into its host tier before anyone asks, and the idle scheduler
+    learns of them from empty plans while the rank says it warms; the same prompts are then
+    admitted at once with loads from the host rows (no store prefetch) and answer as before."""
     root = tmp_path / "kv"
     start_store(root)
     cfg = engine_config(llama_dir, root, kv_write_policy="write_back_selective", kv_host_cache_gb=0.01)
@@ -424,7 +424,10 @@ def test_a_restarted_replica_warms_its_host_tier_and_admits_from_it_at_once(engi
         return bool(ranks) and ranks[0]["offload_warming"] == 0 and ranks[0]["offload_warm_pages"] == pages
 
     wait_for(warmed, 60, "the host tier warmed")
-    again.generate([prompt_ids(20, seed=63)], greedy(1))  # a step: the scheduler learns what the tier holds
+    assert again.has_work()  # idle, yet an empty plan is due: it brings what the rank warmed
+    while again.has_work():
+        again.step()
+    assert len(again.kv_offload.host.keys) == pages and not again.has_work()  # and no more polls
     outs = again.generate(prompts, greedy(4))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert [o.cached_tokens for o in outs] == [160] * 3

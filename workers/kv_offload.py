@@ -155,6 +155,8 @@ class RankKVOffload(RankIOThreads):
         progress = report_progress(self.tp, [j.ready for j in jobs], [j.done.is_set() for j in jobs])
         if self.tp.is_first:
             result.kv_prefetched = dict(zip([j.rid for j in jobs], progress))
+            # (read before the changes: a warm that has ended has published all it will)
+            result.kv_host_warming = self.warm is not None and self.warm.running
             result.kv_host_ready, result.kv_host_evicted = self.host.take_changes()
 
     def _save(self, save: KVSave) -> None:

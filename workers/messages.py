@@ -101,3 +101,4 @@ class StepResult:
     # (the scheduler's picture of it: `cluster.engine.kv_offload`, admissions that load from it).
     kv_host_ready: list[str] = field(default_factory=list)
     kv_host_evicted: list[str] = field(default_factory=list)
+    kv_host_warming: bool = False  # the first rank still warms its host tier (workers/host_warm.py)

@@ -20,8 +20,11 @@ plan's own evictions never cost its loads.
 The picture travels with step results, so it is as fresh as the last step: a page published
 after an idle replica's last step is unknown to it until the next one, and the first request
 after a pause goes the store's way (whose prefetch then finds the page in the host tier). That
-includes the pages a rank warms its tier with at start (`workers/host_warm.py`): a replica
-started again on a store that outlived it admits its old prompts this way from its first step.
+would include the pages a rank warms its tier with at start (`workers/host_warm.py`), read
+while the replica is idle. So while the first rank says its warm runs (`StepResult.
+kv_host_warming`, true from its start), the scheduler sends an empty plan every `WARM_POLL_S`
+for the picture (for at most `WARM_POLL_MAX_S`): a replica started again on a store that
+outlived it admits its old prompts from host rows from its first request on.
 """
 
 from __future__ import annotations
@@ -32,19 +35,33 @@ from collections import OrderedDict
 from cluster.engine.kv_loads import Loading
 
 HOST_SKIP_S = 10.0  # admissions from the host tier pause this long after one came back short
+WARM_POLL_S = 0.5  # while the ranks warm their host tiers: an empty plan this often, for the picture
+WARM_POLL_MAX_S = 300.0  # and not for longer than this after start
 
 
 class HostTierPicture:
     """The chain keys the first rank's host tier holds, as its step results said, at most
     `capacity` of them (the tier's pages: older ones are dropped first)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, warming: bool = False):
         self.keys: OrderedDict[str, None] = OrderedDict()
         self.capacity = capacity
         self.skip_until = 0.0
+        self.warming_until = time.monotonic() + WARM_POLL_MAX_S if warming else 0.0
+        self._poll_at = 0.0
 
-    def update(self, ready: list[str], evicted: list[str]) -> None:
-        """One step result's changes (a key is in one list at most: its state now)."""
+    def poll_due(self, now: float) -> bool:
+        """Whether an empty plan should fetch what a warming rank published since the last one."""
+        return now < self.warming_until and now >= self._poll_at
+
+    def polled(self, now: float) -> None:
+        self._poll_at = now + WARM_POLL_S
+
+    def update(self, ready: list[str], evicted: list[str], warming: bool = False) -> None:
+        """One step result's changes (a key is in one list at most: its state now), and whether
+        the first rank's warm still runs."""
+        if not warming:
+            self.warming_until = 0.0
         for key in evicted:
             self.keys.pop(key, None)
         for key in ready:

@@ -108,7 +108,8 @@ class SchedulerKVOffload:
                  write_policy: str = "write_back_selective", prefetch_policy: str = "timeout",
                  prefetch_timeout_s: float = 0.5, prefetch_timeout_per_page_s: float = 0.002,
                  store_name: str = STORE_NAME, namespace: str | None = None, probe_timeout_s: float = 2.0,
-                 min_pages: int | None = None, backoff_s: float = 2.0, probe=None, host_pages: int = 1 << 20):
+                 min_pages: int | None = None, backoff_s: float = 2.0, probe=None, host_pages: int = 1 << 20,
+                 warm: bool = False):
         from kvstore.probe import StoreProbe
 
         if write_policy not in KV_WRITE_POLICIES or prefetch_policy not in KV_PREFETCH_POLICIES:
@@ -140,7 +141,7 @@ class SchedulerKVOffload:
         self.chains: dict[str, list[str]] = {}
         self.in_store: dict[str, int] = {}  # rid -> leading pages its lookup found in the store (never saved again)
         self._prefetch: list[KVPrefetch] = []
-        self.host = HostTierPicture(host_pages)  # what the first rank's host tier holds
+        self.host = HostTierPicture(host_pages, warm)  # what the first rank's host tier holds
         self._skip_until = 0.0
         self.judge = StoreJudge(self.min_pages * self.P)  # store or recompute, by time to first token
         self.stats = KVOffloadStats()
@@ -153,7 +154,8 @@ class SchedulerKVOffload:
 
     # ---------------- hooks of the scheduler ----------------
     def has_work(self) -> bool:
-        return bool(self.loading or self.pending_saves or self._prefetch or self._loads or self.pending_handoff)
+        return bool(self.loading or self.pending_saves or self._prefetch or self._loads or self.pending_handoff) \
+            or self.host.poll_due(time.monotonic())
 
     def on_arrival(self, req) -> None:
         """Send the store lookup of a new request's prefix (answered while it waits)."""
@@ -377,12 +379,16 @@ class SchedulerKVOffload:
         prefetch, self._prefetch = self._prefetch, []
         loads, self._loads = self._loads, []
         waiting = any(not e.queued for e in self.loading.values())
+        now = time.monotonic()
+        if self.host.poll_due(now):  # (an empty plan brings what a warming rank published)
+            self.host.polled(now)
+            waiting = True
         if not (saves or prefetch or loads or waiting):
             return None
         return _Orders(saves, prefetch, loads)
 
     def on_result(self, plan, result) -> None:
-        self.host.update(result.kv_host_ready, result.kv_host_evicted)
+        self.host.update(result.kv_host_ready, result.kv_host_evicted, result.kv_host_warming)
         for rid, (ready, ended) in result.kv_prefetched.items():
             e = self.loading.get(rid)
             if e is not None:

@@ -108,7 +108,7 @@ def attach_kv_offload(engine) -> SchedulerKVOffload | None:
                              write_policy=cfg.kv_write_policy, prefetch_policy=cfg.kv_prefetch_policy,
                              prefetch_timeout_s=cfg.kv_prefetch_timeout_s,
                              prefetch_timeout_per_page_s=cfg.kv_prefetch_timeout_per_page_s,
-                             host_pages=kv_host_pages(cfg))
+                             host_pages=kv_host_pages(cfg), warm=cfg.kv_host_warm)
     logger.info("KV store on: layout %s, write policy %s, prefetch %s, fingerprint %s", layout,
                 cfg.kv_write_policy, cfg.kv_prefetch_policy, fingerprint[:12])
     return off
