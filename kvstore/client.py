@@ -348,6 +348,7 @@ class KVStoreClient:
                                model_tag(self.fingerprint))
         self._tagless = reply is FAILED and self.link.refused_args
         if self._tagless:  # a store of an older version (it outlived an upgrade): no tags, no warm
+            self.counters.errors -= 1  # (that refusal was not a failure)
             reply = self.link.call("register_client", self.name, self.agent.get_agent_metadata())
         if reply is FAILED:
             return False
