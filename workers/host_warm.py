@@ -9,11 +9,14 @@ asks, that cost is paid before the requests come: the first rank reports the war
 its next step result, and a request whose prefix is there is admitted at once with a load
 from pinned host rows (`cluster.engine.kv_host_admission`).
 
-What is read: the store's most recently used pages of this model and cache layout (the model
-tag the store keeps with every page: `kvstore.keys.model_tag`) for this rank (an MHA rank's
-own K/V shards; MLA pages are the same for every rank), most recent first, up to
-`WARM_FRACTION` of the tier (the rest stays free for the first saves). It takes free rows
-only, so it never evicts a page the replica put there meanwhile; `chunk_pages` a read on
+What is read: the pages of this model and cache layout (the model tag the store keeps with
+every page: `kvstore.keys.model_tag`) that the store holds whole for this rank's TP group (an
+MHA rank reads its own K/V shards of them; MLA pages are the same for every rank), prompt
+pages first, each kind most recently used first: the same list for every rank
+(`KVStore.recent`). Up to `WARM_FRACTION` of the tier (the rest stays free for the first
+saves). It takes free rows only, so it never evicts a page the replica put there meanwhile,
+and puts what it reads at the least recently used end, the most valuable evicted last;
+`chunk_pages` a read on
 `WARM_THREADS` threads, beside the rank's steps (nothing in a step waits for it); a page the
 store no longer has, or that fails its checksum, is skipped. It stops at close, or after
 `GIVE_UP` reads in a row brought nothing (the store is down). Counted in the
@@ -114,8 +117,8 @@ class HostWarm:
             n = off.client.read_rows(chunk, [host.data[r] for r in rows], off.key_bytes)
         finally:  # (a raise leaves every row free again)
             host.give(rows[n:])
-            # At the least recently used end, each chunk before the last: the list is most
-            # valuable first, and the replica's own pages evict the least valuable first.
+            # At the least recently used end, ahead of the chunks read before it: the list is
+            # most valuable first, so the replica's own pages evict the least valuable first.
             host.publish(chunk[:n], rows[:n], oldest=True)
         with self._lock:
             self.pages += n
