@@ -162,7 +162,7 @@ def test_the_drain_saves_prompt_prefixes_first_and_marks_them():
     """At shutdown the cached pages go out prompt pages first, by depth in their chain (every
     prompt's first page before any second page: a drain cut short leaves whole prefixes),
     then the output pages; each save says how many of its leading pages hold prompt tokens,
-    and write-back saves at eviction carry their prompt pages first too."""
+    and so do write-back saves at eviction (in eviction order: marked when all are)."""
     s, off = make("write_back_selective", num_pages=65)
     a, b = req("a", 33, max_tokens=20), req("b", 33, first=500, max_tokens=20)
     for r in (a, b):

@@ -372,8 +372,11 @@ class SchedulerKVOffload:
     def orders(self):
         """This step's KV orders (saves, prefetch starts, its admissions' loads), or None when
         there are none and no request waits on the store."""
-        pending = sorted(self.pending_saves, key=lambda s: not s[2])  # prompt pages first
-        saves = [KVSave([p for p, _, _ in pending], [k for _, k, _ in pending], prompt=sum(s[2] for s in pending))]
+        # In eviction order (the host tier's LRU order follows it); marked as prompt pages only
+        # when they all are (`KVSave.prompt` counts leading pages).
+        pending = self.pending_saves
+        n_prompt = len(pending) if all(s[2] for s in pending) else 0
+        saves = [KVSave([p for p, _, _ in pending], [k for _, k, _ in pending], prompt=n_prompt)]
         saves = (saves if self.pending_saves else []) + kv_handoff.take_handoff_saves(self)
         self.pending_saves = []
         prefetch, self._prefetch = self._prefetch, []
