@@ -52,13 +52,15 @@ def test_event_routing_finds_more_of_the_prefix_than_the_tree_and_round_robin(tm
     # every cache holds. Since admissions load what a replica's host tier holds at once
     # (cluster/engine/kv_host_admission.py), a turn sent away from its GPU pages finds much of
     # them in that replica's host tier (written there when an earlier turn's pages were
-    # evicted), so routing shows most in the GPU hits. 2-core VM, 2026-11-27, three runs: GPU
-    # rr 0.25-0.27, tree 0.31-0.34, events 0.47-0.48; GPU + host rr 0.65-0.66, tree 0.67-0.70,
-    # events 0.77. (Before, at 8 conversations at once, a conversation's own replica was often
-    # the lightest when its next turn came, so the tree's rate swung with timing and the events'
-    # margin over it fell to 0.01 in one CI run: 16 at once, and tree against round robin is
-    # not asserted.)
+    # evicted), so routing shows most in the GPU hits. 2-core VM, 2026-11-27, five runs of this
+    # workload (bc55c32; the last beside other tests): GPU rr 0.23-0.28, tree 0.30-0.44, events
+    # 0.42-0.50 (ahead of the better other by 0.07-0.17); GPU + host rr 0.64-0.67, tree
+    # 0.69-0.72, events 0.75-0.77 (ahead by 0.05-0.07). One CI run had GPU + host at 0.739 for
+    # the tree and 0.764 for the events, so what is asserted is the order, not a margin. (At 8
+    # conversations at once, a conversation's own replica was often the lightest when its next
+    # turn came, so the tree's rate swung with timing: 16 at once, and tree against round robin
+    # is not asserted.)
     gpu = {p: res[p]["gpu_hit_rate"] for p in res}
     local = {p: res[p]["local_hit_rate"] for p in res}
-    assert gpu["events"] > max(gpu["round_robin"], gpu["tree"]) + 0.08, res
-    assert local["events"] > max(local["round_robin"], local["tree"]) + 0.03, res
+    assert gpu["events"] > max(gpu["round_robin"], gpu["tree"]), res
+    assert local["events"] > max(local["round_robin"], local["tree"]), res
