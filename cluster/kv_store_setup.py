@@ -63,7 +63,7 @@ def add_kv_store_args(p) -> None:
                    help="start with empty host tiers (default: each rank reads the store's most recent pages of "
                         "this model into its host tier at start, so a restarted replica serves them at once)")
     g.add_argument("--kv-write-policy", default="write_back_selective", choices=KV_WRITE_POLICIES,
-                   help="when pages are written to the store (cluster/engine/kv_offload.py): write_back_selective "
+                   help="when pages are written to the store (cluster/engine/kv_saves.py): write_back_selective "
                         "(default) writes a page when the GPU evicts it, when it proves hot (matched twice) and "
                         "at shutdown; write_through writes every page")
     g.add_argument("--kv-drain-timeout", type=float, default=3.0, dest="kv_drain_timeout_s",

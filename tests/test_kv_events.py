@@ -215,7 +215,7 @@ def test_pages_the_gpu_evicts_after_a_save_move_to_the_host_tier_and_the_store()
     s = make(num_pages=17)
     off = SchedulerKVOffload(s, fingerprint="f" * 64, layout="mha", tp_size=1, write_policy="write_back_selective",
                              probe=FakeProbe(), min_pages=1)
-    log = KVEventLog(s.radix, host_capacity=6, copied=off.evict_copies)
+    log = KVEventLog(s.radix, host_capacity=6, copied=off.saves.evict_copies)
     store = StoreIndex()
     idx = KVIndex(store)
     idx.apply(log.since(None, 0))

@@ -168,7 +168,7 @@ def test_the_drain_saves_prompt_prefixes_first_and_marks_them():
     for r in (a, b):
         s.add_request(r)
     run_until_idle(s)
-    saves = off.drain_saves()
+    saves = off.saves.drain()
     keys = [k for sv in saves for k in sv.keys]
     ka, kb = keys_of(a.all_ids[:52]), keys_of(b.all_ids[:52])  # 8 prompt pages each (33 tokens), 5 output ones
     prompt = [k for pair in zip(kb[:8], ka[:8]) for k in pair]  # b finished last: the more recent at each depth

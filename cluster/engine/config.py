@@ -15,7 +15,7 @@ from pathlib import Path
 from attention.kernel_options import KernelOptions
 
 ATTENTION_BACKENDS = ("flash", "reference", "mla")  # mla: flash, checked to be an MLA model
-KV_WRITE_POLICIES = ("write_back_selective", "write_back", "write_through_selective", "write_through")  # cluster/engine/kv_offload.py
+KV_WRITE_POLICIES = ("write_back_selective", "write_back", "write_through_selective", "write_through")  # cluster/engine/kv_saves.py
 KV_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 

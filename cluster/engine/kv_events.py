@@ -43,7 +43,7 @@ class KVEventLog:
     def __init__(self, radix, max_events: int = MAX_EVENTS, host_capacity: int = 0, copied=None):
         """host_capacity: pages of the ranks' host tier (0: no KV store); copied(pages) -> the
         pages of an eviction that have a copy in the host tier and the store (the scheduler's
-        KV store side says: `SchedulerKVOffload.evict_copies`)."""
+        KV store side says: `cluster.engine.kv_saves.KVSaves.evict_copies`)."""
         self.radix = radix
         self.host_capacity = host_capacity
         self.copied = copied

@@ -39,21 +39,8 @@ Loading a prefix (when the store has a longer prefix than the radix cache):
 Pages the first rank's host tier holds skip all that: such a request is admitted at once, its
 load in the plan that admits it (`cluster/engine/kv_host_admission.py`).
 
-Saving pages (the write policy, when device pages get a copy in the host tier and the store):
-
-- write_back_selective (default): write_back's pages plus write_through_selective's. A page is
-  written when it is about to have no other copy (evicted from the GPU, or the replica stops)
-  or has proven hot (matched twice: then other replicas may want it too). Each page is written
-  at most once, and nothing is written while the GPU cache holds the working set: a workload
-  of one-off prompts (a benchmark's random ones) costs the store nothing while it runs.
-- write_back: a page when the radix cache evicts it (the plan that evicts it carries the
-  save, which runs before the forward that may overwrite the page), and at shutdown the pages
-  still cached, most recently cached first, for up to the drain timeout (`drain_saves`).
-- write_through_selective: a cached page once admissions have matched it `HIT_THRESHOLD` (2)
-  times, so pages used once never cost a store write;
-- write_through: every full page the radix cache takes on `release` (a finished or
-  preempted request), in the next plan. Every page of every request: the most store traffic
-  (an 8B model writes 128 KiB per token), for stores that must survive a crash.
+Saving pages (the write policy: when device pages get a copy in the host tier and the store)
+is `cluster.engine.kv_saves`, held here as `saves`.
 
 The store down, slow or full never stops serving or holds a step: the probe is read without
 waiting, the ranks drop saves their host tier has no room for, a failed or slow probe pauses
@@ -66,33 +53,28 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from dataclasses import asdict
 
 from cluster.engine import kv_handoff
 from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES
 from cluster.engine.kv_host_admission import HostTierPicture
 from cluster.engine.kv_loads import KVOffloadStats, Loading, Verdict
+from cluster.engine.kv_saves import KVSaves
 from cluster.engine.kv_store_judge import StoreJudge
 from kvstore.messages import STORE_NAME
 from workers.kv_messages import KVLoad, KVPrefetch, KVSave
 
 logger = logging.getLogger(__name__)
 
-HIT_THRESHOLD = 2  # write_through_selective: matches before a page is saved
 MIN_LOAD_TOKENS = 16  # a store load costs two extra steps: skip shorter ones
 # Smaller pages cost more to move than to recompute (one store key, slot and file per page):
 # replicas with smaller pages run without the store.
 MIN_PAGE_TOKENS = 16
 WAIT_COMPLETE_CAP_S = 60.0  # wait_complete still gives up after this long
 PROBE_WAIT_S = 0.1  # a store lookup not answered by then is a miss (and probing pauses)
-DRAIN_CHUNK_PAGES = 64  # pages per drain order at shutdown
-DRAIN_WAIT_S = 2.0  # at most this long a drain order's pages refused by a full store are offered again
 # Requests loading from the store at once: beyond that the store's pipeline (each rank's I/O
 # threads) is busy and one more would queue behind the others; it is computed instead.
 MAX_LOADING = 4
-WRITE_BACK = ("write_back", "write_back_selective")  # policies that save on eviction and at shutdown
-SELECTIVE = ("write_through_selective", "write_back_selective")  # policies that save hot pages
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,18 +108,12 @@ class SchedulerKVOffload:
         self.probe = probe or StoreProbe(None, layout, tp_size, timeout_s=probe_timeout_s, store_name=store_name,
                                          namespace=namespace)
         self.store_name, self.namespace = store_name, namespace
-        self.tree_keys: dict[int, str] = {}  # page in the radix tree -> its chain key
-        self.saved: set[int] = set()  # tree pages already saved (or loaded from the store)
-        self.hits: Counter[int] = Counter()  # write_through_selective: admissions that matched a page
-        self.pending_saves: list[tuple[int, str, bool]] = []  # (page, key, holds prompt tokens)
         self.loading: dict[str, Loading] = {}  # set aside or requeued, until admitted
         self.inflight: dict[str, Loading] = {}  # admitted with a load whose result has not come
         self.from_store: set[int] = set()  # loaded pages owned by running requests (not saved again)
         self._loads: list[KVLoad] = []  # this plan's loads (its admissions')
         self.probed: set[str] = set()  # requests whose store question is settled
         self.probes: dict[str, object] = {}  # rid -> kvstore.probe.PendingProbe
-        self.prompt_pages: set[int] = set()  # tree pages that hold prompt tokens (drained first)
-        self.depth: dict[int, int] = {}  # tree page -> its index in its chain (a prefix drains first)
         self.chains: dict[str, list[str]] = {}
         self.in_store: dict[str, int] = {}  # rid -> leading pages its lookup found in the store (never saved again)
         self._prefetch: list[KVPrefetch] = []
@@ -145,16 +121,16 @@ class SchedulerKVOffload:
         self._skip_until = 0.0
         self.judge = StoreJudge(self.min_pages * self.P)  # store or recompute, by time to first token
         self.stats = KVOffloadStats()
+        self.saves = KVSaves(write_policy, self.stats)  # the write side
         self.handoff = kv_handoff.HandoffStats()  # prefill/decode disaggregation
         self.pending_handoff: list[KVSave] = []
-        self._evict_copied: set[int] = set()  # pages of the eviction under way that have copies
         self.poller = None  # the replica's stats poller (cluster/kv_store_setup.py)
         scheduler.kv_offload = self
-        self.radix.on_evict = self._on_evict  # bookkeeping always; saves only under write_back
+        self.radix.on_evict = self.saves.on_evict  # bookkeeping always; saves only under write_back
 
     # ---------------- hooks of the scheduler ----------------
     def has_work(self) -> bool:
-        return bool(self.loading or self.pending_saves or self._prefetch or self._loads or self.pending_handoff) \
+        return bool(self.loading or self.saves.pending or self._prefetch or self._loads or self.pending_handoff) \
             or self.host.poll_due(time.monotonic())
 
     def on_arrival(self, req) -> None:
@@ -319,11 +295,8 @@ class SchedulerKVOffload:
                         self.judge.loaded(req.rid, len(e.pages) * self.P, e)
             else:  # set aside, yet admitted before its stop (never expected): end its prefetch
                 self._loads.append(KVLoad(req.rid, [], []))
-        if self.write_policy in SELECTIVE and req.kv is not None:
-            for p in req.kv.pages[: req.kv.num_cached_pages]:
-                self.hits[p] += 1
-                if self.hits[p] >= HIT_THRESHOLD and p not in self.saved and p in self.tree_keys:
-                    self._save(p, self.tree_keys[p])
+        if req.kv is not None:
+            self.saves.matched(req.kv.pages[: req.kv.num_cached_pages])
 
     def on_cached(self, req, pages: list[int], num_tokens: int, kept: int, token_ids: list[int]) -> None:
         """`release` put req's full pages into the radix cache; it took pages[kept:n_full].
@@ -335,50 +308,13 @@ class SchedulerKVOffload:
         self.from_store -= loaded
         if n_full <= kept:
             return
-        chain = self.chain_of(req, n_full, token_ids=token_ids)
-        prompt_full = len(req.prompt_ids) // self.P
-        for i in range(kept, n_full):
-            self.tree_keys[pages[i]] = chain[i]
-            self.depth[pages[i]] = i
-            if pages[i] in loaded or i < self.in_store.get(req.rid, 0):
-                self.saved.add(pages[i])  # it came from the store, or the store has it already
-                continue
-            if i < prompt_full:
-                self.prompt_pages.add(pages[i])
-            if self.write_policy == "write_through":
-                self._save(pages[i], chain[i])
-
-    def drain_saves(self) -> list[KVSave]:
-        """At shutdown (write_back policies): `sync` saves of every cached page not saved yet,
-        prompt pages first, each kind by depth in its chain (a page is no use without the ones
-        before it: a drain cut short by its deadline leaves whole prefixes), most recently
-        cached first at one depth; in chunks the caller sends one at a time until its
-        deadline. Empty for the write-through policies (their pages went out)."""
-        if self.write_policy not in WRITE_BACK:
-            return []
-        recent = [p for p in reversed(self.tree_keys) if p not in self.saved]
-        order = sorted(recent, key=lambda p: (p not in self.prompt_pages, self.depth.get(p, 0)))  # stable
-        out = []
-        for i in range(0, len(order), DRAIN_CHUNK_PAGES):
-            chunk = order[i : i + DRAIN_CHUNK_PAGES]
-            out.append(KVSave(chunk, [self.tree_keys[p] for p in chunk], sync=True,
-                              prompt=sum(p in self.prompt_pages for p in chunk), wait_s=DRAIN_WAIT_S))
-        return out
-
-    def drained(self, save: KVSave) -> None:
-        self.saved.update(save.page_ids)
-        self.stats.drained_pages += len(save.page_ids)
+        self.saves.cached(pages, kept, self.chain_of(req, n_full, token_ids=token_ids), len(req.prompt_ids) // self.P,
+                          loaded, self.in_store.get(req.rid, 0))
 
     def orders(self):
         """This step's KV orders (saves, prefetch starts, its admissions' loads), or None when
         there are none and no request waits on the store."""
-        # In eviction order (the host tier's LRU order follows it); marked as prompt pages only
-        # when they all are (`KVSave.prompt` counts leading pages).
-        pending = self.pending_saves
-        n_prompt = len(pending) if all(s[2] for s in pending) else 0
-        saves = [KVSave([p for p, _, _ in pending], [k for _, k, _ in pending], prompt=n_prompt)]
-        saves = (saves if self.pending_saves else []) + kv_handoff.take_handoff_saves(self)
-        self.pending_saves = []
+        saves = self.saves.take() + kv_handoff.take_handoff_saves(self)
         prefetch, self._prefetch = self._prefetch, []
         loads, self._loads = self._loads, []
         waiting = any(not e.queued for e in self.loading.values())
@@ -417,31 +353,6 @@ class SchedulerKVOffload:
                                        parent=chain[-1] if chain else None)
             self.chains[req.rid] = chain
         return chain[:n_pages]
-
-    def _save(self, page: int, key: str) -> None:
-        self.saved.add(page)
-        self.pending_saves.append((page, key, page in self.prompt_pages))
-        self.stats.saved_pages += 1
-
-    def _on_evict(self, leaf, take: int) -> None:
-        """Radix eviction of leaf's last `take` pages: forget them (the page ids come back with
-        other tokens); write_back saves them now."""
-        self._evict_copied = set()
-        for p in leaf.pages[len(leaf.pages) - take :]:
-            key = self.tree_keys.pop(p, None)
-            self.hits.pop(p, None)
-            self.depth.pop(p, None)
-            if self.write_policy in WRITE_BACK and key is not None and p not in self.saved:
-                self._save(p, key)
-            self.prompt_pages.discard(p)
-            if p in self.saved:  # its copy is in the host tier and on its way to the store
-                self._evict_copied.add(p)
-            self.saved.discard(p)
-
-    def evict_copies(self, pages: list[int]) -> set[int]:
-        """Of the pages the radix cache is evicting now, those with a copy in the host tier and
-        the store (the KV events' tiers: cluster/engine/kv_events.py)."""
-        return self._evict_copied.intersection(pages)
 
     def _should_stop(self, e: Loading, now: float) -> bool:
         if e.peer:

@@ -230,7 +230,7 @@ class Engine:
                 if self._kv_events is None:
                     off = self.kv_offload  # with a KV store, evicted pages live on in its tiers
                     self._kv_events = KVEventLog(self.scheduler.radix, host_capacity=kv_host_pages(self.config),
-                                                 copied=off.evict_copies if off is not None else None)
+                                                 copied=off.saves.evict_copies if off is not None else None)
         return self._kv_events.since(epoch, seq)
 
     def has_work(self) -> bool:
@@ -464,7 +464,7 @@ class Engine:
     def _drain_kv(self, budget_s: float) -> None:
         """Write-back policies: write the pages still cached to the store, a chunk per idle
         plan, until done or `budget_s` has passed (the loop is stopped: nothing else steps)."""
-        saves = self.kv_offload.drain_saves() if budget_s > 0 else []
+        saves = self.kv_offload.saves.drain() if budget_s > 0 else []
         if not saves:
             return
         while self._inflight:  # overlapped plans still on the ranks: finish them first
@@ -478,7 +478,7 @@ class Engine:
             self.scheduler._step_id += 1
             save.wait_s = min(save.wait_s, max(0.0, budget_s - (time.monotonic() - t0)))  # within the budget
             self.workers.execute(StepPlan(self.scheduler._step_id, ForwardMode.IDLE, [], kv_saves=[save]))
-            self.kv_offload.drained(save)
+            self.kv_offload.saves.drained(save)
             done += len(save.page_ids)
         total = sum(len(s.page_ids) for s in saves)
         logger.info("KV store: saved %d of %d cached pages at shutdown in %.1f s", done, total,

@@ -91,7 +91,7 @@ class RadixCache:
         self._ids = itertools.count()
         self._clock = 0  # logical time for LRU: deterministic, unlike wall-clock time
         # Called as on_evict(leaf, n) before `evict` frees the last n pages of leaf (while leaf
-        # still holds them); the KV store's write-back hooks in here (cluster/engine/kv_offload.py).
+        # still holds them); the KV store's write-back hooks in here (cluster/engine/kv_saves.py).
         self.on_evict: Callable[[TreeNode, int], None] | None = None
         # Listeners of what the tree holds (cluster/engine/kv_events.py): on_insert(token_ids,
         # pages, k) after `insert` took pages[k:] of token_ids' pages; evict_listeners as on_evict.
