@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 
 from cluster.engine import encoder_decoder as encdec
+from cluster.engine.fair_share import fair_share, group_of
 from cluster.engine.kv_allocator import PageAllocator, RequestKV, slots_for
 from cluster.engine.kv_loads import Verdict
 from cluster.engine.radix_cache import RadixCache
@@ -47,13 +48,6 @@ from workers.forward_batch import ForwardMode
 from workers.messages import NewRequest, ScheduledReq, StepPlan, StepResult, TokenLogprobs
 from workers.request_errors import InvalidRequest, QueueFull
 from workers.sampling_params import SamplingParamsError
-
-# Requests preempted per step to give waiting groups their fair share of running slots.
-FAIR_PREEMPT_PER_STEP = 16
-
-
-def _group(req: Request) -> str:
-    return req.group or req.rid
 
 
 class RequestRejected(InvalidRequest):
@@ -190,7 +184,7 @@ class Scheduler:
         plan_reqs: list[ScheduledReq] = []
         new_reqs: list[NewRequest] = []
         table_writes: list[tuple[int, int, list[int]]] = []
-        share, counts, starved = self._fairness()
+        share, counts, starved = fair_share(self)  # (may preempt over-share requests)
         # Prompt tokens this step may compute (stall-free mixing: see the module docstring); a
         # prompt that cannot be chunked takes what the budget holds.
         capped = (self.mixed_prefill_tokens < budget and self.chunk_size is not None
@@ -224,7 +218,7 @@ class Scheduler:
             if req.pending or req.rid in self._discard:
                 skip += 1  # preempted with a token in flight: re-admit once it is known
                 continue
-            group = _group(req)
+            group = group_of(req)
             if counts[group] >= share and starved - {group}:
                 skip += 1  # its group has its share while another group's requests wait with less
                 continue
@@ -278,35 +272,6 @@ class Scheduler:
         if kv_orders is not None:
             kv_orders.apply(plan)
         return plan
-
-    def _fairness(self) -> tuple[int, collections.Counter, set[str]]:
-        """Fair sharing of the running slots between groups (the n choices of one HTTP request
-        form a group; every other request is its own): (share, running requests per group,
-        groups waiting below their share). Each group's share is max_running / number of
-        groups with running or waiting requests. When a group below its share waits and no
-        slot is free, the newest requests of the groups furthest over their share are preempted
-        (at most FAIR_PREEMPT_PER_STEP a step; their K/V stays in the prefix cache), and
-        over-share groups are passed over at admission until the others have their share."""
-        counts: collections.Counter = collections.Counter()
-        if not self.waiting:
-            return self.max_running, counts, set()
-        counts.update(_group(r) for r in self.running)
-        groups = set(counts) | {_group(r) for r in self.waiting}
-        if len(groups) < 2:
-            return self.max_running, counts, set()
-        share = max(1, self.max_running // len(groups))
-        starved = {_group(r) for r in self.waiting
-                   if not r.pending and r.rid not in self._discard and counts[_group(r)] < share}
-        if starved and not self._free_rows:
-            for _ in range(min(len(starved), FAIR_PREEMPT_PER_STEP)):
-                over = max(counts, key=lambda g: counts[g])
-                if counts[over] <= share:
-                    break
-                victim = next(r for r in reversed(self.running) if _group(r) == over)
-                self._preempt(victim)
-                counts[over] -= 1
-                self.stats.fair_preemptions += 1
-        return share, counts, starved
 
     def _decoding(self, req: Request) -> bool:
         """Everything but the last sampled token is cached: the request's next piece is a decode."""
