@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.loop import Engine, GenerationResult
+from cluster.engine.loop import Engine
+from cluster.engine.request import GenerationResult
 from cluster.engine.scheduler import RequestRejected
 from tests.fixtures import tiny_model_dir
 from workers.sampling_params import SamplingParams, SamplingParamsError

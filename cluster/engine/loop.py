@@ -19,20 +19,20 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer, DetokState
 from cluster.engine.kv_events import KVEventLog
 from cluster.engine.kv_store_link import attach_kv_offload, kv_host_pages
 from cluster.engine.ranks import make_worker_group
-from cluster.engine.request import ADMITTED, Admitted, FinishReason, Request, RequestOutput
+from cluster.engine.request import ADMITTED, Admitted, FinishReason, GenerationResult, Request, RequestOutput
 from cluster.engine.scheduler import RequestRejected, TokenEvent
 from cluster.engine.spec_scheduler import scheduler_class
 from workers.encoder_decoder import GenerationRules
 from workers.forward_batch import ForwardMode
 from workers.group import WorkerGroup
-from workers.messages import StepPlan, TokenLogprobs
+from workers.messages import StepPlan
 from workers.model_config import serving_mode
 from workers.request_errors import Unavailable
 from workers.sampling_params import SamplingParams
@@ -43,36 +43,6 @@ Sink = Callable[[RequestOutput], None]
 # Receives every output of one engine step at once (requests added with `sink=None`): a replica
 # actor hands them to its router in one message per step, whatever the batch size.
 BatchSink = Callable[[list[RequestOutput]], None]
-
-
-@dataclass
-class GenerationResult:
-    """A finished request, assembled from its outputs (offline API)."""
-
-    rid: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    embedding: list[float] | None = None
-    error: str | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-
-    def add(self, out: RequestOutput) -> None:
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        self.text += out.delta_text
-        self.token_ids += out.delta_token_ids
-        self.logprobs += out.delta_logprobs
-        self.prompt_tokens = out.prompt_tokens
-        self.cached_tokens = out.cached_tokens
-        if out.embedding is not None:
-            self.embedding = out.embedding
-        if out.finished:
-            self.finish_reason = out.finish_reason
-            self.error = out.error
 
 
 @dataclass

@@ -167,6 +167,36 @@ _OUTPUT_FIELDS = tuple(f.name for f in fields(RequestOutput) if f.name not in _S
 assert _OUTPUT_FIELDS + _SERVER_STAMPS == tuple(f.name for f in fields(RequestOutput))  # positional: stamps last
 
 
+@dataclass
+class GenerationResult:
+    """A finished request, assembled from its outputs (offline API)."""
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    embedding: list[float] | None = None
+    error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.text += out.delta_text
+        self.token_ids += out.delta_token_ids
+        self.logprobs += out.delta_logprobs
+        self.prompt_tokens = out.prompt_tokens
+        self.cached_tokens = out.cached_tokens
+        if out.embedding is not None:
+            self.embedding = out.embedding
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.error = out.error
+
+
 class Admitted:
     """The marker a stream yields first (at most once, never after an output), when its caller
     asked (`announce=True`), once its request is queued on an engine: admission can no longer fail with an HTTP status (invalid, queue
