@@ -142,7 +142,7 @@ def test_stop_lists(app):
     error(post(app, GEN, {"text": "x", "sampling_params": {"stop": too_many}}), 400, "sampling_params.stop")
     error(post(app, COMP, {"prompt": "x", "stop": ["a" * 1025]}), 400, "stop")
     error(post(app, COMP, {"prompt": "x", "stop": [""]}), 400, "stop")
-    error(post(app, COMP, {"prompt": "x", "stop": [1, 2]}), 400, "stop")
+    error(post(app, COMP, {"prompt": "x", "stop": [1, 2]}), 400, "stop[0]")
     error(post(app, GEN, {"text": "x", "sampling_params": {"stop": 5}}), 400, "sampling_params.stop")
     ok = post(app, COMP, {"prompt": "x", "max_tokens": 2, "stop": [f"s{i}" for i in range(16)]})
     assert ok.status_code == 200
@@ -157,16 +157,82 @@ def test_unknown_model_on_every_route(app):
 
 def test_wrong_types_beyond_the_completions_route(app):
     for body, param in ((chat("x", n="2"), "n"), ({"messages": "hi"}, "messages"),
-                        ({"messages": [{"role": 5, "content": "x"}]}, "messages"),
-                        ({"messages": [{"role": "user", "content": 5}]}, "messages"),
-                        ({"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}]}, "messages"),
+                        ({"messages": [{"role": 5, "content": "x"}]}, "messages[0].role"),
+                        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+                        ({"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}]},
+                         "messages[0].content[0].type"),
                         (chat("x", logprobs="yes"), "logprobs")):
         error(post(app, CHAT, body), 400, param)
     error(post(app, EMB, {"input": {"a": 1}}), 400, "input")
     error(post(app, EMB, {"input": "x", "dimensions": 0}), 400, "dimensions")
-    error(post(app, GEN, {"input_ids": ["a"]}), 400, "input_ids")
+    error(post(app, GEN, {"input_ids": ["a"]}), 400, "input_ids[0]")
     error(post(app, GEN, {"text": "x", "sampling_params": "hot"}), 400, "sampling_params")
     error(post(app, GEN, {"text": "x", "sampling_params": {"temperature": "hot"}}), 400, "sampling_params.temperature")
+
+
+def test_nested_fields_are_named_by_their_path(app):
+    """`param` is the field's path in the body, in the form the other errors use, without the
+    union members pydantic tried on its way (`str`, `list[TextPart]`)."""
+    for body, param in (({"messages": [{"content": "hi"}]}, "messages[0].role"),
+                        (chat("x", tools=[{"type": "function", "function": {}}]), "tools[0].function.name"),
+                        (chat("x", response_format={"type": "xml"}), "response_format.type"),
+                        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": 1}]}]},
+                         "messages[0].content[0].cache_control"),
+                        ({"messages": [{"role": "user", "content": "x"},
+                                       {"role": "assistant", "content": None, "tool_calls": [
+                                           {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}]},
+                         "messages[1].tool_calls[0].function.arguments")):
+        err = error(post(app, CHAT, body), 400, param)
+        assert param in err["message"], err
+
+
+def test_null_is_the_default_for_every_optional_field(app):
+    """OpenAI types optional fields "T or null" and SDKs send null for a setting given as None."""
+    for path, body in ((CHAT, chat("x", max_tokens=2, n=None, stream=None, logprobs=None, top_logprobs=None,
+                                   stop=None, temperature=None, stream_options=None)),
+                       (COMP, {"prompt": "x", "max_tokens": 2, "n": None, "stream": None, "echo": None,
+                               "logprobs": None, "ignore_eos": None, "min_tokens": None})):
+        r = post(app, path, body)
+        assert r.status_code == 200, (path, r.text)
+        assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] <= 2
+    error(post(app, CHAT, {"messages": None}), 400, "messages")  # a required field is still required
+    error(post(app, COMP, {"prompt": None}), 400, "prompt")
+
+
+def test_an_answer_sent_back_as_it_came_continues_the_chat(app):
+    """A response's message, dumped with every field the OpenAI SDK gives it (`model_dump()`), is
+    the usual way to build the history: its `refusal`, `annotations`, `audio` and
+    `function_call` come too."""
+    first = post(app, CHAT, chat("hello", max_tokens=3))
+    assert first.status_code == 200
+    said = {"refusal": None, "annotations": None, "audio": None, "function_call": None, "tool_calls": None,
+            **first.json()["choices"][0]["message"]}
+    history = [{"role": "user", "content": "hello"}, said, {"role": "user", "content": "more"}]
+    r = post(app, CHAT, {"messages": history, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    said_annotated = {**said, "annotations": [{"type": "url_citation"}]}
+    assert post(app, CHAT, {"messages": [history[0], said_annotated, history[2]], "max_tokens": 2}).status_code == 200
+    # What this server does not do is refused unless null.
+    for field, value in (("audio", {"id": "a1"}), ("function_call", {"name": "f", "arguments": "{}"})):
+        error(post(app, CHAT, {"messages": [history[0], {**said, field: value}, history[2]]}), 400,
+              f"messages[1].{field}")
+
+
+def test_a_tool_message_names_its_call(app):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    error(post(app, CHAT, {"messages": turns + [{"role": "tool", "content": "x"}]}), 400, "messages[2].tool_call_id")
+    r = post(app, CHAT, {"messages": turns + [{"role": "tool", "content": "x", "tool_call_id": "call_1"}],
+                         "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_generate_takes_sglang_names(app):
+    r = post(app, GEN, {"text": "The cat", "sampling_params": {"max_new_tokens": 3, "min_new_tokens": 3}})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 3
+    error(post(app, GEN, {"text": "x", "sampling_params": {"max_new_tokens": 3, "max_tokens": 3}}), 400,
+          "sampling_params.max_new_tokens")
 
 
 def test_nothing_left_behind(app):

@@ -77,3 +77,57 @@ def test_chat_prompt_logprobs_in_vllm_layout(stack, oai):  # noqa: F811
     r = httpx.post(stack["url"] + "/v1/chat/completions", timeout=30, json={
         "messages": messages, "max_tokens": 2, "stream": True, "prompt_logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_echo_text_offsets_index_the_echoed_text(stack, oai, as_ids):  # noqa: F811
+    """Each token's `text_offset` is where its text starts in the choice's text. The BOS token
+    the tokenizer adds is not in an echoed prompt (given as text or as ids): it takes no
+    characters, and neither do the special tokens generation skips."""
+    ids = stack["engine"].tokenizer(PROMPT).input_ids
+    special = set(stack["engine"].tokenizer.all_special_ids)
+    assert ids[0] in special  # the tiny Llama's BOS: what made the offsets wrong
+    c = oai.completions.create(model=MODEL, prompt=ids if as_ids else PROMPT, max_tokens=4, temperature=0,
+                               echo=True, logprobs=1, extra_body={"ignore_eos": True}).choices[0]
+    assert c.text.startswith(PROMPT)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 4 and lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(c.text)
+    for i, (tok, at) in enumerate(zip(lp.tokens, lp.text_offset)):
+        if i < len(ids) and ids[i] in special:
+            assert at == (lp.text_offset[i + 1] if i + 1 < len(lp.tokens) else len(c.text))
+        elif not tok.startswith("bytes:"):
+            assert c.text[at : at + len(tok)] == tok, (i, tok, at, c.text)
+
+
+def test_a_prompt_that_fills_the_context_can_be_scored(stack, oai):  # noqa: F811
+    """lm-eval's loglikelihood of a window as long as the model's context: scored, not refused
+    (nothing is generated); one token more is refused."""
+    limit = stack["client"].max_context_len
+    base = stack["engine"].tokenizer(PROMPT).input_ids
+    ids = (base + base[1:] * (limit // len(base) + 1))[:limit]
+    want, _ = hf_prompt_logprobs(_model_dir(stack), ids, 1)
+    r = oai.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs.token_logprobs
+    assert r.usage.prompt_tokens == limit and r.usage.completion_tokens == 0
+    assert len(lp) == limit and lp[0] is None and lp[1:] == pytest.approx(want, abs=1e-4)
+    over = httpx.post(stack["url"] + "/v1/completions", json={"model": MODEL, "prompt": ids + [ids[1]],
+                                                             "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "prompt", over.text
+    # Generating from a full window still needs a position for every token but the last.
+    full = httpx.post(stack["url"] + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1})
+    assert full.status_code == 400 and full.json()["error"]["param"] == "prompt", full.text
+
+
+def test_the_default_max_tokens_fits_the_context(stack, oai):  # noqa: F811
+    """No max_tokens: OpenAI's 16, or what the context holds after the prompt (vLLM's choice);
+    a limit that was sent and does not fit is still refused, naming it."""
+    limit = stack["client"].max_context_len
+    base = stack["engine"].tokenizer(PROMPT).input_ids
+    ids = (base + base[1:] * (limit // len(base) + 1))[: limit - 3]
+    c = oai.completions.create(model=MODEL, prompt=ids, temperature=0, extra_body={"ignore_eos": True})
+    assert c.usage.completion_tokens == 3 and c.choices[0].finish_reason == "length"
+    assert oai.completions.create(model=MODEL, prompt=PROMPT, temperature=0,
+                                  extra_body={"ignore_eos": True}).usage.completion_tokens == 16
+    sent = httpx.post(stack["url"] + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 16})
+    assert sent.status_code == 400 and sent.json()["error"]["param"] == "max_tokens", sent.text

@@ -151,6 +151,30 @@ def test_stop_strings_cut_text_exactly(model_dirs):
     assert stop not in cut.text
 
 
+def test_a_stop_string_in_the_last_allowed_token_finishes_with_stop(model_dirs):
+    """The length limit and a stop string end a request in the same token: the stop string is
+    why it ended (a client reads "length" as cut short, and a disaggregated request would go on
+    to decode)."""
+    engine = Engine(EngineConfig(model=str(model_dirs["llama"])))
+    ids = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].token_ids
+    decode = engine.tokenizer.decode
+    for k in range(len(ids), 1, -1):  # a token whose text first appears at its own place
+        before, upto = decode(ids[: k - 1]), decode(ids[:k])
+        new = upto[len(before) :].strip()
+        if upto.startswith(before) and new and new not in before and upto.index(new) >= len(before):
+            break
+    else:
+        raise AssertionError(f"no token of {ids} adds text of its own")
+    cut = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True,
+                                                       stop=(new,)))[0]
+    assert (cut.finish_reason, cut.token_ids) == ("stop", ids[:k]), (k, new)
+    assert new not in cut.text and cut.text == upto[: upto.index(new)]
+    # One token short of it: the limit ends it.
+    short = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=k - 1, temperature=0.0, ignore_eos=True,
+                                                         stop=(new,)))[0]
+    assert short.finish_reason == "length" and short.token_ids == ids[: k - 1]
+
+
 @pytest.mark.parametrize(
     "params,param",
     [

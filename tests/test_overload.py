@@ -164,6 +164,10 @@ def test_short_requests_are_not_cut_by_the_timeout(bounded):
 def test_streaming_disconnect_aborts_within_one_step_and_frees_kv(bounded):
     engine = bounded["engine"]
     before = aborts(bounded, "client_gone")
+    registry = bounded["metrics"].registry
+    finished = registry.get_sample_value("manta:request_finished_total",
+                                         {"replica": "local", "finish_reason": "abort"}) or 0.0
+    generated = registry.get_sample_value("manta:generation_tokens_total", {"replica": "local"}) or 0.0
     # Steps of 50 ms: the server's thread has that long to see the EOF and abort, on a loaded
     # 2-core machine too (the engine thread holds the GIL for most of a tiny model's step).
     with SlowSteps(engine, 0.05) as slow:
@@ -183,6 +187,10 @@ def test_streaming_disconnect_aborts_within_one_step_and_frees_kv(bounded):
         assert slow.steps - steps_at_close <= 1, slow.steps - steps_at_close
         assert_idle(bounded)
     assert aborts(bounded, "client_gone") == before + 1
+    # It finished, as aborted, with the tokens it had streamed.
+    assert registry.get_sample_value("manta:request_finished_total",
+                                     {"replica": "local", "finish_reason": "abort"}) == finished + 1
+    assert registry.get_sample_value("manta:generation_tokens_total", {"replica": "local"}) > generated
     text = httpx.get(bounded["url"] + "/metrics").text
     assert 'manta:request_aborts_total{reason="client_gone"}' in text
     assert 'manta:kv_cache_usage_perc{replica="local"} 0.0' in text

@@ -294,7 +294,7 @@ def test_typed_errors_from_openai_client(stack, oai):
     assert ei.value.param == "max_completion_tokens"
     with pytest.raises(openai.BadRequestError) as ei:
         oai.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}])
-    assert ei.value.param == "messages"
+    assert ei.value.param == "messages[0].role"
 
 
 def test_malformed_requests(stack):

@@ -117,7 +117,7 @@ def test_grammar_and_sglang_fields(stack):  # noqa: F811
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}}},
      "response_format.json_schema.extra"),
-    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"guided_regex": "a(b"}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),

@@ -37,6 +37,14 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this is the result of
+    # What an OpenAI response's message carries besides, so that a client may send that message
+    # back as it came (`message.model_dump()`): a refusal's text and annotations describe that
+    # earlier answer and are not shown to the model; audio and a legacy function call are not
+    # supported, and taken only as null.
+    refusal: str | None = None
+    annotations: list[dict] | None = None
+    audio: None = None
+    function_call: None = None
 
     def text(self) -> str:
         if self.content is None:

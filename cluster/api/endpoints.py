@@ -8,6 +8,7 @@ outputs into one JSON body or one SSE stream.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -98,7 +99,9 @@ class Endpoints:
         return self.client.max_context_len - n_prompt
 
     def check_context(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens",
-                      prompt_param: str = "prompt") -> None:
+                      prompt_param: str = "prompt", scored: bool = False) -> None:
+        """Refuse a request the context cannot hold. `scored`: the prompt is only scored (echo
+        with max_tokens 0), and may fill the whole context."""
         limit = self.client.max_context_len
         if self._encoder_decoder:
             # The prompt is the encoder's input; the decoder has positions of its own.
@@ -109,6 +112,8 @@ class Endpoints:
                 raise APIError(400, f"This model's decoder context is {limit} tokens; you requested "
                                f"{max_tokens} tokens to generate after its start token", param=param,
                                code="context_length_exceeded")
+            return
+        if scored and n_prompt <= limit:
             return
         if n_prompt >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
@@ -142,11 +147,13 @@ class Endpoints:
         count them in `manta:request_aborts_total` by why they were cut short."""
         if fan.closed:
             return
-        unfinished = sum(1 for c in fan.choices if c.finish_reason is None)
+        unfinished = [c for c in fan.choices if c.finish_reason is None]
         if unfinished:
             reason = ("timeout" if getattr(request.state, "timed_out", False)
                       else "client_gone" if client_gone else "shutdown" if self.gate.stopped.is_set() else "error")
-            self.metrics.record_aborts(reason, unfinished)
+            self.metrics.record_aborts(reason, len(unfinished))
+            for c in unfinished:
+                self.metrics.observe_aborted(c.replica, c.prompt_tokens, c.completion_tokens)
         await fan.aclose()
         self.gate.leave()
 
@@ -196,13 +203,18 @@ class Endpoints:
             full = self.prompt_ids(prompt)
             ids = req.truncate(full)
             # echo returns the prompt the model saw: as given when it is whole text, else decoded
+            # (without special tokens, as text given whole shows none of those the tokenizer adds)
             text = prompt if isinstance(prompt, str) and len(ids) == len(full) else None
             for j in range(req.n):
                 params = req.sampling_params(seed_offset=j).validate(self.client.vocab_size)
+                if "max_tokens" not in req.model_fields_set and len(ids) < self.client.max_context_len:
+                    # OpenAI's default of 16, as much of it as the context holds after the prompt
+                    params = dataclasses.replace(params, max_tokens=min(params.max_tokens,
+                                                                        self.default_max_tokens(len(ids))))
                 self.grammars.check(params.structured)
-                self.check_context(len(ids), params.max_tokens)
+                self.check_context(len(ids), params.max_tokens, scored=req.scores_only)
                 jobs.append((ids, params))
-                texts.append(text if text is not None else self.client.tokenizer.decode(ids))
+                texts.append(text if text is not None else self.client.tokenizer.decode(ids, skip_special_tokens=True))
         cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.client.model_name
         want_lp, scores_only = req.logprobs is not None, req.scores_only
         fan = await self.open(request, jobs, cid)
@@ -212,6 +224,9 @@ class Endpoints:
             if not req.echo:
                 return "", None
             return texts[i], (echoed_prompt_logprobs(jobs[i][0], prompt_lps, self.pieces, offsets) if want_lp else None)
+
+        def offsets_of(i: int) -> CompletionOffsets:
+            return CompletionOffsets(self.pieces.special if jobs[i][1].skip_special_tokens else frozenset())
 
         def vllm_prompt(i: int, prompt_lps: list | None) -> list | None:
             if req.prompt_logprobs is None:
@@ -223,7 +238,7 @@ class Endpoints:
         plain = not (scores_only or want_lp)  # most chunks are only text (and usage, if asked)
 
         async def events(fan: FanOut) -> AsyncIterator[str]:
-            offsets = [CompletionOffsets() for _ in jobs]
+            offsets = [offsets_of(i) for i in range(len(jobs))]
             started = [False] * len(jobs)
             async for i, out in fan.outputs_ending_in_error():
                 if scores_only and not out.finished:
@@ -261,7 +276,7 @@ class Endpoints:
             for i, c in enumerate(choices):
                 if scores_only:
                     c.text, c.token_ids, c.logprobs, c.completion_tokens = "", [], [], 0
-                offsets = CompletionOffsets()
+                offsets = offsets_of(i)
                 head, head_lp = echo(i, c.prompt_logprobs, offsets)
                 lp = completion_logprobs(c.token_ids, c.logprobs, self.pieces, offsets) if want_lp else None
                 if lp is not None and head_lp is not None:

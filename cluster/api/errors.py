@@ -26,6 +26,28 @@ class APIError(Exception):
                                                  code=self.code)).model_dump()
 
 
+def json_path(loc: tuple) -> str:
+    """A pydantic error location as the path of the field in the request body, as the other
+    errors name fields (`messages[0].content`, `tools[0].function.name`): list indices in
+    brackets, keys after dots, and none of the tags pydantic puts between them for the member
+    of a union it tried (`str`, `list[TextPart]`, `NamedToolChoice`, `function-after[...]`)."""
+    out = ""
+    for x in loc:
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif not _union_tag(str(x)):
+            out += f".{x}"
+    return out.lstrip(".")
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "tuple", "set", "bytes"})
+
+
+def _union_tag(x: str) -> bool:
+    # The API's field names are snake_case; tags are type names, class names or expressions.
+    return x in _TYPE_NAMES or x[:1].isupper() or any(c in x for c in "[]()'\",- ")
+
+
 def as_api_error(exc: BaseException) -> APIError:
     """The HTTP error of an exception (unexpected ones become a 500 that leaks nothing)."""
     if isinstance(exc, APIError):
@@ -49,11 +71,8 @@ def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ValidationError):
         # Of a union's failed branches, the deepest error is the most specific one.
         err = max(exc.errors(), key=lambda e: len(e.get("loc") or ()))
-        loc = err.get("loc") or ()
-        param = str(loc[0]) if loc else None
+        path = json_path(err.get("loc") or ())
         if err["type"] == "extra_forbidden":  # name the unknown key itself, nested ones by their path
-            path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
-            return APIError(400, f"Unrecognized request argument supplied: {path}", param=path or param)
-        where = ".".join(str(x) for x in loc)
-        return APIError(400, f"Invalid value for '{param}' (at {where}): {err['msg']}", param=param)
+            return APIError(400, f"Unrecognized request argument supplied: {path}", param=path or None)
+        return APIError(400, f"Invalid value for '{path}': {err['msg']}", param=path or None)
     return APIError(500, "internal server error", "server_error")

@@ -9,7 +9,9 @@ the tokenizer decodes each token alone.
 
 Completions' `text_offset` is each token's offset in characters into the choice's text: the
 characters completed by the bytes before it (a piece inside a character starts where that
-character does); `CompletionOffsets` carries the count across a stream's chunks.
+character does); `CompletionOffsets` carries the count across a stream's chunks. A special token
+the text does not show (an echoed prompt's BOS, one skipped by `skip_special_tokens`) takes no
+characters: its offset is where the next token's text starts.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class TokenPieces:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.table = token_bytes(tokenizer)
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
         self.of = functools.lru_cache(maxsize=1 << 16)(self._of)
 
     def _of(self, tok: int) -> tuple[str, bytes]:
@@ -43,15 +46,19 @@ class TokenPieces:
 
 
 class CompletionOffsets:
-    """The text offset of a choice's next token (characters of the bytes before it)."""
+    """The text offset of a choice's next token (characters of the bytes before it). `hidden`:
+    token ids its generated text does not show (the special ones, when they are skipped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: frozenset[int] = frozenset()) -> None:
         self.chars = 0
+        self.hidden = hidden
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def advance(self, raw: bytes) -> int:
-        """The offset of a token of bytes `raw`; moves past it."""
+    def advance(self, raw: bytes, shown: bool = True) -> int:
+        """The offset of a token of bytes `raw`; moves past it if the text `shown` it."""
         at = self.chars
+        if not shown:
+            return at
         pending = self._utf8.getstate()[0]  # an unfinished character's bytes so far
         if pending and raw and not 0x80 <= raw[0] <= 0xBF:  # it never finishes: U+FFFD before this token
             at += len(pending.decode("utf-8", errors="replace"))
@@ -66,7 +73,7 @@ def completion_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | Non
     for tok, lp in zip(token_ids, logprobs):
         text, raw = pieces.of(tok)
         out.tokens.append(text)
-        out.text_offset.append(offsets.advance(raw))
+        out.text_offset.append(offsets.advance(raw, tok not in offsets.hidden))
         if lp is None:
             out.token_logprobs.append(0.0)
             out.top_logprobs.append({})
@@ -99,7 +106,7 @@ def echoed_prompt_logprobs(ids: list[int], prompt_lps: list[TokenLogprobs | None
     for tok, lp in zip(ids, lps):
         text, raw = pieces.of(tok)
         out.tokens.append(text)
-        out.text_offset.append(offsets.advance(raw))
+        out.text_offset.append(offsets.advance(raw, tok not in pieces.special))  # (the echo shows none)
         out.token_logprobs.append(None if lp is None else lp.token_logprob)
         if lp is None:
             out.top_logprobs.append(None)

@@ -158,13 +158,14 @@ class ServerMetrics:
             ["replica"], buckets=E2E_BUCKETS, registry=r,
         )
         self.prompt_tokens = Counter(
-            "manta:prompt_tokens", "Prompt tokens of finished requests.", ["replica"], registry=r
+            "manta:prompt_tokens", "Prompt tokens of finished requests (aborted ones included).", ["replica"], registry=r
         )
         self.generation_tokens = Counter(
-            "manta:generation_tokens", "Generated tokens of finished requests.", ["replica"], registry=r
+            "manta:generation_tokens", "Generated tokens of finished requests (aborted ones: those they had).", ["replica"], registry=r
         )
         self.requests_finished = Counter(
-            "manta:request_finished", "Finished requests, by finish reason (stop, length, abort, error).",
+            "manta:request_finished", "Finished requests, by finish reason (stop, length, abort, error); "
+            "abort: the server cut it short (see manta:request_aborts_total for why).",
             ["replica", "finish_reason"], registry=r,
         )
         self.router_requests = Counter(
@@ -278,6 +279,14 @@ class ServerMetrics:
 
     def record_aborts(self, reason: str, n: int = 1) -> None:
         self.request_aborts.labels(reason).inc(n)
+
+    def observe_aborted(self, replica: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """A request the server aborted (its last output never came): finished as "abort", with
+        the tokens it had (what `observe_finished` counts of one that ends)."""
+        replica = replica or "unknown"
+        self.requests_finished.labels(replica, "abort").inc()
+        self.prompt_tokens.labels(replica).inc(max(0, prompt_tokens))
+        self.generation_tokens.labels(replica).inc(max(0, completion_tokens))
 
     # ---------------- written by the router ----------------
     def record_route(self, policy: str, replica: str) -> None:

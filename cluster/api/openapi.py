@@ -28,6 +28,14 @@ _POSTS: tuple[tuple[str, type[BaseModel], type[BaseModel] | None, str], ...] = (
     ("/generate", P.GenerateRequest, None, "Native generation (SGLang-style body)"),
 )
 
+# A small body each route answers, shown in the document (and the first case a fuzzer sends).
+_EXAMPLES: dict[str, dict[str, Any]] = {
+    "/v1/completions": {"prompt": "Hello", "max_tokens": 4},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4},
+    "/v1/embeddings": {"input": "Hello"},
+    "/generate": {"text": "Hello", "sampling_params": {"max_tokens": 4}},
+}
+
 # Error statuses any route may answer, and why.
 _ERRORS = {
     "400": "invalid request (the body names the parameter)",
@@ -72,7 +80,8 @@ def openapi_schema(title: str = "manta", version: str = "0.1.0") -> dict[str, An
             "summary": summary,
             "operationId": path.strip("/").replace("/", "_").replace(".", "_"),
             "requestBody": {"required": True,
-                            "content": {"application/json": {"schema": {"$ref": _REF.format(model=req.__name__)}}}},
+                            "content": {"application/json": {"schema": {"$ref": _REF.format(model=req.__name__)},
+                                                             "example": _EXAMPLES[path]}}},
             "responses": {"200": ok, **_error_responses()},
         }}
     json_ok = {"description": "the answer", "content": {"application/json": {"schema": {"type": "object"}}}}

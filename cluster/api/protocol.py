@@ -13,7 +13,7 @@ import dataclasses
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.api.chat_messages import ChatMessage
 from cluster.api.structured import StructuredFields
@@ -56,6 +56,16 @@ class _SamplingRequest(StructuredFields):
     structured-output fields of every dialect come from `StructuredFields`."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI types its optional fields "T or null", and SDKs send a null for a setting they
+        were given as None: a known field sent as null takes its default (`n`, `stream`,
+        `echo`, ... as much as `temperature`). A required one is then missing, and named so."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
     model: str | None = None
     n: int = 1
@@ -210,6 +220,9 @@ class ChatCompletionRequest(_SamplingRequest):
             if (m.tool_calls and m.role != "assistant") or (m.tool_call_id is not None and m.role != "tool"):
                 field = "tool_calls" if m.tool_calls else "tool_call_id"
                 raise SamplingParamsError(f"messages[{i}].{field}", f"not allowed in a {m.role} message")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise SamplingParamsError(f"messages[{i}].tool_call_id", "a tool message needs the id of the "
+                                                                        "tool call it answers")
         if self.functions or self.function_call not in (None, "none"):
             param = "functions" if self.functions else "function_call"
             raise SamplingParamsError(param, "function calling is not supported by this server")
@@ -250,8 +263,13 @@ class ChatCompletionRequest(_SamplingRequest):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
+# SGLang's names of `SamplingParams` fields in the native endpoint's `sampling_params`.
+SGLANG_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
 class GenerateRequest(_Strict):
-    """The native endpoint: `sampling_params` takes `SamplingParams` field names."""
+    """The native endpoint: `sampling_params` takes `SamplingParams` field names, and SGLang's
+    `max_new_tokens` / `min_new_tokens` for theirs."""
 
     text: str | None = None
     input_ids: list[int] | None = None
@@ -271,6 +289,11 @@ class GenerateRequest(_Strict):
         known = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - {"extra", "structured"}
         known |= {"json_schema", "regex", "ebnf"}
         sp = dict(self.sampling_params)
+        for sglang, ours in SGLANG_NAMES.items():  # SGLang's own names for the same fields
+            if sglang in sp:
+                if ours in sp:
+                    raise SamplingParamsError(f"sampling_params.{sglang}", f"give one of {sglang!r} and {ours!r}")
+                sp[ours] = sp.pop(sglang)
         for key in sp:
             if key not in known:
                 raise SamplingParamsError(f"sampling_params.{key}", f"unknown sampling parameter {key!r}")

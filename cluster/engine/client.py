@@ -183,8 +183,10 @@ class ChoiceResult:
     first_token_at: float | None = None  # monotonic time its first token reached this process
     prompt_logprobs: list | None = None  # the prompt's logprobs, when the request asked
     hops: tuple[float | None, float | None] = (None, None)  # its first output's submitted/received_wall
+    replica: str = ""  # the replica that sent its last output
 
     def add(self, out: RequestOutput) -> None:
+        self.replica = out.replica or self.replica
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.received_wall is not None and self.hops[1] is None:

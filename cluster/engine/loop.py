@@ -279,6 +279,10 @@ class Engine:
         if hit_stop and not req.finished:
             self.scheduler.finish(req, FinishReason.STOP)
             # Flush nothing more: the text was cut before the stop string.
+        elif hit_stop and req.finish_reason == FinishReason.LENGTH:
+            # The last token it was allowed (or a handed-off prefill's one token) holds a stop
+            # string: the stop ended it, and a disaggregated request does not go on to decode.
+            req.finish_reason = FinishReason.STOP
         now = time.monotonic()
         if ev.token_ids and req.first_token_time is None:
             req.first_token_time = now

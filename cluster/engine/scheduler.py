@@ -139,7 +139,10 @@ class Scheduler:
                 raise RequestRejected("prompt", problem)
         if n == 0:
             raise RequestRejected("prompt", "the prompt is empty")
-        if n >= self.max_context_len and not req.is_embedding or n > self.max_context_len:
+        # A prompt may fill the context when it is only scored (its prompt logprobs, one token
+        # sampled from the whole window and dropped by the server): no token needs a position.
+        scored = req.params.max_tokens == 1 and req.params.prompt_logprobs is not None
+        if n > self.max_context_len or n == self.max_context_len and not (req.is_embedding or scored):
             generated = "" if req.is_embedding else " including at least one generated token"
             raise RequestRejected(
                 "prompt", f"the prompt has {n} tokens; this model's context is {self.max_context_len} tokens{generated}"
