@@ -62,7 +62,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "reference (MHA/GQA); mla: flash, insisting on an MLA model")
     p.add_argument("--is-embedding", action="store_true")
     p.add_argument("--max-context-len", type=int, default=None)
-    p.add_argument("--max-waiting", type=int, default=0)
+    p.add_argument("--max-waiting", type=int, default=0,
+                   help="requests each replica queues beyond its free running slots before answering 503 "
+                        "(0: unbounded)")
+    p.add_argument("--step-timeout", dest="step_timeout_s", type=float, default=EngineConfig.step_timeout_s,
+                   help="seconds a TP rank may take to answer a step before the replica counts it as hung, "
+                        "fails its requests and rebuilds its TP group (0: wait forever)")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch the decode kernels without programmatic dependent launch (per-kernel profiles; "
@@ -83,7 +88,7 @@ ENGINE_ARG_NAMES = (
     "kv_cache_tokens",
     "mem_fraction", "gpus_per_rank", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
     "mixed_prefill_tokens", "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len",
-    "max_waiting",
+    "max_waiting", "step_timeout_s",
     "disable_cuda_graph", "disable_overlap_schedule", "speculative_draft_model", "speculative_num_tokens",
 )
 

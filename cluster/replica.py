@@ -96,7 +96,7 @@ class Replica:
         from workers.ray_group import RayWorkerGroup
 
         group = RayWorkerGroup(runner_options(self.config), self.config.tp_size, name=self.name,
-                               **self._group_args)
+                               step_timeout_s=self.config.step_timeout_s, **self._group_args)
         self.group = group
         self.engine = Engine(self.config, workers=group, batch_sink=self._on_outputs)
         self.engine.start()

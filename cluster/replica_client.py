@@ -152,6 +152,12 @@ class ReplicaClient:
         self._kick()
         return stream
 
+    def fail(self, error: Exception) -> None:
+        """End the serving connection now: its streams end with `error` (a request with no
+        output yet as unavailable, which the router retries elsewhere)."""
+        if self._conn is not None:
+            self._conn.fail(error)
+
     def abort(self, rid: str) -> None:
         """Forget `rid` here and abort it on the replica (in the next frame)."""
         if self.streams.pop(rid, None) is not None:

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -55,6 +56,10 @@ class RouterOptions:
     tree_max_tokens: int = 200_000
     stats_interval_s: float = 0.5
     stats_timeout_s: float = 5.0
+    # A replica actor that has answered no stats poll for this long is hung (alive to Ray, its
+    # process stopped or wedged): its streams are ended (those without a token are retried
+    # elsewhere) and it is treated as dead, so the supervisor kills and replaces it.
+    replica_hang_s: float = 30.0
     max_attempts: int = 3
     # Requests the router holds at once over all replicas; 0: unbounded (QueueFull beyond).
     max_inflight: int = 0
@@ -78,6 +83,7 @@ class ReplicaHandle:
     # The actor itself is gone for good (ActorDiedError: its process or node died): only a new
     # actor serves again (`cluster.supervisor` replaces it).
     dead: bool = False
+    silent_since: float | None = None  # when its stats polls began to go unanswered
     inflight: int = 0
     stats: dict = field(default_factory=dict)
     tree: PrefixTree = field(default_factory=PrefixTree)
@@ -271,7 +277,10 @@ class Router:
                 # connection that dropped is only unhealthy until the stats poll says more.)
                 handle.dead |= isinstance(exc.cause, ray.exceptions.ActorDiedError)
                 if first_seen:
-                    yield self._failed(rid, handle.name, f"replica {handle.name} failed: {type(exc.cause).__name__}")
+                    why = type(exc.cause).__name__
+                    if isinstance(exc.cause, TimeoutError) and str(exc.cause):  # the router's own words
+                        why = f"{why}: {exc.cause}"
+                    yield self._failed(rid, handle.name, f"replica {handle.name} failed: {why}")
                     return
                 self._record_retry(handle, "replica_failed")
                 continue  # nothing sent yet: retry elsewhere
@@ -329,7 +338,9 @@ class Router:
             except Exception as exc:
                 self._mark_unhealthy(h, f"stats failed: {type(exc).__name__}")
                 h.dead |= isinstance(exc, ray.exceptions.ActorDiedError)
+                self._check_hung(h)
                 return
+            h.silent_since = None
             h.stats = stats
             if stats.get("healthy"):
                 if not h.healthy:
@@ -341,6 +352,19 @@ class Router:
                 self.metrics.update_replica_stats(h.name, stats)
 
         await asyncio.gather(*(one(h, r) for h, r in zip(handles, refs)))
+
+    def _check_hung(self, h: ReplicaHandle) -> None:
+        """`h` did not answer a stats poll: once it has been silent for `replica_hang_s`, end its
+        streams and count it dead (`cluster.supervisor` replaces it)."""
+        now = time.monotonic()
+        h.silent_since = h.silent_since or now
+        if h.dead or now - h.silent_since < self.options.replica_hang_s:
+            return
+        why = f"hung: no stats answer for {now - h.silent_since:.0f} s"
+        logger.error("router: replica %s %s; ending its streams and replacing it", h.name, why)
+        h.dead, h.reason = True, why
+        if h.client is not None:
+            h.client.fail(TimeoutError(f"replica {h.name} is {why}"))
 
     async def _pull_kv_events(self, h: ReplicaHandle) -> None:
         """Bring h's KV index up to date (one call, whatever the number of events); a replica

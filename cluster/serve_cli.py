@@ -53,6 +53,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--router-max-inflight", type=int, default=None,
                    help="requests the router holds at once before answering 503 (default: with --max-waiting W, "
                         "replicas x (max-running-requests + W); else unbounded)")
+    p.add_argument("--replica-hang-timeout", type=float, default=30.0, metavar="S",  # RouterOptions.replica_hang_s
+                   help="a replica actor that answers no health poll for S seconds is counted as hung: its "
+                        "streams end (requests with no token yet are retried elsewhere) and it is replaced")
     # No --kv-store: <cache dir>/kvstore. Pages of 16 tokens by default: the shared KV store
     # serves pages of at least 16 (cluster/engine/kv_offload.py), and GPU kernels prefer them.
     p.set_defaults(func=cmd_serve, kv_store_embedded=True, page_size=16)
@@ -91,7 +94,7 @@ def cluster_options_from_args(args: argparse.Namespace):
                              balance_abs_threshold=args.balance_abs_threshold,
                              balance_rel_threshold=args.balance_rel_threshold,
                              kv_events=args.router_kv_events,
-                             max_inflight=router_max_inflight(args)),
+                             max_inflight=router_max_inflight(args), replica_hang_s=args.replica_hang_timeout),
         address=args.address,
         placement_strategy=args.placement_strategy,
         nic=args.nic,

@@ -110,9 +110,9 @@ def test_burst_over_the_queue_bound(bounded):
         results = asyncio.run(burst())
     statuses = [s for s, _, _ in results]
     assert set(statuses) <= {200, 503}, statuses
-    # At least the waiting queue's worth is admitted (more when the engine admits some to its
-    # running batch while the burst is still arriving).
-    assert statuses.count(503) >= 1 and statuses.count(200) >= 2, statuses
+    # At least the running and waiting slots' worth is admitted (a burst that comes between
+    # two steps waits for free running slots too), more when slots free up meanwhile.
+    assert statuses.count(503) >= 1 and statuses.count(200) >= 4, statuses
     for status, headers, body in results:
         if status == 503:
             assert headers["retry-after"] == "1"

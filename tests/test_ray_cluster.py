@@ -64,7 +64,9 @@ def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
             await router.start()
             # Load: long generations spread over both replicas.
             tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400)) for i in range(8)]
-            await asyncio.sleep(1.0)
+            while router.replicas["replica-0"].inflight < 4:  # killed while its requests stream
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.1)
             victim = ray.get_actor("manta-replica-0-rank0", namespace="manta-test")
             ray.kill(victim)
             t0 = time.monotonic()
@@ -103,6 +105,123 @@ def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
         cluster.shutdown()
 
 
+def test_hung_worker_is_noticed_failed_and_rebuilt(ray_local, tmp_path_factory):
+    """A rank that stops answering without dying (SIGSTOP: alive to Ray, silent on its step
+    channel) is caught by the step watchdog: its replica's requests end with a clean error
+    within the step timeout, the router routes around it, and the replica rebuilds its TP
+    group (the stopped process is killed), as when a rank dies."""
+    import os
+    import signal
+
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d), step_timeout_s=5.0), replicas=2,
+                                            router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),
+                             ServerMetrics())
+    router = cluster.start()
+    rank = ray.get_actor("manta-replica-0-rank0", namespace="manta-test")
+    pid = ray.get(rank.placement.remote())["pid"]
+    try:
+        async def scenario():
+            await router.start()
+            tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400)) for i in range(6)]
+            while router.replicas["replica-0"].inflight < 3:  # stopped while its requests stream
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.1)
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+            ended_s = time.monotonic() - t0
+            later = [await _collect(router, p, 5) for p in PROMPTS]
+            return ended_s, results, later
+
+        ended_s, results, later = asyncio.run(scenario())
+        finals = [(f.replica, f.finish_reason, f.error, f.completion_tokens) for f in (o[-1] for o in results)]
+        # Those that had streamed tokens end with the error; any that had none yet were retried
+        # on replica-1 (an `unavailable` failure) and ran whole there.
+        errored = [f for f in finals if f[1] == "error"]
+        assert errored and all(r == "replica-0" and "did not answer" in e for r, _, e, _ in errored), finals
+        assert all(f[1:] == ("length", None, 400) for f in finals if f[1] != "error"), finals
+        assert ended_s < 5.0 + 15, ended_s  # the timeout, then the replica's step raises at once
+        assert all(outs[-1].finish_reason == "length" for outs in later)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            stats = ray.get(cluster.actors["replica-0"].stats.remote())
+            if stats["healthy"] and stats["restarts"]:
+                break
+            time.sleep(0.5)
+        assert stats["healthy"] and stats["restarts"] == 1
+        with pytest.raises(ProcessLookupError):  # the stopped rank was killed, not left behind
+            for _ in range(50):
+                os.kill(pid, 0)
+                time.sleep(0.1)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        asyncio.run(router.aclose())
+        cluster.shutdown()
+
+
+def test_hung_replica_actor_is_routed_around_and_replaced(ray_local, tmp_path_factory):
+    """A replica actor that stops answering without dying (SIGSTOP) holds its streams until the
+    router counts it hung (`replica_hang_s` without a stats answer): then its streams end (a
+    request with no token yet is retried on the other replica), and the supervisor kills it and
+    starts a replacement. Nothing waits forever."""
+    import os
+    import signal
+
+    from cluster.supervisor import ReplicaSupervisor
+
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d)), replicas=2, router=RouterOptions(
+        policy="round_robin", stats_interval_s=0.2, stats_timeout_s=1.0, replica_hang_s=4.0)), ServerMetrics())
+    router = cluster.start()
+    pid = ray.get(cluster.actors["replica-0"].__ray_call__.remote(lambda self: os.getpid()))
+    try:
+        async def scenario():
+            await router.start()
+            supervisor = ReplicaSupervisor(cluster, interval_s=0.2, ready_timeout_s=120, backoff_s=1.0)
+            await supervisor.start()
+            try:
+                tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400)) for i in range(6)]
+                while router.replicas["replica-0"].inflight < 3:
+                    await asyncio.sleep(0.005)
+                await asyncio.sleep(0.1)
+                os.kill(pid, signal.SIGSTOP)
+                t0 = time.monotonic()
+                results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+                ended_s = time.monotonic() - t0
+                later = [await _collect(router, p, 5) for p in PROMPTS]
+                deadline = time.monotonic() + 120
+                while supervisor.stats.started < 1 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                return ended_s, results, later, supervisor.stats
+            finally:
+                await supervisor.aclose()
+
+        ended_s, results, later, stats = asyncio.run(scenario())
+        finals = [(f.replica, f.finish_reason, f.error, f.completion_tokens) for f in (o[-1] for o in results)]
+        errored = [f for f in finals if f[1] == "error"]
+        assert errored and all(r == "replica-0" and "hung" in e for r, _, e, _ in errored), finals
+        assert all(f[1:] == ("length", None, 400) for f in finals if f[1] != "error"), finals
+        assert ended_s < 4.0 + 10, ended_s
+        assert all(outs[-1].finish_reason == "length" for outs in later)
+        assert stats.replaced == 1 and stats.started == 1, stats
+        assert "replica-0" not in router.replicas and len(router.replicas) == 2
+        with pytest.raises(ProcessLookupError):  # killed by the supervisor, not left stopped
+            for _ in range(50):
+                os.kill(pid, 0)
+                time.sleep(0.1)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        asyncio.run(router.aclose())
+        cluster.shutdown()
+
+
 def test_replicas_added_and_drained_while_serving(ray_local, tmp_path_factory):
     """The operator routes: a replica added while serving takes requests; one removed is drained
     first (its long request finishes normally, no new request reaches it); the last one is kept."""
@@ -110,7 +229,9 @@ def test_replicas_added_and_drained_while_serving(ray_local, tmp_path_factory):
 
     from cluster.api.server import BackgroundServer, build_app
 
-    d = tiny_model_dir(tmp_path_factory, "llama")
+    # A context of 4,096: the long requests run for seconds, past the drain's start (at 512, on
+    # an idle machine one could end before the check that both run).
+    d = tiny_model_dir(tmp_path_factory, "llama", max_position=4096)
     metrics = ServerMetrics()
     cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d)), replicas=1,
                                             router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),
@@ -133,8 +254,10 @@ def test_replicas_added_and_drained_while_serving(ray_local, tmp_path_factory):
         assert names == {"replica-0", new}
         # Round robin: a long request on each replica, then drain replica-0 while they run.
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            long = [pool.submit(complete, f"{PROMPTS[i]} long", 480) for i in range(2)]
-            time.sleep(1.0)
+            long = [pool.submit(complete, f"{PROMPTS[i]} long", 3000) for i in range(2)]
+            deadline = time.monotonic() + 30
+            while {h.inflight for h in router.replicas.values()} != {1} and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert {h.inflight for h in router.replicas.values()} == {1}
             drain = pool.submit(httpx.delete, url + "/admin/replicas/replica-0", timeout=300)
             time.sleep(0.5)
@@ -143,7 +266,7 @@ def test_replicas_added_and_drained_while_serving(ray_local, tmp_path_factory):
             finished = [f.result() for f in long]
         assert removed.status_code == 200 and removed.json()["drained"] is True, removed.text
         assert [c["choices"][0]["finish_reason"] for c in finished] == ["length", "length"]
-        assert all(c["usage"]["completion_tokens"] == 480 for c in finished)
+        assert all(c["usage"]["completion_tokens"] == 3000 for c in finished)
         assert all(c["choices"][0]["finish_reason"] == "length" for c in during)
         assert list(router.replicas) == [new] and "replica-0" not in cluster.actors
         last = httpx.delete(url + f"/admin/replicas/{new}")

@@ -209,9 +209,15 @@ def test_rejections_name_the_problem():
     with pytest.raises(SamplingParamsError) as ei:
         s.add_request(req("neg", 4, max_tokens=-1))
     assert ei.value.param == "max_tokens"
-    s.add_request(req("ok", 4))
+    # The queue holds max_waiting beyond the free running slots (a burst between two steps).
+    for i in range(1 + 8):
+        s.add_request(req(f"ok{i}", 4))
     with pytest.raises(QueueFull):
-        s.add_request(req("ok2", 4))
+        s.add_request(req("over", 4))
+    s.schedule()  # 8 run now (slots taken): one more may wait
+    assert len(s.running) == 8 and len(s.waiting) == 1
+    with pytest.raises(QueueFull):
+        s.add_request(req("over", 4))
 
 
 def test_request_outgrowing_the_whole_cache_ends_with_length_not_livelock():

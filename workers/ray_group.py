@@ -8,6 +8,7 @@ GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME when `nic` is given (multi-node clusters
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import ray
@@ -40,6 +41,7 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
         cpus_per_rank: float = 1.0,
         name: str = "replica",
         ready_timeout_s: float = 300.0,
+        step_timeout_s: float = 0.0,
     ):
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement strategy must be one of {PLACEMENT_STRATEGIES}")
@@ -79,9 +81,12 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
         # One never-returning call per rank: it fails the moment its actor dies.
         self.hold_refs = [w.hold.remote() for w in self.workers]
         self._dead: str | None = None
+        self._failed = threading.Event()  # a rank died, failed or hung (or the group shut down)
+        self._watch_lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
         # Steps travel over one TCP connection per rank (workers/step_channel.py says why not a
         # Ray compiled graph); the ranks connect to this process on Ray's address of its node.
-        self.channel = StepChannel(ray.util.get_node_ip_address(), tp_size)
+        self.channel = StepChannel(ray.util.get_node_ip_address(), tp_size, step_timeout_s)
         ray.get([w.connect_steps.remote(self.channel.address, self.channel.token) for w in self.workers])
         self.channel.accept(timeout_s=60)
         self._init_overlap(opts)
@@ -95,8 +100,12 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
         try:
             self.channel.send(msg)
         except RankFailed as exc:
-            self._dead = f"a TP rank failed: {exc}"
+            self._died(f"a TP rank failed: {exc}")
             raise WorkerDied(self._dead) from exc
+
+    def _died(self, why: str) -> None:
+        self._dead = self._dead or why
+        self._failed.set()
 
     def _wait(self, handle: None) -> StepResult | None:
         """The replies to the oldest message sent (the channel keeps them in order)."""
@@ -105,21 +114,31 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
         try:
             return self.channel.recv()
         except RankFailed as exc:
-            self._dead = f"a TP rank failed: {exc}"
+            self._died(f"a TP rank failed: {exc}")
             raise WorkerDied(self._dead) from exc
 
     def wait_for_death(self, timeout: float | None = None) -> str | None:
-        """Block until a rank dies (returns why) or the timeout passes (returns None)."""
-        ready, _ = ray.wait(self.hold_refs, num_returns=1, timeout=timeout)
-        if not ready:
-            return None
+        """Block until a rank dies or the step channel finds one failed or hung (returns why),
+        the group is shut down, or the timeout passes (both: None). A thread waits on every
+        rank's never-returning `hold()` (a dead rank's raises at once); a hung rank never
+        returns from it, so the step channel's watchdog wakes the waiter too (`_died`)."""
+        with self._watch_lock:
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch_holds, name="rank-death-watch", daemon=True)
+                self._watcher.start()
+        self._failed.wait(timeout)
+        return self._dead
+
+    def _watch_holds(self) -> None:
+        ready: list = []
         try:
-            ray.get(ready[0])
-            return None  # returned normally: shutdown
+            ready, _ = ray.wait(self.hold_refs, num_returns=1)
+            ray.get(ready[0])  # returned normally: shutdown
         except Exception as exc:
-            rank = self.hold_refs.index(ready[0])
-            self._dead = f"TP rank {rank} died: {type(exc).__name__}"
-            return self._dead
+            if isinstance(exc, ray.exceptions.RayError) and ready:
+                self._died(f"TP rank {self.hold_refs.index(ready[0])} died: {type(exc).__name__}")
+        finally:
+            self._failed.set()
 
     def kv_store_stats(self, timeout_s: float = 1.0) -> list[dict] | None:
         """Each rank actor answers on its second thread (beside a running step)."""

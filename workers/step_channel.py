@@ -12,7 +12,10 @@ an unpickler that rebuilds only the step messages' dataclasses and enums (`_Mess
 Replies: `(True, value)`, or `(False, traceback text)` when the rank's handler raised.
 Failure model: a rank that dies closes its socket (the kernel does it for a killed process);
 the replica's `recv` watches every rank's socket at once, so it raises `RankFailed` as soon as
-any rank is gone, even while rank 0 is blocked in a collective with the dead peer.
+any rank is gone, even while rank 0 is blocked in a collective with the dead peer. A rank that
+is alive but does not answer (a stopped process, a collective stuck on a wedged peer or GPU)
+closes nothing: with `step_timeout_s`, a reply that has not come that long after `recv` began
+waiting for it fails the channel the same way, naming the ranks that did not answer.
 The handshake carries a random token, so nothing but the group's own ranks can attach.
 """
 
@@ -124,10 +127,12 @@ def _tune(sock: socket.socket) -> None:
 class StepChannel:
     """The replica's end. `listen` first, hand `address` and `token` to the ranks, then
     `accept` their connections. `send` a message to every rank; `recv` one reply from every
-    rank per message sent (FIFO), returning rank 0's value."""
+    rank per message sent (FIFO), returning rank 0's value. `step_timeout_s` (0: none): how long
+    `recv` waits for a reply before it counts the ranks that did not answer as hung."""
 
-    def __init__(self, host: str, num_ranks: int):
+    def __init__(self, host: str, num_ranks: int, step_timeout_s: float = 0.0):
         self.num_ranks = num_ranks
+        self.step_timeout_s = step_timeout_s
         self.token = os.urandom(32)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -184,8 +189,13 @@ class StepChannel:
             raise RankFailed(self.failed)
         waiting = set(range(self.num_ranks))
         value = None
+        deadline = time.monotonic() + self.step_timeout_s if self.step_timeout_s > 0 else None
         while waiting:
-            for key, _ in self._sel.select():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self._fail(f"TP rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, sorted(waiting)))} "
+                           f"did not answer a step within {self.step_timeout_s:.0f} s (hung)")
+            for key, _ in self._sel.select(left):
                 rank = key.data
                 if rank not in waiting:
                     continue  # already answered this message; its next reply waits

@@ -60,6 +60,11 @@ class EngineConfig:
     max_context_len: int | None = None
     # Waiting requests beyond this are refused (overload); 0: unbounded.
     max_waiting: int = 0
+    # A step no rank has answered for this long means a hung rank (a stopped process, a stuck
+    # collective, a wedged GPU): the replica fails its requests and rebuilds its TP group, as
+    # when a rank dies (workers/step_channel.py). 0: wait forever. Longer than any step takes,
+    # a first one that compiles kernels included.
+    step_timeout_s: float = 120.0
     disable_cuda_graph: bool = False
     # Plan step k+1 while step k runs (cluster/engine/scheduler.py); on where the workers allow it.
     disable_overlap_schedule: bool = False

@@ -159,8 +159,11 @@ class Scheduler:
             )
         if req.rid in self.requests:
             raise RequestRejected("request_id", f"duplicate request id {req.rid!r}")
-        if self.max_waiting and len(self.waiting) >= self.max_waiting:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting={self.max_waiting})")
+        # A burst arrives between steps, so it waits even for free running slots: those count
+        # as room too, and only what would wait for a slot to free up is bounded.
+        if self.max_waiting and len(self.waiting) >= self.max_waiting + len(self._free_rows):
+            raise QueueFull(f"{len(self.waiting)} requests are waiting for {len(self._free_rows)} free running "
+                            f"slots (max_waiting={self.max_waiting})")
         self.requests[req.rid] = req
         self.waiting.append(req)
         if self.kv_offload is not None:  # its store lookup goes out now, answered while it waits
