@@ -276,15 +276,16 @@ class ServingCluster:
         self.router = router
         return router
 
-    def shutdown(self) -> None:
+    def shutdown(self, now: bool = False) -> None:
         """Stop every replica (all at once: each saves its cached KV pages for at most the
         drain timeout, under write-back store policies), then the store (it flushes its RAM
-        tier to files), then Ray if this cluster started it."""
+        tier to files), then Ray if this cluster started it. `now`: kill them without either
+        (the operator asked twice)."""
         drain_s = self.options.engine.kv_drain_timeout_s if self.kv_store is not None else 0.0
         actors = [self.actors.pop(name) for name in list(self.actors)]
-        _stop_actors(actors, timeout_s=10 + drain_s)
+        _stop_actors(actors, timeout_s=0 if now else 10 + drain_s)
         if self.kv_store is not None:
-            _stop_actors([self.kv_store], timeout_s=30)
+            _stop_actors([self.kv_store], timeout_s=0 if now else 30)
             self.kv_store = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
@@ -351,7 +352,7 @@ def _stop_actors(actors: list, timeout_s: float = 30) -> None:
     """Ask every actor to shut down at once, wait for them together (at most `timeout_s`),
     then kill them."""
     refs = []
-    for actor in actors:
+    for actor in actors if timeout_s > 0 else ():
         try:
             refs.append(actor.shutdown.remote())
         except Exception:

@@ -44,7 +44,7 @@ def add_serve_parser(sub) -> None:
                    help="abort a request that runs longer than S seconds (504; its KV pages are freed)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM/SIGINT: stop admitting, let requests in flight finish for up to S seconds, "
-                        "then end them and exit (a second signal exits at once)")
+                        "then end them and exit (a second signal exits at once: streams cut, no KV pages saved)")
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *PARSERS],
                    help="how tool_choice 'auto' outputs are read: the chat template's format (auto), a named "
                         "one, or none (text only)")
@@ -157,6 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics = ServerMetrics()
     cluster = ServingCluster(options, metrics)
     gate = ShutdownGate()
+    hurry = []  # a second signal came: exit without the drain
     try:
         router = cluster.start()
         app = build_app(router, metrics, api_key=args.api_key, metrics_public=args.metrics_public,
@@ -182,8 +183,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 server.should_exit = True
 
             def on_signal() -> None:
-                if gate.closing:  # a second signal: now
-                    server.should_exit = True
+                if gate.closing:  # a second signal: now (streams are cut, no KV pages are saved)
+                    server.should_exit = server.force_exit = True
+                    hurry.append(True)
                     return
                 gate.begin(args.shutdown_timeout)
                 loop.create_task(stop_when_drained())
@@ -196,5 +198,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         asyncio.run(main())
     finally:
-        cluster.shutdown()
+        cluster.shutdown(now=bool(hurry))
     return 0

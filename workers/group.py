@@ -44,6 +44,11 @@ class WorkerGroup(ABC):
     def describe(self) -> dict:
         return {"kind": type(self).__name__}
 
+    @property
+    def failed(self) -> str | None:
+        """Why no step can run on this group any more (a rank died or hung); None while it can."""
+        return None
+
     def kv_store_stats(self, timeout_s: float = 1.0) -> list[dict] | None:
         """Every rank's KV store client and host-tier counters (`workers.kv_offload`); [] when
         the ranks run without a store, None when they could not be asked in time."""

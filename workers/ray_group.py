@@ -103,6 +103,10 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
             self._died(f"a TP rank failed: {exc}")
             raise WorkerDied(self._dead) from exc
 
+    @property
+    def failed(self) -> str | None:
+        return self._dead
+
     def _died(self, why: str) -> None:
         self._dead = self._dead or why
         self._failed.set()

@@ -427,7 +427,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
-        if self.kv_offload is not None:
+        if self.kv_offload is not None and self.workers.failed:  # the ranks cannot save anything
+            logger.warning("KV store: the cached KV pages are not saved at shutdown: %s", self.workers.failed)
+        elif self.kv_offload is not None:
             try:
                 self._drain_kv(self.config.kv_drain_timeout_s if drain_s is None else drain_s)
             except Exception:  # the workers may be the reason we stop
