@@ -93,11 +93,13 @@ class HostTier:
         with self.lock:
             return [self.free.pop() for _ in range(min(n, len(self.free)))]
 
-    def publish(self, keys: list[str], rows: list[int], pin: bool = False, oldest: bool = False) -> list[int]:
+    def publish(self, keys: list[str], rows: list[int], pin: bool = False, oldest: bool = False,
+                log: bool = True) -> list[int]:
         """Rows now hold keys; a key already ready keeps its row and the new one is freed.
         Returns the rows that hold the keys (pinned when `pin`). `oldest`: new keys go to the
         least recently used end, each before the one published before it (the first key
-        given is evicted last of them)."""
+        given is evicted last of them). `log`: among the changes (`take_changes`); without,
+        the caller reports them itself (an eviction is logged either way)."""
         held = []
         with self.lock:
             for key, row in zip(keys, rows):
@@ -108,7 +110,7 @@ class HostTier:
                     self.ready[key] = row
                     if oldest:
                         self.ready.move_to_end(key, last=False)
-                    if self.changes is not None:
+                    if self.changes is not None and log:
                         self.changes[key] = True
                 if pin:
                     self.pins[row] = self.pins.get(row, 0) + 1

@@ -22,10 +22,19 @@ store no longer has, or that fails its checksum, is skipped. It stops at close, 
 `GIVE_UP` reads in a row brought nothing (the store is down). Counted in the
 rank's stats: `offload_warm_pages`, `offload_warm_s` (until the last thread ended) and
 `offload_warming` (1 while it runs).
+
+With several TP ranks, each warms its own tier at its own pace, and one may skip a page another
+read. So what the first rank reports is agreed (`WarmAgreement`): every step while a warm runs,
+the first rank proposes the keys its warm published since, every rank says which of them its
+tier holds (min over ranks, on the CPU group), and only those all hold are reported; the rest
+are proposed again while any rank still warms, then dropped. A request is never admitted on a
+warmed page one rank lacks (its load would come back short: computed again, and the picture
+would forget the page for good).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -36,14 +45,17 @@ logger = logging.getLogger(__name__)
 WARM_FRACTION = 0.9  # of the host tier's rows that a warm fills at most
 WARM_THREADS = 2  # store reads at once (each holds one of the client's staging areas)
 GIVE_UP = 3  # reads in a row that brought no page
+AGREE_MAX = 512  # warmed keys the first rank proposes per step (TP > 1)
+_NO_KEY = (1 << 63) - 1  # what the other ranks put where the first rank's proposals go (a min)
 
 
 class HostWarm:
     """One warm of one rank's host tier; `threads()` are started by the rank's offload, which
     they hold weakly (a dropped offload ends them) and which joins them at close."""
 
-    def __init__(self, offload_ref, name: str):
+    def __init__(self, offload_ref, name: str, agreement: WarmAgreement | None = None):
         self._ref = offload_ref
+        self.agreement = agreement  # TP > 1: what it publishes is reported once agreed
         self._name = name
         self._chunks: deque[list[str]] = deque()
         self._listed = threading.Event()
@@ -119,7 +131,9 @@ class HostWarm:
             host.give(rows[n:])
             # At the least recently used end, ahead of the chunks read before it: the list is
             # most valuable first, so the replica's own pages evict the least valuable first.
-            host.publish(chunk[:n], rows[:n], oldest=True)
+            host.publish(chunk[:n], rows[:n], oldest=True, log=self.agreement is None)
+            if self.agreement is not None:
+                self.agreement.published(chunk[:n])
         with self._lock:
             self.pages += n
             self._empty_reads = 0 if n else self._empty_reads + 1
@@ -131,3 +145,54 @@ class HostWarm:
         return {"offload_warm_pages": self.pages, "offload_warm_listed": self.listed_pages,
                 "offload_warm_s": self.seconds if not self.running else time.monotonic() - self.started,
                 "offload_warming": int(self.running)}
+
+
+def key_hash(key: str) -> int:
+    """A chain key as a non-negative int64 (what a collective carries)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
+
+
+class WarmAgreement:
+    """Which pages warmed into the host tiers of a TP group every rank holds (the module
+    docstring says why). Every rank has one when the ranks warm and there are several, and
+    calls `step` once per step, in the same step on every rank, until it says it is done."""
+
+    def __init__(self, tp, host=None):
+        self.tp, self.host = tp, host  # host: None on a rank without a store client (holds nothing)
+        self.active = tp.size > 1
+        self.by_hash: dict[int, str] = {}  # the keys this rank's warm published
+        self.unreported: deque[str] = deque()  # the first rank's, not yet agreed
+        self._lock = threading.Lock()
+
+    def published(self, keys: list[str]) -> None:
+        """The warm put `keys` into this rank's tier (its threads call this)."""
+        with self._lock:
+            self.by_hash.update((key_hash(k), k) for k in keys)
+            if self.tp.is_first:
+                self.unreported.extend(keys)
+
+    def step(self, warming: bool) -> list[str]:
+        """One round (1 collective, 3 when there is something to agree on): the first rank's
+        keys every rank holds now; `warming`: this rank's warm still runs."""
+        if not self.active:
+            return []
+        with self._lock:
+            proposed = [self.unreported.popleft() for _ in range(min(AGREE_MAX, len(self.unreported)))]
+            left = len(self.unreported)
+        n, left, running = (-x for x in self.tp.all_min_ints([-len(proposed), -left, -int(warming)]))
+        agreed: list[str] = []
+        if n:
+            hashes = self.tp.all_min_ints([key_hash(k) for k in proposed] if proposed else [_NO_KEY] * n)
+            with self._lock:
+                keys = [self.by_hash.get(h) for h in hashes]
+            holds = self.tp.all_min_ints([int(k is not None and self.host is not None and self.host.has(k))
+                                          for k in keys])
+            agreed = [k for k, ok in zip(proposed, holds) if ok]
+            if running:  # another rank may still read the rest
+                with self._lock:
+                    self.unreported.extend(k for k, ok in zip(proposed, holds) if not ok)
+        elif not left and not running:  # (the same values on every rank: they stop together)
+            self.active = False
+            with self._lock:
+                self.by_hash.clear()
+        return agreed

@@ -47,7 +47,7 @@ from collections import deque
 import torch
 
 from workers.host_tier import HostTier, runs
-from workers.host_warm import WARM_THREADS, HostWarm
+from workers.host_warm import WARM_THREADS, HostWarm, WarmAgreement
 from workers.kv_messages import KVLoad, KVOffloadOptions, KVPrefetch, KVSave
 from workers.kv_offload_io import RankIOThreads, _Prefetch, _Write
 
@@ -112,7 +112,9 @@ class RankKVOffload(RankIOThreads):
         self._threads = [threading.Thread(target=RankKVOffload._io_main, args=(weakref.ref(self), i == 0),
                                           name=f"kv-offload-r{tp.rank}-{'read' if i == 0 else i}", daemon=True)
                          for i in range(opts.io_threads + 1)]
-        self.warm = HostWarm(weakref.ref(self), f"kv-offload-r{tp.rank}") if opts.warm else None
+        # TP > 1: what the ranks warmed is reported once every rank holds it (workers/host_warm.py).
+        self.agreement = WarmAgreement(tp, self.host) if opts.warm and tp.size > 1 else None
+        self.warm = HostWarm(weakref.ref(self), f"kv-offload-r{tp.rank}", self.agreement) if opts.warm else None
         if self.warm is not None:
             self._threads += self.warm.threads()
         for t in self._threads:
@@ -153,11 +155,14 @@ class RankKVOffload(RankIOThreads):
             self._progress = False
         jobs = list(self.jobs.values())
         progress = report_progress(self.tp, [j.ready for j in jobs], [j.done.is_set() for j in jobs])
+        # (read before the agreement and the changes: a warm that has ended has published all it will)
+        warming = self.warm is not None and self.warm.running
+        agreed = self.agreement.step(warming) if self.agreement is not None else []
         if self.tp.is_first:
             result.kv_prefetched = dict(zip([j.rid for j in jobs], progress))
-            # (read before the changes: a warm that has ended has published all it will)
-            result.kv_host_warming = self.warm is not None and self.warm.running
-            result.kv_host_ready, result.kv_host_evicted = self.host.take_changes()
+            result.kv_host_warming = warming or (self.agreement is not None and self.agreement.active)
+            ready, result.kv_host_evicted = self.host.take_changes()
+            result.kv_host_ready = ready + [k for k in agreed if self.host.has(k)]
 
     def _save(self, save: KVSave) -> None:
         from kvstore.pages import gather_pages
@@ -327,9 +332,10 @@ class NullKVOffload:
     agreement (its peers wait on the collectives), so the replica just misses: it follows the
     prefetches the plans start and end as a rank that holds none of their pages."""
 
-    def __init__(self, tp):
+    def __init__(self, tp, warm: bool = False):
         self.tp = tp
         self.jobs: dict[str, None] = {}
+        self.agreement = WarmAgreement(tp) if warm and tp.size > 1 else None  # (holds nothing)
 
     def run(self, plan, result) -> None:
         from kvstore.transfer import agree_on_pages
@@ -343,6 +349,8 @@ class NullKVOffload:
             result.kv_loaded[load.rid] = agree_on_pages(self.tp, 0)
             self.jobs.pop(load.rid, None)
         progress = report_progress(self.tp, [0] * len(self.jobs), [True] * len(self.jobs))
+        if self.agreement is not None:
+            self.agreement.step(False)
         if self.tp.is_first:
             result.kv_prefetched = dict(zip(self.jobs, progress))
 
@@ -371,4 +379,4 @@ def make_rank_offload(opts: KVOffloadOptions | None, pool, tp) -> RankKVOffload 
         return RankKVOffload(opts, pool, tp)
     except Exception:
         logger.exception("KV store off on rank %d: its loads count 0 pages", tp.rank)
-        return NullKVOffload(tp)
+        return NullKVOffload(tp, opts.warm)
