@@ -92,6 +92,8 @@ class ReplicaSupervisor:
                 self._roles.append(handle.role)  # a prefill or decode replica is replaced by its like
                 self.stats.replaced += 1
                 self.stats.missing += 1
+                if getattr(self.cluster, "metrics", None) is not None:
+                    self.cluster.metrics.replica_replacements.inc()
                 self.stats.log(f"replica {name} died ({handle.reason}); starting a replacement")
         if self.stats.missing and (self._starting is None or self._starting.done()):
             self._starting = asyncio.create_task(self._replace())

@@ -174,8 +174,9 @@ def test_hung_replica_actor_is_routed_around_and_replaced(ray_local, tmp_path_fa
     from cluster.supervisor import ReplicaSupervisor
 
     d = tiny_model_dir(tmp_path_factory, "llama")
+    metrics = ServerMetrics()
     cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d)), replicas=2, router=RouterOptions(
-        policy="round_robin", stats_interval_s=0.2, stats_timeout_s=1.0, replica_hang_s=4.0)), ServerMetrics())
+        policy="round_robin", stats_interval_s=0.2, stats_timeout_s=1.0, replica_hang_s=4.0)), metrics)
     router = cluster.start()
     pid = ray.get(cluster.actors["replica-0"].__ray_call__.remote(lambda self: os.getpid()))
     try:
@@ -208,6 +209,7 @@ def test_hung_replica_actor_is_routed_around_and_replaced(ray_local, tmp_path_fa
         assert ended_s < 4.0 + 10, ended_s
         assert all(outs[-1].finish_reason == "length" for outs in later)
         assert stats.replaced == 1 and stats.started == 1, stats
+        assert metrics.registry.get_sample_value("manta:replica_replacements_total") == 1
         assert "replica-0" not in router.replicas and len(router.replicas) == 2
         with pytest.raises(ProcessLookupError):  # killed by the supervisor, not left stopped
             for _ in range(50):

@@ -50,7 +50,7 @@ def stack(tmp_path_factory):
     server = BackgroundServer(build_app(client, metrics))
     keyed = BackgroundServer(build_app(client, ServerMetrics(), api_key=API_KEY))
     try:
-        yield {"engine": engine, "client": client, "url": server.url, "keyed_url": keyed.url,
+        yield {"engine": engine, "client": client, "metrics": metrics, "url": server.url, "keyed_url": keyed.url,
                "expected": expected[0], "chat_expected": expected[1]}
     finally:
         server.stop()
@@ -457,6 +457,39 @@ def test_error_mapping_with_stub_client(stack):
             assert f'manta:request_errors_total{{code="{code}"}}' in text
     finally:
         server.stop()
+
+
+def test_metrics_count_what_clients_were_told(stack, oai):
+    """A request with n choices counts its prompt once (as its usage does); an embedding is no
+    time-to-first-token sample; counters polled from a replica that rebuilt its engine (its
+    counts begin again at 0) go on from where they were."""
+    reg = stack["metrics"].registry
+
+    def value(name: str, **labels) -> float:
+        return reg.get_sample_value(name, {"replica": "local", **labels}) or 0.0
+
+    prompt, ttft = value("manta:prompt_tokens_total"), value("manta:time_to_first_token_seconds_count")
+    r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=3)
+    assert value("manta:prompt_tokens_total") - prompt == r.usage.prompt_tokens
+    assert value("manta:time_to_first_token_seconds_count") - ttft == 3  # one per choice
+    prompt, ttft = value("manta:prompt_tokens_total"), value("manta:time_to_first_token_seconds_count")
+    e = oai.embeddings.create(model=MODEL, input=["one", "two"])
+    assert value("manta:prompt_tokens_total") - prompt == e.usage.prompt_tokens
+    assert value("manta:time_to_first_token_seconds_count") == ttft
+
+    m = ServerMetrics()
+    m.update_replica_stats("r0", {"prefix_hit_tokens": 40, "prefix_query_tokens": 100})
+    m.update_replica_stats("r0", {"prefix_hit_tokens": 5, "prefix_query_tokens": 20})  # its engine was rebuilt
+    m.update_replica_stats("r0", {"prefix_hit_tokens": 8, "prefix_query_tokens": 30})
+    assert m.registry.get_sample_value("manta:prefix_cache_hit_tokens_total", {"replica": "r0"}) == 48
+    assert m.registry.get_sample_value("manta:prefix_cache_query_tokens_total", {"replica": "r0"}) == 130
+    m.update_replica_stats("r0", {"kvstore": {"hit_pages": 7, "ranks": [{"tp_rank": 0, "pages_written": 9}]}})
+    m.render()  # (exported values are taken at each scrape)
+    m.update_replica_stats("r0", {"kvstore": {"hit_pages": 2, "ranks": [{"tp_rank": 0, "pages_written": 1}]}})
+    assert m.registry.get_sample_value("manta:kvstore_hit_pages_total", {"replica": "r0"}) == 9
+    written = {"replica": "r0", "layout": "", "tp_rank": "0"}
+    assert m.registry.get_sample_value("manta:kvstore_pages_written_total", written) == 10
+    assert b"_created" not in m.render()
 
 
 def test_server_metrics_unit(stack):

@@ -61,6 +61,12 @@ def usage_of(choices: list[ChoiceResult], n: int) -> P.Usage:
     return P.Usage.of(*usage_counts(choices, n))
 
 
+def _choice_index(rid: str) -> int:
+    """i of a choice's request id `{rid}-{i}` (`FanOut.open` names them)."""
+    tail = rid.rpartition("-")[2]
+    return int(tail) if tail.isdigit() else 0
+
+
 class Endpoints:
     def __init__(self, client: ServingClient, metrics: ServerMetrics, gate: ShutdownGate,
                  tool_call_parser: str = "auto", reasoning_parser: str | None = None):
@@ -125,18 +131,22 @@ class Endpoints:
                            param=param, code="context_length_exceeded")
 
     async def open(self, request: Request, jobs: list[tuple[list[int], SamplingParams]], rid: str,
-                   is_embedding: bool = False) -> FanOut:
+                   is_embedding: bool = False, n: int = 1) -> FanOut:
+        """Admit `jobs` (request ids `{rid}-{i}`); `n`: each prompt's choices, consecutive jobs
+        that share it (its tokens count once in the metrics, as in the response's usage)."""
         def finished(out: RequestOutput, edge: EdgeTiming) -> None:
-            self.metrics.observe_finished(out.replica, out, edge)
+            self.metrics.observe_finished(out.replica, out, edge, prompt=_choice_index(out.rid) % n == 0)
 
         def first_token(out: RequestOutput, ttft_s: float) -> None:
-            self.metrics.observe_first_token(out.replica, ttft_s)
+            if out.embedding is None:  # an embedding has no first token: not a TTFT sample
+                self.metrics.observe_first_token(out.replica, ttft_s)
 
         try:
             fan = await until_disconnect(request, within(request.state, FanOut.open(
                 self.client, list(jobs), rid, finished, is_embedding, arrival=request.state.arrival,
                 on_first_token=first_token)), self.gate)
             self.gate.enter()  # left in close(): the shutdown waits for it, up to its deadline
+            fan.n = n
             return fan
         except (ClientGone, RequestTimedOut) as exc:  # FanOut.open aborted what it had admitted
             self.metrics.record_aborts("client_gone" if isinstance(exc, ClientGone) else "timeout", len(jobs))
@@ -147,13 +157,13 @@ class Endpoints:
         count them in `manta:request_aborts_total` by why they were cut short."""
         if fan.closed:
             return
-        unfinished = [c for c in fan.choices if c.finish_reason is None]
+        unfinished = [(i, c) for i, c in enumerate(fan.choices) if c.finish_reason is None]
         if unfinished:
             reason = ("timeout" if getattr(request.state, "timed_out", False)
                       else "client_gone" if client_gone else "shutdown" if self.gate.stopped.is_set() else "error")
             self.metrics.record_aborts(reason, len(unfinished))
-            for c in unfinished:
-                self.metrics.observe_aborted(c.replica, c.prompt_tokens, c.completion_tokens)
+            for i, c in unfinished:
+                self.metrics.observe_aborted(c.replica, c.prompt_tokens if i % fan.n == 0 else 0, c.completion_tokens)
         await fan.aclose()
         self.gate.leave()
 
@@ -217,7 +227,7 @@ class Endpoints:
                 texts.append(text if text is not None else self.client.tokenizer.decode(ids, skip_special_tokens=True))
         cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.client.model_name
         want_lp, scores_only = req.logprobs is not None, req.scores_only
-        fan = await self.open(request, jobs, cid)
+        fan = await self.open(request, jobs, cid, n=req.n)
 
         def echo(i: int, prompt_lps: list | None, offsets: CompletionOffsets) -> tuple[str, P.CompletionLogprobs | None]:
             """The prompt's text and logprobs, for a choice's first chunk when echoing."""
@@ -311,7 +321,7 @@ class Endpoints:
             jobs.append((ids, params))
         self.check_context(len(ids), max_tokens, req.max_tokens_param, "messages")
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.client.model_name
-        fan = await self.open(request, jobs, cid)
+        fan = await self.open(request, jobs, cid, n=req.n)
 
         def chunk(choices: list[P.ChatChunkChoice], usage: P.Usage | None = None) -> str:
             return sse(P.ChatCompletionChunk(id=cid, created=created, model=model, choices=choices, usage=usage))

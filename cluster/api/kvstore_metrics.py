@@ -3,8 +3,9 @@
 A replica's `stats()["kvstore"]` (cluster/kv_store_setup.py `kv_store_stats`) carries
 cumulative counters: the scheduler's (pages looked up in the store, pages loaded), every rank's
 client and host tier, and the store's usage. Like the prefix-cache counters they are exported
-from the latest polled values by a custom collector (a replica that restarts starts again from
-zero, which `rate()` reads as a counter reset).
+from the latest polled values by a custom collector. A replica that rebuilds its engine (a rank
+died) or a store that restarts counts from zero again; the exported counters go on from where
+they were (`Monotonic`), so they only go down when the server restarts.
 
     manta:kvstore_pages_written_total{replica,layout,tp_rank}  pages a rank wrote into the store
     manta:kvstore_pages_read_total{replica,layout,tp_rank}     pages a rank read from the store
@@ -46,9 +47,30 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 
+class Monotonic:
+    """Counters exported from totals that a source reports and that start again from zero when
+    the source does: what was counted before a restart is kept as a base (seen at each export:
+    a restart whose new count passes the old one between two exports goes unseen)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple, tuple[float, float]] = {}  # (family, labels) -> (base, last reported)
+
+    def __call__(self, family: CounterMetricFamily, labels: list[str], value: float) -> None:
+        key = (family.name, tuple(labels))
+        base, last = self._seen.get(key, (0.0, 0.0))
+        if value < last:  # the source began again
+            base += last
+        self._seen[key] = (base, value)
+        family.add_metric(labels, base + value)
+
+    def forget(self, replica: str) -> None:
+        self._seen = {k: v for k, v in self._seen.items() if not k[1] or k[1][0] != replica}
+
+
 class KVStoreCollector(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._count = Monotonic()
         self._replicas: dict[str, dict] = {}
         # Every replica polls the one shared store on its own; each one's latest view, in the
         # order they arrived (None: that replica could not reach the store at its last poll).
@@ -64,6 +86,7 @@ class KVStoreCollector(Collector):
         with self._lock:
             self._replicas.pop(replica, None)
             self._stores.pop(replica, None)
+            self._count.forget(replica)
 
     def _store(self) -> dict | None:
         """The store's usage: the latest that a replica reached. One replica's timed-out poll
@@ -91,8 +114,9 @@ class KVStoreCollector(Collector):
                                       "Pages not saved to the KV store because a rank's host tier had no room or the "
                                       "store refused them (the store is slower than the saves).", labels=["replica"])
         usage = GaugeMetricFamily("manta:kvstore_usage_bytes",
-                                  "Bytes held by KV store tiers: ram and file (the shared store), host (the "
-                                  "ranks' host tiers, all replicas).", labels=["tier"])
+                                  "Bytes of KV pages held, by tier: ram and file (the shared store's RAM and "
+                                  "files), host (the replicas' ranks' own host tiers, beside the store).",
+                                  labels=["tier"])
         host_adm = CounterMetricFamily("manta:kvstore_host_admissions",
                                        "Requests admitted at once on prompt pages their replica's host tier held.",
                                        labels=["replica"])
@@ -111,43 +135,44 @@ class KVStoreCollector(Collector):
                                       "Page transfers from a prefill replica that failed (the decode replica "
                                       "computed the rest).", labels=["replica", "kind"])
         with self._lock:
+            count = self._count
             host = 0
             for replica, rep in self._replicas.items():
-                hits.add_metric([replica], rep.get("hit_pages", 0))
-                queries.add_metric([replica], rep.get("query_pages", 0))
-                host_adm.add_metric([replica], rep.get("host_admissions", 0))
+                count(hits, [replica], rep.get("hit_pages", 0))
+                count(queries, [replica], rep.get("query_pages", 0))
+                count(host_adm, [replica], rep.get("host_admissions", 0))
                 ranks = rep.get("ranks", [])
-                errors.add_metric([replica, "probe"], rep.get("probe_errors", 0))
-                errors.add_metric([replica, "write"], sum(r.get("write_errors", 0) for r in ranks))
-                errors.add_metric([replica, "read"], sum(r.get("read_errors", 0) for r in ranks))
-                dropped.add_metric([replica], sum(r.get("offload_dropped_pages", 0) + r.get("pages_refused", 0)
-                                                  for r in ranks))
+                count(errors, [replica, "probe"], rep.get("probe_errors", 0))
+                count(errors, [replica, "write"], sum(r.get("write_errors", 0) for r in ranks))
+                count(errors, [replica, "read"], sum(r.get("read_errors", 0) for r in ranks))
+                count(dropped, [replica], sum(r.get("offload_dropped_pages", 0) + r.get("pages_refused", 0)
+                                              for r in ranks))
                 wbytes = rbytes = 0
                 for r in ranks:
                     labels = [replica, str(r.get("layout", rep.get("layout", ""))), str(r.get("tp_rank", 0))]
-                    written.add_metric(labels, r.get("pages_written", 0))
-                    read.add_metric(labels, r.get("pages_read", 0))
+                    count(written, labels, r.get("pages_written", 0))
+                    count(read, labels, r.get("pages_read", 0))
                     wbytes += r.get("bytes_written", 0)
                     rbytes += r.get("bytes_read", 0)
                     host += r.get("host", {}).get("used_bytes", 0)
-                warm.add_metric([replica], sum(r.get("offload_warm_pages", 0) for r in ranks))
+                count(warm, [replica], sum(r.get("offload_warm_pages", 0) for r in ranks))
                 warming.add_metric([replica], sum(r.get("offload_warming", 0) for r in ranks))
-                nbytes.add_metric([replica, "write"], wbytes)
-                nbytes.add_metric([replica, "read"], rbytes)
+                count(nbytes, [replica, "write"], wbytes)
+                count(nbytes, [replica, "read"], rbytes)
                 ho = rep.get("handoff") or {}
-                pd["handed_off"].add_metric([replica], ho.get("handed_off", 0))
-                pd["transfers"].add_metric([replica], ho.get("fetches", 0))
-                pd["transfer_pages"].add_metric([replica], ho.get("fetched_pages", 0))
-                pd["transfer_bytes"].add_metric([replica], sum(r.get("pd_bytes", 0) for r in ranks))
-                pd["transfer_seconds"].add_metric([replica], sum(r.get("pd_transfer_s", 0.0) for r in ranks))
+                count(pd["handed_off"], [replica], ho.get("handed_off", 0))
+                count(pd["transfers"], [replica], ho.get("fetches", 0))
+                count(pd["transfer_pages"], [replica], ho.get("fetched_pages", 0))
+                count(pd["transfer_bytes"], [replica], sum(r.get("pd_bytes", 0) for r in ranks))
+                count(pd["transfer_seconds"], [replica], sum(r.get("pd_transfer_s", 0.0) for r in ranks))
                 for kind in ("failures", "timeouts", "corrupt"):
-                    pd_fail.add_metric([replica, {"failures": "failed", "timeouts": "timeout"}.get(kind, kind)],
-                                       sum(r.get(f"pd_{kind}", 0) for r in ranks))
+                    count(pd_fail, [replica, {"failures": "failed", "timeouts": "timeout"}.get(kind, kind)],
+                          sum(r.get(f"pd_{kind}", 0) for r in ranks))
             store = self._store()
             if store is not None:
                 usage.add_metric(["ram"], store.get("ram_used_bytes", 0))
                 usage.add_metric(["file"], store.get("file_used_bytes", 0))
-                errors.add_metric(["store", "file_write"], store.get("file_write_errors", 0))
+                count(errors, ["store", "file_write"], store.get("file_write_errors", 0))
             if self._replicas:
                 usage.add_metric(["host"], host)
         yield from (written, read, hits, queries, nbytes, errors, dropped, usage, host_adm, warm, warming,

@@ -19,7 +19,14 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -27,16 +34,22 @@ from cluster.api.kvstore_metrics import KVStoreCollector
 from cluster.api.spec_metrics import SpecCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# No `_created` series beside every counter and histogram (a third more series per scrape, and
+# nothing a dashboard reads).
+disable_created_metrics()
 
 # Seconds. TTFT spans a cached short prompt on a GPU (ms) to a long prefill behind a queue.
-# Fine enough (about 10% apart from 0.1 s on) that a quantile read off the buckets is within a
-# few percent of the clients' own.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6,
+# Fine enough (about 10-25% apart from 10 ms on, where GPU replicas answer) that a quantile read
+# off the buckets is within a few percent of the clients' own.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.035, 0.04, 0.045,
+                0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6,
                 0.7, 0.8, 0.9, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.25, 2.5, 2.75, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 7.0,
                 8.0, 9.0, 10.0, 12.0, 14.0, 16.0, 20.0, 25.0, 30.0, 40.0, 60.0, 80.0)
 # Seconds per token after the first: a few ms (GPU decode) to ~1 s (overloaded CPU replica).
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# The stages of a request's wait (request_queue_time_seconds: 8 stages per replica): coarser.
+QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0)
 
@@ -60,23 +73,32 @@ STATS_KEYS = ("num_running", "num_waiting", "kv_usage", "prefix_hit_tokens", "pr
 
 class _PolledCounters(Collector):
     """Exports the latest cumulative counts each replica reported as counters: one family per
-    (metric name, help, key of the replica's stats dict)."""
+    (metric name, help, key of the replica's stats dict). A replica's counts start again from 0
+    when it rebuilds its engine (a rank died); the exported counter goes on from where it was
+    (what it had counted is kept as a base), so it only goes down when the server restarts."""
 
     def __init__(self, families: tuple[tuple[str, str, str], ...]) -> None:
         self._lock = threading.Lock()
         self._families = families
-        self._values: dict[str, dict[str, float]] = {}  # replica -> stats key -> value
+        self._values: dict[str, dict[str, float]] = {}  # replica -> stats key -> value exported
+        self._last: dict[str, dict[str, float]] = {}  # replica -> stats key -> value it reported last
 
     def set(self, replica: str, values: dict) -> None:
         with self._lock:
             mine = self._values.setdefault(replica, {})
+            last = self._last.setdefault(replica, {})
             for _, _, key in self._families:
                 if key in values:
-                    mine[key] = float(values[key])
+                    now = float(values[key])
+                    before = last.get(key, 0.0)
+                    # Counted since the last report; a count below it means the replica began again.
+                    mine[key] = mine.get(key, 0.0) + (now - before if now >= before else now)
+                    last[key] = now
 
     def remove(self, replica: str) -> None:
         with self._lock:
             self._values.pop(replica, None)
+            self._last.pop(replica, None)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -146,7 +168,7 @@ class ServerMetrics:
             "the stream), each split at the server's edge of the transport to a replica: to_engine_server (to "
             "the admission's submit call), to_engine_transit (from there to the engine's queue), "
             "from_engine_transit (from the engine's first token to the reply that carried it) and "
-            "from_engine_server (from that reply to the stream).", ["replica", "stage"], buckets=TTFT_BUCKETS,
+            "from_engine_server (from that reply to the stream).", ["replica", "stage"], buckets=QUEUE_BUCKETS,
             registry=r,
         )
         self.tpot = Histogram(
@@ -213,6 +235,10 @@ class ServerMetrics:
             "manta:replica_restarts", "Times the replica rebuilt its TP group after losing a rank.",
             ["replica"], registry=r,
         )
+        self.replica_replacements = Counter(
+            "manta:replica_replacements", "Replica actors that died or hung and were replaced by new ones "
+            "(the supervisor; a replacement gets a new replica name).", registry=r,
+        )
         self._prefix = _PolledCounters(_PREFIX_FAMILIES)
         r.register(self._prefix)
         self._messages = _PolledCounters(_MESSAGE_FAMILIES)
@@ -237,13 +263,15 @@ class ServerMetrics:
             if start is not None and end is not None:
                 self.queue_time.labels(replica, stage).observe(max(0.0, end - start))
 
-    def observe_finished(self, replica: str, out: Any, edge: Any = None) -> None:
+    def observe_finished(self, replica: str, out: Any, edge: Any = None, prompt: bool = True) -> None:
         """Record one finished request: `out` is its final `RequestOutput` (the engine's own
         timings), `edge` its `EdgeTiming` (from the moment the HTTP server received it). TTFT,
         TPOT and end-to-end latency are the edge's, what a client sees; without one (a server
-        test over an engine) the engine's."""
+        test over an engine) the engine's. `prompt`: count its prompt tokens (not for the 2nd..
+        nth choice of a prompt: they share it, as the response's usage counts it once)."""
         self.requests_finished.labels(replica, out.finish_reason or "unknown").inc()
-        self.prompt_tokens.labels(replica).inc(max(0, out.prompt_tokens))
+        if prompt:
+            self.prompt_tokens.labels(replica).inc(max(0, out.prompt_tokens))
         self.generation_tokens.labels(replica).inc(max(0, out.completion_tokens))
         ttft = edge.ttft_s if edge is not None else out.ttft_s
         e2e = edge.e2e_s if edge is not None else out.e2e_s

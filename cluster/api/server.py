@@ -18,6 +18,7 @@ one `data: {"error": ...}` event before `data: [DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -163,7 +164,8 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
 
     @metrics_router.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        # Off the event loop: a scrape of many replicas' series takes tens of ms to render.
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     def card() -> P.ModelCard:
         return P.ModelCard(id=client.model_name, created=serving.created, root=client.model_name,

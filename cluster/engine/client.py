@@ -230,6 +230,8 @@ class FanOut:
     Whoever holds a FanOut must `aclose` it (idempotent), whether or not it iterated `outputs`.
     """
 
+    n = 1  # choices per prompt, consecutive (set by the HTTP layer: its metrics count a prompt once)
+
     def __init__(self, firsts: list[tuple[RequestOutput | Admitted, float]],
                  streams: list[AsyncIterator[RequestOutput | Admitted]],
                  on_finished: Callable[[RequestOutput, EdgeTiming], None], arrival: float,

@@ -88,7 +88,10 @@ def health_stat() -> stat_b.Panel:
             .thresholds(dash_b.ThresholdsConfig().mode(dashboard.ThresholdsMode.ABSOLUTE).steps(steps))
             .color_mode(common.BigValueColorMode.BACKGROUND).graph_mode(common.BigValueGraphMode.NONE)
             .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
-            .with_target(_query(f"max by (replica) (manta:replica_healthy{{{REPLICA}}})", "{{replica}}", "A")))
+            # Instant: the replicas serving now (a replaced one's series ends with it; over a range
+            # its last value would stay on the tile).
+            .with_target(_query(f"max by (replica) (manta:replica_healthy{{{REPLICA}}})", "{{replica}}", "A")
+                         .instant()))
 
 
 class _Numbered:
@@ -119,20 +122,27 @@ def build() -> dash_b.Dashboard:
     n = _Numbered(d)
     n.row("Traffic")
     n.panel(timeseries(
-        "Request rate", "Finished requests per second, by finish reason (stop, length, abort, error).",
+        "Request rate", "Finished requests per second, by finish reason (stop, length, abort: the server cut "
+        "it short, error). Each choice of a request with n > 1 and each input of an embeddings request counts.",
         [(_rate("manta:request_finished_total", by="finish_reason"), "{{finish_reason}}")], "reqps"))
     n.panel(timeseries(
         "Errors", "HTTP error responses per second, by status code (4xx: the request; 5xx: the server; "
-        "499: the client went away). Counted by the server, so not filtered by replica.",
+        "499: the client went away before its answer began). Counted by the server, so not filtered by replica.",
         [(_rate("manta:request_errors_total", by="code", labels=""), "{{code}}")], "reqps"))
     n.panel(timeseries(
-        "Tokens/s", "Prompt tokens and generated tokens per second, of finished requests.",
+        "Aborts", "Requests the server cut short per second, by why: client_gone (the client left, a stream's "
+        "included), timeout (--request-timeout), error (a sibling choice failed), shutdown. Their KV pages "
+        "are freed at once.",
+        [(_rate("manta:request_aborts_total", by="reason", labels=""), "{{reason}}")], "reqps"))
+    n.panel(timeseries(
+        "Tokens/s", "Prompt tokens (once per prompt, whatever its n) and generated tokens per second, of "
+        "finished requests.",
         [(_rate("manta:prompt_tokens_total"), "prompt"), (_rate("manta:generation_tokens_total"), "generated")],
         "short"))
 
     n.row("Latency")
     n.panel(timeseries(
-        "Time to first token", "Arrival to first generated token (queueing + prefill).",
+        "Time to first token", "Arrival to first generated token (queueing + prefill); embeddings are not in it.",
         _quantiles("manta:time_to_first_token_seconds"), "s"))
     n.panel(timeseries(
         "Time per output token", "Mean time between generated tokens after the first, per request.",
@@ -164,7 +174,8 @@ def build() -> dash_b.Dashboard:
         [(_ratio("manta:kvstore_hit_pages_total", "manta:kvstore_query_pages_total"), "hit rate")],
         "percentunit", max_val=1))
     n.panel(timeseries(
-        "KV-store usage", "Bytes the shared KV store holds, by tier (host RAM, files).",
+        "KV-store usage", "Bytes of KV pages held, by tier: ram and file (the shared store's RAM and files), "
+        "host (the replicas' ranks' own host tiers, beside the store).",
         [("sum by (tier) (manta:kvstore_usage_bytes)", "{{tier}}")], "bytes"))
     n.panel(timeseries(
         "Speculative acceptance", "Draft tokens accepted by the target model / draft tokens proposed.",
@@ -203,21 +214,25 @@ def build() -> dash_b.Dashboard:
         [(f"max by (replica) (manta:router_kv_event_lag_seconds{{{REPLICA}}})", "{{replica}}")], "s", width=12))
     n.panel(timeseries(
         "Prefill→decode transfers", "Disaggregated serving: KV bytes per second decode replicas read from "
-        "prefill replicas over NIXL, and transfers that failed per second (failed, timeout, corrupt: the decode "
-        "replica computed those pages itself).",
-        [(_rate("manta:pd_transfer_bytes_total", by="replica"), "{{replica}} bytes/s"),
-         (_rate("manta:pd_transfer_failures_total", by="replica, kind"), "{{replica}} {{kind}}")], "short",
+        "prefill replicas over NIXL.",
+        [(_rate("manta:pd_transfer_bytes_total", by="replica"), "{{replica}}")], "Bps", width=12))
+    n.panel(timeseries(
+        "Prefill→decode transfer failures", "Transfers from a prefill replica that failed per second, by kind "
+        "(failed, timeout, corrupt: the decode replica computed those pages itself).",
+        [(_rate("manta:pd_transfer_failures_total", by="replica, kind"), "{{replica}} {{kind}}")], "reqps",
         width=12))
     n.panel(timeseries(
         "Prefill→decode transfer time", "Mean seconds a decode replica's ranks spent reading one request's "
         "prompt pages from its prefill replica (locate, NIXL read, checksums).",
         [(f"sum by (replica) (rate(manta:pd_transfer_seconds_total{{{REPLICA}}}[{RATE}])) / "
-          f"sum by (replica) (rate(manta:pd_transfers_total{{{REPLICA}}}[{RATE}]))", "{{replica}}")], "s",
+          f"(sum by (replica) (rate(manta:pd_transfers_total{{{REPLICA}}}[{RATE}])) > 0)", "{{replica}}")], "s",
         width=12))
     n.panel(health_stat())
     n.panel(timeseries(
-        "Replica restarts", "Times each replica rebuilt its TP group after losing a rank.",
-        [(f"max by (replica) (manta:replica_restarts{{{REPLICA}}})", "{{replica}}")], "short", width=12))
+        "Replica restarts", "Times each replica rebuilt its TP group after losing a rank, and replica actors "
+        "replaced by new ones (they died or hung) in the dashboard's range.",
+        [(f"max by (replica) (manta:replica_restarts{{{REPLICA}}})", "{{replica}}"),
+         ("sum(increase(manta:replica_replacements_total[$__range]))", "replaced")], "short", width=12))
     return n.d
 
 
