@@ -216,7 +216,7 @@ class ServerMetrics:
         self._kv_indexed: set[str] = set()  # replicas whose index series exist
         self.router_kv_event_lag = Gauge(
             "manta:router_kv_event_lag_seconds", "Seconds since the router's index of the replica's cache was last "
-            "brought up to date from its KV events.", ["replica"], registry=r,
+            "brought up to date from its KV events (-1: never).", ["replica"], registry=r,
         )
         self.request_errors = Counter(
             "manta:request_errors", "HTTP error responses, by status code.", ["code"], registry=r
@@ -330,7 +330,7 @@ class ServerMetrics:
 
     def set_kv_index(self, replica: str, tokens: int, lag_s: float) -> None:
         self.router_kv_index_tokens.labels(replica).set(tokens)
-        self.router_kv_event_lag.labels(replica).set(lag_s if lag_s != float("inf") else -1)
+        self.router_kv_event_lag.labels(replica).set(max(0.0, lag_s) if lag_s != float("inf") else -1)
 
     def record_retry(self, replica: str, reason: str) -> None:
         self.router_retries.labels(replica, reason).inc()
