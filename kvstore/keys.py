@@ -85,16 +85,53 @@ def _canonical_config(config: bytes | str | dict | os.PathLike) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
 
-def weights_identity(model_dir: str | os.PathLike, probe_bytes: int = 1 << 20) -> str:
-    """A cheap identity of a checkpoint's weights: name, size and a hash of the first
-    `probe_bytes` of every *.safetensors file. Two fine-tunes of one architecture have the same
-    config.json, so the fingerprint needs this to tell their KV apart."""
+def weights_identity(model_dir: str | os.PathLike, cache: str | os.PathLike | None = None) -> str:
+    """The identity of a checkpoint's weights: a hash of the whole content of every weight file
+    (`*.safetensors`, `*.bin`). Two checkpoints of one architecture have the same config.json,
+    and a fine-tune may differ from its base anywhere (past its first MiB: frozen embeddings),
+    so nothing less tells their KV apart. Reading the files costs about what loading them does
+    (files hashed in parallel); `cache`: a JSON file that keeps each file's digest by path,
+    size, mtime and inode, so a restart on the same files reads nothing."""
+    files = sorted(p for pattern in ("*.safetensors", "*.bin") for p in Path(model_dir).glob(pattern))
+    digests = _file_digests(files, Path(cache) if cache is not None else None)
     h = hashlib.sha256()
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        h.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
-        with open(path, "rb") as f:
-            h.update(f.read(probe_bytes))
+    for path, digest in zip(files, digests):
+        h.update(path.name.encode() + b"\0" + digest.encode() + b"\0")
     return h.hexdigest()
+
+
+def _file_digests(files: list[Path], cache: Path | None) -> list[str]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def stamp(path: Path) -> str:
+        st = path.stat()
+        return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+
+    def digest(path: Path) -> str:
+        with open(path, "rb") as f:  # (hashlib lets go of the GIL while it hashes a chunk)
+            return hashlib.file_digest(f, "sha256").hexdigest()
+
+    known: dict[str, str] = {}
+    if cache is not None:
+        try:
+            known = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            known = {}
+    stamps = [stamp(p) for p in files]
+    todo = [(i, p) for i, p in enumerate(files) if stamps[i] not in known]
+    if todo:
+        with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
+            for (i, _), d in zip(todo, pool.map(digest, [p for _, p in todo])):
+                known[stamps[i]] = d
+        if cache is not None:
+            try:  # (another process may write it at once: the last whole file wins, both right)
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(known, sort_keys=True))
+                os.replace(tmp, cache)
+            except OSError:
+                pass
+    return [known[s] for s in stamps]
 
 
 def model_fingerprint(

@@ -278,14 +278,14 @@ def test_scale_layouts_and_arbitrary_values(llama, tmp_path):
 def test_store_identity_follows_the_scales(llama, tmp_path, monkeypatch):
     """A copy of the checkpoint recalibrated with other KV scales writes other FP8 bytes: its
     pages are not the original's, even where the weights' identity cannot tell the two apart
-    (it reads each file's size and first MiB, where a large checkpoint's scales need not be)."""
+    (here the weights' identity is made the same for both)."""
     import kvstore.keys
     from cluster.engine.kv_store_link import _identity
 
     other = tmp_path / "recalibrated"
     shutil.copytree(llama, other)
     _with_scales(other, {0: (1 / 32, 1 / 16), 1: (1 / 8, 1 / 128)})
-    monkeypatch.setattr(kvstore.keys, "weights_identity", lambda path: "same weights")
+    monkeypatch.setattr(kvstore.keys, "weights_identity", lambda path, cache=None: "same weights")
     ident = _identity.__wrapped__  # (not the per-process memo)
     assert ident(llama, "float32", "cpu", 16, 1)[0] == ident(str(other), "float32", "cpu", 16, 1)[0]
     assert ident(llama, "float32", "cpu", 16, 1, None, "fp8_e4m3")[0] != \

@@ -7,11 +7,13 @@ real local Ray instance. TP ranks are two Ray actors, so MLA's "rank 0 alone wri
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -162,6 +164,32 @@ def test_keys_chain_layout_and_validation():
             K.validate_key(bad)
     assert K.leading_pages([True, True, True, False, True, True], 2) == 1
     assert K.leading_pages([True] * 6, 2) == 3 and K.leading_pages([True] * 6, 1) == 6
+
+
+def test_weights_identity_reads_the_whole_files_once(tmp_path):
+    """Checkpoints that differ only past their first MiB (a fine-tune with frozen embeddings)
+    have other identities, so their KV pages never mix; a copy has the same; the digests are
+    kept by path, size, mtime and inode, so a file changed in place is hashed again."""
+    import shutil
+
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    base.mkdir()
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes())
+    (base / "model-00001-of-00002.safetensors").write_bytes(data)
+    (base / "model-00002-of-00002.safetensors").write_bytes(data[:1000])
+    shutil.copytree(base, tuned)
+    data[(5 << 19) + 7] ^= 0xFF  # 2.5 MiB in
+    (tuned / "model-00001-of-00002.safetensors").write_bytes(data)
+    cache = tmp_path / "cache" / "weights-ids.json"
+    ids = {d.name: K.weights_identity(d, cache=cache) for d in (base, tuned)}
+    assert ids["base"] != ids["tuned"]
+    assert K.weights_identity(shutil.copytree(base, tmp_path / "copy")) == ids["base"]
+    assert len(json.loads(cache.read_text())) == 4
+    assert K.weights_identity(base, cache=cache) == ids["base"]  # from the cache
+    f = base / "model-00002-of-00002.safetensors"
+    f.write_bytes(b"x" * 1000)  # in place, same size
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    assert K.weights_identity(base, cache=cache) != ids["base"]
 
 
 def test_agree_on_pages_is_the_min_over_ranks():

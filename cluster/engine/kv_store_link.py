@@ -23,7 +23,9 @@ def _identity(model: str, dtype: str | None, device: str, page_size: int, tp_siz
               quantization: str | None = None, kv_cache_dtype: str = "auto") -> tuple | None:
     """(fingerprint, layout, bytes of one store key) of a replica, or None when its KV cannot
     be shared as pages (encoder models, encoder-decoder, hybrid linear attention). Computed
-    once per process and replica shape (reads config.json and 1 MiB of each weight file)."""
+    once per process and replica shape (reads config.json, and the weight files the first time
+    they are seen: `weights_identity`)."""
+    from cluster.engine.config import default_cache_dir
     from kvstore.keys import model_fingerprint, weights_identity
     from workers.model_config import ModelConfig
 
@@ -36,7 +38,8 @@ def _identity(model: str, dtype: str | None, device: str, page_size: int, tp_siz
     weights = str(mc.dtype) + (f"+{quantization}" if quantization and mc.quant and mc.quant.quantize_at_load else "")
     if mc.kv_dtype != mc.dtype:  # an FP8 cache: other bytes per page, under the checkpoint's scales
         weights += f"/kv:{str(mc.kv_dtype).removeprefix('torch.')}:{_kv_scales_id(model)}"
-    fingerprint = model_fingerprint(model, weights, page_size, tp_size, layout, weights_identity(model))
+    weights_id = weights_identity(model, cache=default_cache_dir() / "weights-ids.json")
+    fingerprint = model_fingerprint(model, weights, page_size, tp_size, layout, weights_id)
     width = mc.kv_lora_rank + mc.qk_rope_head_dim if mc.use_mla else mc.per_rank_kv_heads(tp_size) * mc.head_dim
     key_bytes = page_size * len(mc.full_attn_layers) * width * mc.kv_dtype.itemsize
     return fingerprint, layout, key_bytes
