@@ -491,3 +491,29 @@ def test_store_is_bypassed_when_loaded_requests_get_later_first_tokens(load_ttft
     assert bool(plan.kv_prefetch) is not bypass and off.stats.bypassed == int(bypass)
     assert off.in_store["r"] == 10  # looked up either way: what the store holds is never saved again
     assert not off.judge._loaded  # every sample taken once
+
+
+def test_loads_that_hold_the_memory_of_an_idle_replica_let_go():
+    """Two requests wait on store loads, each holding its cached prefix locked (6 pages each of
+    16), and each needs 6 more pages to run: with nothing running nothing would ever free them
+    (a PD decode replica hung so under an audit). The replica lets their holds go and computes
+    them the usual way: both finish, and every page is back."""
+    a, b = list(range(100, 145)), list(range(300, 345))  # prompt[:-1]: 11 pages each
+    probe = FakeProbe()
+    s, off = make(probe=probe, num_pages=17, prefetch="best_effort")
+    for rid, p in (("a", a[:25]), ("b", b[:25])):  # 6 pages of each cached on the GPU
+        s.add_request(Request(rid, p, SamplingParams(max_tokens=1, ignore_eos=True)))
+    run_until_idle(s)
+    assert s.requests == {} and s.radix.total_cached_pages == 12
+    probe.keys = set(keys_of(a[:36]) + keys_of(b[:36]))  # the store holds 9 pages of each
+    for rid, p in (("a2", a), ("b2", b)):
+        s.add_request(Request(rid, p, SamplingParams(max_tokens=2, ignore_eos=True)))
+    plan = step(s)  # both set aside: 3 store pages past their 6 cached ones
+    assert [p.keys for p in plan.kv_prefetch] == [keys_of(a[:36])[6:], keys_of(b[:36])[6:]]
+    assert s.radix.protected_pages == 12 and not s.running
+    progress = {"a2": (3, True), "b2": (3, True)}
+    plans = [step(s, prefetched=progress)]
+    plans += run_until_idle(s)
+    assert s.requests == {} and off.stats.released_holds == 2, off.stats
+    assert s.radix.protected_pages == 0 and s.allocator.num_free + s.radix.evictable_pages == 16
+    assert {"a2", "b2"} <= {rid for p in plans for rid in p.finished_rids}  # their prefetches ended

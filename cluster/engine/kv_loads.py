@@ -28,6 +28,7 @@ class KVOffloadStats:
     bypassed: int = 0  # requests computed while the store is slower than recompute (still probed)
     busy: int = 0  # requests computed because MAX_LOADING others were loading
     drained_pages: int = 0  # pages ordered saved at shutdown
+    released_holds: int = 0  # loads dropped: their locked prefixes held the memory of an idle replica
     short_loads: int = 0  # loads the ranks agreed came back short: their requests computed again
     host_admissions: int = 0  # of `loads`, admitted at once on pages the host tier held
 

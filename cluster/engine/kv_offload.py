@@ -274,6 +274,25 @@ class SchedulerKVOffload:
         self.allocator.free(e.pages)
         e.pages = []
 
+    def release_holds(self) -> int:
+        """Nothing runs and the head of the queue cannot get the pages it needs: requests set
+        aside or requeued for a load hold their radix matches locked (the pages a load extends),
+        and together they can hold the memory that every one of them needs. Their loads are
+        dropped (the ranks end the prefetches) and their locks let go; they are admitted the
+        usual way, computing what they would have loaded. How many were let go."""
+        held = list(self.loading.items())
+        for rid, e in held:
+            del self.loading[rid]
+            self.radix.unlock(e.node)
+            self.sched._pending_drop.append(rid)  # the ranks cancel its prefetch
+            if not e.queued and not e.req.finished:  # set aside: back into the queue, at its front
+                self.sched.waiting.appendleft(e.req)
+            self.stats.released_holds += 1
+        if held:
+            logger.warning("KV store: %d requests waiting on loads held the memory the next one needs, with "
+                           "nothing running; their loads are dropped and they are computed", len(held))
+        return len(held)
+
     def admitted(self, req) -> None:
         """`req` was admitted (its radix match is locked by `_admit` now)."""
         e = self.loading.pop(req.rid, None)

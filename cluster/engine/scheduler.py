@@ -243,6 +243,10 @@ class Scheduler:
             enc_len = encdec.encoder_len(req)
             admitted = self._admit(req, budget if enc_len >= prefill and prefill == room else min(budget, prefill))
             if admitted is None:
+                if not plan_reqs and not self.running and self.kv_offload is not None:
+                    # Nothing runs, so nothing will free pages: let go of the prefixes that
+                    # requests waiting on loads hold locked (the next plan admits as usual).
+                    self.kv_offload.release_holds()
                 break
             del self.waiting[skip]
             counts[group] += 1
