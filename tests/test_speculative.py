@@ -400,6 +400,24 @@ def test_sampled_requests_are_seeded_and_complete(dirs):
     assert engine.scheduler.stats.spec_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("draft", ["target", "other"])
+def test_a_seeded_request_samples_what_it_samples_without_a_draft_in_any_batch(dirs, draft):
+    """A seeded request's tokens do not depend on which of its steps ran as speculative rounds
+    (the batch decides: a step with prompts in it is a plain decode): at each position it takes
+    the token plain sampling draws, so it equals the engine without a draft model, alone or
+    arriving among others (a draft that differs from the target only accepts less)."""
+    p = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
+    plain = Engine(EngineConfig(model=str(dirs["target"]))).generate(PROMPTS, p)
+    engine = spec_engine(dirs, draft, k=3)
+    alone = engine.generate(PROMPTS[:1], p)[0].token_ids
+    staggered = run_staggered(engine, PROMPTS, p, arrive_every=1)
+    assert alone == plain[0].token_ids
+    assert [r.token_ids for r in staggered] == [r.token_ids for r in plain]
+    if draft == "target":  # the same model with the same noise proposes what the target draws
+        assert engine.scheduler.stats.spec_accepted_tokens > 0
+    check_pages_back(engine)
+
+
 def test_abort_during_a_round_frees_pages(dirs):
     engine = spec_engine(dirs, "target", k=3, page_size=1)
     rids = [engine.add_request(prompt, greedy(), lambda out: None) for prompt in PROMPTS[:3]]

@@ -11,9 +11,13 @@ target's distribution after the last one.
 Shapes: B requests, K drafts each, V the tokenizer's vocabulary. Row i of the target's
 distributions (i = 0..K) predicts the token after the last accepted token and drafts[:i].
 
-Randomness: a request with a seed draws from a generator seeded by
-`seed_for_position(seed ^ salt, output position)`, so a seeded request replays the same way
-given the same drafts; the others share the device's default generator.
+Randomness: unseeded requests share the device's default generator. A request with a seed is
+not rejection-sampled (`workers.spec_runner`): at each position it takes the token plain
+sampling draws there (the target's distribution and the noise of `seed_for_position(seed,
+output position)`, as `workers.sampler` draws it), and keeps its drafts while they equal those
+tokens; its draft proposes with the same noise. So its output does not depend on which of its
+steps ran as speculative rounds (the batch around it decides that), and equals what it gives
+without a draft model.
 """
 
 from __future__ import annotations
@@ -25,10 +29,6 @@ import torch
 
 from workers.sampler import seed_for_position
 from workers.sampling_params import SamplingParams
-
-# Salts that keep a seeded request's draft draws, acceptance draws and final draws apart.
-DRAFT_SALT = 0x5EED_D4AF7
-VERIFY_SALT = 0x5EED_7E21F
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

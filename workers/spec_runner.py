@@ -45,8 +45,6 @@ from workers.messages import TokenLogprobs
 from workers.model_config import ModelConfig
 from workers.pipeline import ModelPipeline
 from workers.rejection_sampler import (
-    DRAFT_SALT,
-    VERIFY_SALT,
     categorical,
     greedy_verify,
     processed_probs,
@@ -158,8 +156,10 @@ class DraftRunner:
             rows_t = torch.tensor(sampled, device=x.device)
             params = [states[i].params for i in sampled]
             q = processed_probs(x.index_select(0, rows_t).float(), params)
+            # A seeded request's draft takes the noise plain sampling draws at that position:
+            # where q is near p it proposes the very token the target will draw.
             gens = row_generators([p.seed for p in params], [len(states[i].output_ids) + step for i in sampled],
-                                  DRAFT_SALT, x.device)
+                                  0, x.device)
             tokens.index_copy_(0, rows_t, categorical(q, gens))
             q_rows.append(q)
         if self.tp.size > 1:
@@ -213,14 +213,28 @@ class DraftRunner:
             v = greedy_verify(x.index_select(0, g_t).argmax(dim=-1), draft_ids.index_select(0, g_t))
             n.index_copy_(0, g_t, v.num_accepted)
             nxt.index_copy_(0, g_t, v.next_token)
-        if sampled:
-            s_t = torch.tensor(sampled, device=dev)
-            params = [states[b].params for b in sampled]
+        seeded = [b for b in sampled if states[b].params.seed is not None]
+        if seeded:
+            # Coupled: at each position the token plain sampling draws (the target's distribution,
+            # the noise of (seed, position)); drafts are kept while they equal it. A seeded
+            # request's output is then the same whether a step of it ran as a speculative round
+            # or as a plain decode, which the batch around it decides.
+            s_t = torch.tensor(seeded, device=dev)
+            params = [states[b].params for b in seeded]
             p = processed_probs(x.index_select(0, s_t).reshape(-1, V), [pp for pp in params for _ in range(K + 1)])
-            gens = row_generators([pp.seed for pp in params], [len(states[b].output_ids) for b in sampled],
-                                  VERIFY_SALT, dev)
-            v = rejection_sample(p.view(len(sampled), K + 1, V), torch.stack(q_rows, dim=1),
-                                 draft_ids.index_select(0, s_t), gens)
+            gens = row_generators([pp.seed for pp in params for _ in range(K + 1)],
+                                  [len(states[b].output_ids) + i for b in seeded for i in range(K + 1)], 0, dev)
+            v = greedy_verify(categorical(p, gens).view(len(seeded), K + 1), draft_ids.index_select(0, s_t))
+            n.index_copy_(0, s_t, v.num_accepted)
+            nxt.index_copy_(0, s_t, v.next_token)
+        unseeded = [j for j, b in enumerate(sampled) if states[b].params.seed is None]
+        if unseeded:
+            rows = [sampled[j] for j in unseeded]
+            s_t = torch.tensor(rows, device=dev)
+            params = [states[b].params for b in rows]
+            p = processed_probs(x.index_select(0, s_t).reshape(-1, V), [pp for pp in params for _ in range(K + 1)])
+            q = torch.stack(q_rows, dim=1).index_select(0, torch.tensor(unseeded, device=dev))
+            v = rejection_sample(p.view(len(rows), K + 1, V), q, draft_ids.index_select(0, s_t), [None] * len(rows))
             n.index_copy_(0, s_t, v.num_accepted)
             nxt.index_copy_(0, s_t, v.next_token)
         n_host, nxt_host = torch.stack([n, nxt]).tolist()  # one synchronisation
