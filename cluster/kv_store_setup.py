@@ -10,8 +10,7 @@ import threading
 import time
 
 from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES, EngineConfig, default_cache_dir
-from cluster.engine.kv_offload import MIN_PAGE_TOKENS
-from cluster.engine.kv_store_link import replica_identity
+from cluster.engine.kv_store_link import replica_identity, why_no_store
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +31,8 @@ def ensure_kv_store(config: EngineConfig, timeout_s: float = 120.0):
     existing = lookup_store()
     ident = replica_identity(config)
     if ident is None and existing is None:
-        logger.info("KV store not started: replicas of %s with --page-size %d do not use one (pages of "
-                    "at least %d tokens, a causal model with the prefix cache on)", config.model_name,
-                    config.page_size, MIN_PAGE_TOKENS)
+        logger.info("KV store not started: replicas of %s do not use one: %s", config.model_name,
+                    why_no_store(config))
         return None, False
     slot = min(max(ident[2] if ident else 64 << 10, 4 << 10), 4 << 20)
     try:

@@ -73,6 +73,19 @@ def replica_identity(config: EngineConfig) -> tuple | None:
         return None
 
 
+def why_no_store(config: EngineConfig) -> str:
+    """Why replicas of `config` use no store (`replica_identity` is None), in a user's words."""
+    if config.is_embedding:
+        return "an embedding model keeps no KV pages"
+    if config.disable_radix_cache:
+        return "--disable-radix-cache (the store extends the prefix cache)"
+    if config.page_size < MIN_PAGE_TOKENS:
+        return f"--page-size {config.page_size} (the store serves pages of at least {MIN_PAGE_TOKENS} tokens)"
+    if getattr(config, "speculative_draft_model", None):
+        return "speculative decoding (a loaded prefix would lack the draft model's K/V)"
+    return "this model's KV cannot be shared as pages (an encoder, encoder-decoder or hybrid linear attention)"
+
+
 def kv_offload_options(config: EngineConfig) -> KVOffloadOptions | None:
     """What every rank of the replica needs (`RunnerOptions.kv_offload`); None: no store."""
     ident = replica_identity(config)
