@@ -37,10 +37,12 @@ class PendingProbe:
         self.probe.counters.hit_pages += pages
         return pages
 
-    def abandon(self) -> None:
-        """Give up waiting (too slow): counted as an error, read as a miss."""
+    def abandon(self, too_slow: bool = False) -> None:
+        """Stop waiting for the answer: it is not needed any more (the request was admitted
+        otherwise, or ended), or `too_slow` (counted as an error, read as a miss)."""
         if self.future is not None and not self.future.done():
-            self.probe.failed(TimeoutError("store lookup"))
+            if too_slow:
+                self.probe.failed(TimeoutError("store lookup"))
             self.future.cancel()
 
 

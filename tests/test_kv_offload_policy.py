@@ -62,8 +62,9 @@ class _Pending:
     def pages(self):
         return self.probe.count(self.chain)
 
-    def abandon(self):
-        pass
+    def abandon(self, too_slow=False):
+        if too_slow:
+            self.probe.counters.errors += 1
 
 
 def make(policy="write_through", prefetch="timeout", probe=None, num_pages=65, **kw):

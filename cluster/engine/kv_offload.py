@@ -201,7 +201,7 @@ class SchedulerKVOffload:
             self.probed.discard(req.rid)
             return Verdict.DEFER
         else:
-            pending.abandon()
+            pending.abandon(too_slow=True)
             self.stats.probe_timeouts += 1
             s, failed = 0, True
         if failed:
