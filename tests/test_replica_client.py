@@ -108,7 +108,7 @@ def test_the_first_token_is_handed_on_in_the_turn_that_brings_it():
         client._deliver([_out(s.rid, 0) for s in running])  # the 50 are running
         new.queue.put_nowait(ADMITTED)
         assert await anext(new) is ADMITTED  # queued: a response may start before any token
-        fan = FanOut([(ADMITTED, 0.0)], [new], lambda out, timing: None, 0.0, lambda out, ttft: None)
+        fan = FanOut([(ADMITTED, 0.0)], [new], lambda out, timing, i: None, 0.0, lambda out, ttft: None)
         got: list[int] = []
 
         async def consume() -> None:

@@ -61,12 +61,6 @@ def usage_of(choices: list[ChoiceResult], n: int) -> P.Usage:
     return P.Usage.of(*usage_counts(choices, n))
 
 
-def _choice_index(rid: str) -> int:
-    """i of a choice's request id `{rid}-{i}` (`FanOut.open` names them)."""
-    tail = rid.rpartition("-")[2]
-    return int(tail) if tail.isdigit() else 0
-
-
 class Endpoints:
     def __init__(self, client: ServingClient, metrics: ServerMetrics, gate: ShutdownGate,
                  tool_call_parser: str = "auto", reasoning_parser: str | None = None):
@@ -134,8 +128,8 @@ class Endpoints:
                    is_embedding: bool = False, n: int = 1) -> FanOut:
         """Admit `jobs` (request ids `{rid}-{i}`); `n`: each prompt's choices, consecutive jobs
         that share it (its tokens count once in the metrics, as in the response's usage)."""
-        def finished(out: RequestOutput, edge: EdgeTiming) -> None:
-            self.metrics.observe_finished(out.replica, out, edge, prompt=_choice_index(out.rid) % n == 0)
+        def finished(out: RequestOutput, edge: EdgeTiming, i: int) -> None:
+            self.metrics.observe_finished(out.replica, out, edge, prompt=i % n == 0)
 
         def first_token(out: RequestOutput, ttft_s: float) -> None:
             if out.embedding is None:  # an embedding has no first token: not a TTFT sample
@@ -144,9 +138,8 @@ class Endpoints:
         try:
             fan = await until_disconnect(request, within(request.state, FanOut.open(
                 self.client, list(jobs), rid, finished, is_embedding, arrival=request.state.arrival,
-                on_first_token=first_token)), self.gate)
+                on_first_token=first_token, n=n)), self.gate)
             self.gate.enter()  # left in close(): the shutdown waits for it, up to its deadline
-            fan.n = n
             return fan
         except (ClientGone, RequestTimedOut) as exc:  # FanOut.open aborted what it had admitted
             self.metrics.record_aborts("client_gone" if isinstance(exc, ClientGone) else "timeout", len(jobs))

@@ -230,13 +230,12 @@ class FanOut:
     Whoever holds a FanOut must `aclose` it (idempotent), whether or not it iterated `outputs`.
     """
 
-    n = 1  # choices per prompt, consecutive (set by the HTTP layer: its metrics count a prompt once)
-
     def __init__(self, firsts: list[tuple[RequestOutput | Admitted, float]],
                  streams: list[AsyncIterator[RequestOutput | Admitted]],
-                 on_finished: Callable[[RequestOutput, EdgeTiming], None], arrival: float,
-                 on_first_token: Callable[[RequestOutput, float], None]):
+                 on_finished: Callable[[RequestOutput, EdgeTiming, int], None], arrival: float,
+                 on_first_token: Callable[[RequestOutput, float], None], n: int = 1):
         self.firsts, self.streams, self._on_finished = firsts, streams, on_finished
+        self.n = n  # choices per prompt: jobs i, i+1, ... i+n-1 share one (i % n == 0 the first)
         self._on_first_token = on_first_token
         self.arrival = arrival
         self.choices = [ChoiceResult() for _ in streams]
@@ -245,9 +244,10 @@ class FanOut:
 
     @classmethod
     async def open(cls, client: ServingClient, jobs: list[Job], rid: str,
-                   on_finished: Callable[[RequestOutput, EdgeTiming], None] = lambda out, timing: None,
+                   on_finished: Callable[[RequestOutput, EdgeTiming, int], None] = lambda out, timing, i: None,
                    is_embedding: bool = False, arrival: float | None = None,
-                   on_first_token: Callable[[RequestOutput, float], None] = lambda out, ttft: None) -> FanOut:
+                   on_first_token: Callable[[RequestOutput, float], None] = lambda out, ttft: None,
+                   n: int = 1) -> FanOut:
         """Admit every job concurrently (request ids `{rid}-{i}`) and wait until each one is
         queued on an engine (`ADMITTED`) or has its first output. If any admission fails, or
         this is cancelled, the admitted ones are aborted and the error propagates.
@@ -255,7 +255,7 @@ class FanOut:
         server (monotonic; default now): latencies are measured from it.
         `on_first_token(out, ttft_s)` runs when a choice's first token is handed on by `outputs`
         (a stream sends it at once; also for one its client abandons later); `on_finished(out,
-        timing)` when it finishes."""
+        timing, i)` when choice i finishes. `n`: consecutive jobs that share a prompt (its choices)."""
         arrival = time.monotonic() if arrival is None else arrival
         streams: list[AsyncIterator[RequestOutput | Admitted]] = []
         tasks: list[asyncio.Future] = []
@@ -283,7 +283,7 @@ class FanOut:
             await asyncio.gather(*tasks, return_exceptions=True)
             await _close_all(streams)
             raise
-        return cls(list(firsts), streams, on_finished, arrival, on_first_token)
+        return cls(list(firsts), streams, on_finished, arrival, on_first_token, n)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) in arrival order until every request finished; raises
@@ -352,7 +352,7 @@ class FanOut:
             self._on_finished(item, EdgeTiming(None if first is None else first - self.arrival,
                                                now - self.arrival, wall,
                                                None if first is None else wall + (first - self.arrival),
-                                               *choice.hops))
+                                               *choice.hops), i)
             if item.finish_reason == "error":
                 raise GenerationFailed(item.error or "the replica failed the request", index=i)
         return i, item
