@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 
 import pytest
@@ -105,52 +106,44 @@ def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
         cluster.shutdown()
 
 
-def test_hung_worker_is_noticed_failed_and_rebuilt(ray_local, tmp_path_factory):
-    """A rank that stops answering without dying (SIGSTOP: alive to Ray, silent on its step
-    channel) is caught by the step watchdog: its replica's requests end with a clean error
-    within the step timeout, the router routes around it, and the replica rebuilds its TP
-    group (the stopped process is killed), as when a rank dies."""
+async def _stop_while_streaming(router, pid: int) -> tuple[float, list, list]:
+    """6 long requests over the two replicas; `pid` gets SIGSTOP while replica-0 streams 3 of
+    them. (Seconds until every request ended, their outputs, 5 later requests' outputs.)"""
     import os
     import signal
 
-    d = tiny_model_dir(tmp_path_factory, "llama")
-    cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d), step_timeout_s=5.0), replicas=2,
-                                            router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),
-                             ServerMetrics())
-    router = cluster.start()
-    rank = ray.get_actor("manta-replica-0-rank0", namespace="manta-test")
-    pid = ray.get(rank.placement.remote())["pid"]
-    try:
-        async def scenario():
-            await router.start()
-            tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400)) for i in range(6)]
-            while router.replicas["replica-0"].inflight < 3:  # stopped while its requests stream
-                await asyncio.sleep(0.005)
-            await asyncio.sleep(0.1)
-            os.kill(pid, signal.SIGSTOP)
-            t0 = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
-            ended_s = time.monotonic() - t0
-            later = [await _collect(router, p, 5) for p in PROMPTS]
-            return ended_s, results, later
+    tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400)) for i in range(6)]
+    while router.replicas["replica-0"].inflight < 3:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.1)
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+    ended_s = time.monotonic() - t0
+    return ended_s, results, [await _collect(router, p, 5) for p in PROMPTS]
 
-        ended_s, results, later = asyncio.run(scenario())
-        finals = [(f.replica, f.finish_reason, f.error, f.completion_tokens) for f in (o[-1] for o in results)]
-        # Those that had streamed tokens end with the error; any that had none yet were retried
-        # on replica-1 (an `unavailable` failure) and ran whole there.
-        errored = [f for f in finals if f[1] == "error"]
-        assert errored and all(r == "replica-0" and "did not answer" in e for r, _, e, _ in errored), finals
-        assert all(f[1:] == ("length", None, 400) for f in finals if f[1] != "error"), finals
-        assert ended_s < 5.0 + 15, ended_s  # the timeout, then the replica's step raises at once
-        assert all(outs[-1].finish_reason == "length" for outs in later)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            stats = ray.get(cluster.actors["replica-0"].stats.remote())
-            if stats["healthy"] and stats["restarts"]:
-                break
-            time.sleep(0.5)
-        assert stats["healthy"] and stats["restarts"] == 1
-        with pytest.raises(ProcessLookupError):  # the stopped rank was killed, not left behind
+
+def _assert_ended_or_retried(results: list, later: list, why: str) -> None:
+    """Those that had streamed tokens on replica-0 end with an error saying `why`; any that had
+    none yet were retried on replica-1 (an `unavailable` failure) and ran whole there; later
+    requests are served."""
+    finals = [(f.replica, f.finish_reason, f.error, f.completion_tokens) for f in (o[-1] for o in results)]
+    errored = [f for f in finals if f[1] == "error"]
+    assert errored and all(r == "replica-0" and why in e for r, _, e, _ in errored), finals
+    assert all(f[1:] == ("length", None, 400) for f in finals if f[1] != "error"), finals
+    assert all(outs[-1].finish_reason == "length" for outs in later)
+
+
+@contextlib.contextmanager
+def _stopped_process_killed(pid: int):
+    """The body stops `pid`; afterwards it must be gone (killed, not left stopped); it is
+    continued whatever happened, so a failed test leaves nothing stopped."""
+    import os
+    import signal
+
+    try:
+        yield
+        with pytest.raises(ProcessLookupError):
             for _ in range(50):
                 os.kill(pid, 0)
                 time.sleep(0.1)
@@ -159,6 +152,37 @@ def test_hung_worker_is_noticed_failed_and_rebuilt(ray_local, tmp_path_factory):
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
+
+
+def test_hung_worker_is_noticed_failed_and_rebuilt(ray_local, tmp_path_factory):
+    """A rank that stops answering without dying (SIGSTOP: alive to Ray, silent on its step
+    channel) is caught by the step watchdog: its replica's requests end with a clean error
+    within the step timeout, the router routes around it, and the replica rebuilds its TP
+    group (the stopped process is killed), as when a rank dies."""
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d), step_timeout_s=5.0), replicas=2,
+                                            router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),
+                             ServerMetrics())
+    router = cluster.start()
+    rank = ray.get_actor("manta-replica-0-rank0", namespace="manta-test")
+    pid = ray.get(rank.placement.remote())["pid"]
+    try:
+        with _stopped_process_killed(pid):
+            async def scenario():
+                await router.start()
+                return await _stop_while_streaming(router, pid)
+
+            ended_s, results, later = asyncio.run(scenario())
+            _assert_ended_or_retried(results, later, "did not answer")
+            assert ended_s < 5.0 + 15, ended_s  # the timeout, then the replica's step raises at once
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                stats = ray.get(cluster.actors["replica-0"].stats.remote())
+                if stats["healthy"] and stats["restarts"]:
+                    break
+                time.sleep(0.5)
+            assert stats["healthy"] and stats["restarts"] == 1
+    finally:
         asyncio.run(router.aclose())
         cluster.shutdown()
 
@@ -169,7 +193,6 @@ def test_hung_replica_actor_is_routed_around_and_replaced(ray_local, tmp_path_fa
     request with no token yet is retried on the other replica), and the supervisor kills it and
     starts a replacement. Nothing waits forever."""
     import os
-    import signal
 
     from cluster.supervisor import ReplicaSupervisor
 
@@ -180,46 +203,27 @@ def test_hung_replica_actor_is_routed_around_and_replaced(ray_local, tmp_path_fa
     router = cluster.start()
     pid = ray.get(cluster.actors["replica-0"].__ray_call__.remote(lambda self: os.getpid()))
     try:
-        async def scenario():
-            await router.start()
-            supervisor = ReplicaSupervisor(cluster, interval_s=0.2, ready_timeout_s=120, backoff_s=1.0)
-            await supervisor.start()
-            try:
-                tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400)) for i in range(6)]
-                while router.replicas["replica-0"].inflight < 3:
-                    await asyncio.sleep(0.005)
-                await asyncio.sleep(0.1)
-                os.kill(pid, signal.SIGSTOP)
-                t0 = time.monotonic()
-                results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
-                ended_s = time.monotonic() - t0
-                later = [await _collect(router, p, 5) for p in PROMPTS]
-                deadline = time.monotonic() + 120
-                while supervisor.stats.started < 1 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.2)
-                return ended_s, results, later, supervisor.stats
-            finally:
-                await supervisor.aclose()
+        with _stopped_process_killed(pid):
+            async def scenario():
+                await router.start()
+                supervisor = ReplicaSupervisor(cluster, interval_s=0.2, ready_timeout_s=120, backoff_s=1.0)
+                await supervisor.start()
+                try:
+                    ended_s, results, later = await _stop_while_streaming(router, pid)
+                    deadline = time.monotonic() + 120
+                    while supervisor.stats.started < 1 and time.monotonic() < deadline:
+                        await asyncio.sleep(0.2)
+                    return ended_s, results, later, supervisor.stats
+                finally:
+                    await supervisor.aclose()
 
-        ended_s, results, later, stats = asyncio.run(scenario())
-        finals = [(f.replica, f.finish_reason, f.error, f.completion_tokens) for f in (o[-1] for o in results)]
-        errored = [f for f in finals if f[1] == "error"]
-        assert errored and all(r == "replica-0" and "hung" in e for r, _, e, _ in errored), finals
-        assert all(f[1:] == ("length", None, 400) for f in finals if f[1] != "error"), finals
-        assert ended_s < 4.0 + 10, ended_s
-        assert all(outs[-1].finish_reason == "length" for outs in later)
-        assert stats.replaced == 1 and stats.started == 1, stats
-        assert metrics.registry.get_sample_value("manta:replica_replacements_total") == 1
-        assert "replica-0" not in router.replicas and len(router.replicas) == 2
-        with pytest.raises(ProcessLookupError):  # killed by the supervisor, not left stopped
-            for _ in range(50):
-                os.kill(pid, 0)
-                time.sleep(0.1)
+            ended_s, results, later, stats = asyncio.run(scenario())
+            _assert_ended_or_retried(results, later, "hung")
+            assert ended_s < 4.0 + 10, ended_s
+            assert stats.replaced == 1 and stats.started == 1, stats
+            assert metrics.registry.get_sample_value("manta:replica_replacements_total") == 1
+            assert "replica-0" not in router.replicas and len(router.replicas) == 2
     finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
         asyncio.run(router.aclose())
         cluster.shutdown()
 
