@@ -5,7 +5,7 @@ cumulative counters: the scheduler's (pages looked up in the store, pages loaded
 client and host tier, and the store's usage. Like the prefix-cache counters they are exported
 from the latest polled values by a custom collector. A replica that rebuilds its engine (a rank
 died) or a store that restarts counts from zero again; the exported counters go on from where
-they were (`Monotonic`), so they only go down when the server restarts.
+they were (`cluster.api.monotonic`), so they only go down when the server restarts.
 
     manta:kvstore_pages_written_total{replica,layout,tp_rank}  pages a rank wrote into the store
     manta:kvstore_pages_read_total{replica,layout,tp_rank}     pages a rank read from the store
@@ -46,25 +46,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-
-class Monotonic:
-    """Counters exported from totals that a source reports and that start again from zero when
-    the source does: what was counted before a restart is kept as a base (seen at each export:
-    a restart whose new count passes the old one between two exports goes unseen)."""
-
-    def __init__(self) -> None:
-        self._seen: dict[tuple, tuple[float, float]] = {}  # (family, labels) -> (base, last reported)
-
-    def __call__(self, family: CounterMetricFamily, labels: list[str], value: float) -> None:
-        key = (family.name, tuple(labels))
-        base, last = self._seen.get(key, (0.0, 0.0))
-        if value < last:  # the source began again
-            base += last
-        self._seen[key] = (base, value)
-        family.add_metric(labels, base + value)
-
-    def forget(self, replica: str) -> None:
-        self._seen = {k: v for k, v in self._seen.items() if not k[1] or k[1][0] != replica}
+from cluster.api.monotonic import Monotonic
 
 
 class KVStoreCollector(Collector):
@@ -134,8 +116,10 @@ class KVStoreCollector(Collector):
         pd_fail = CounterMetricFamily("manta:pd_transfer_failures",
                                       "Page transfers from a prefill replica that failed (the decode replica "
                                       "computed the rest).", labels=["replica", "kind"])
+        def count(family: CounterMetricFamily, labels: list[str], value: float) -> None:
+            family.add_metric(labels, self._count.total((family.name, tuple(labels)), value))
+
         with self._lock:
-            count = self._count
             host = 0
             for replica, rep in self._replicas.items():
                 count(hits, [replica], rep.get("hit_pages", 0))

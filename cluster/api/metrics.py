@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cluster.api.kvstore_metrics import KVStoreCollector
+from cluster.api.monotonic import Monotonic
 from cluster.api.spec_metrics import SpecCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -81,24 +82,19 @@ class _PolledCounters(Collector):
         self._lock = threading.Lock()
         self._families = families
         self._values: dict[str, dict[str, float]] = {}  # replica -> stats key -> value exported
-        self._last: dict[str, dict[str, float]] = {}  # replica -> stats key -> value it reported last
+        self._count = Monotonic()  # (checked at every poll, not only at a scrape)
 
     def set(self, replica: str, values: dict) -> None:
         with self._lock:
             mine = self._values.setdefault(replica, {})
-            last = self._last.setdefault(replica, {})
             for _, _, key in self._families:
                 if key in values:
-                    now = float(values[key])
-                    before = last.get(key, 0.0)
-                    # Counted since the last report; a count below it means the replica began again.
-                    mine[key] = mine.get(key, 0.0) + (now - before if now >= before else now)
-                    last[key] = now
+                    mine[key] = self._count.total((key, (replica,)), float(values[key]))
 
     def remove(self, replica: str) -> None:
         with self._lock:
             self._values.pop(replica, None)
-            self._last.pop(replica, None)
+            self._count.forget(replica)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
