@@ -2,7 +2,7 @@
 # The GPU benchmark runs quoted in BENCHMARKS.md, on a device with torch + triton + transformers
 # (no install: run from the repository root). Stages: build tests sweep gemv profile l8 l8ab l8serial l8serve l8mix
 # l8mixprof l8mixab l8mixprofab (the same two by environment variant: MIXAB, default prompt graphs off / on) dsv2
-# spec specid
+# dsv2prof (the DeepSeek step's kernels, batch 1 and 16) spec specid
 # l8tp2 dsv2tp2 compiles, and the product path through `manta serve` (Ray, router, HTTP, KV store; needs Ray, NIXL
 # and FastAPI on PYTHONPATH: ../shared/gpu/README.md): l8http (store on: a cold run, then the server restarted and the
 # same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2 on two GPUs, store on) l8pd (two replicas sharing the GPU:
@@ -169,6 +169,10 @@ for s in $stages; do
         $M bench latency --model /tmp/dsv2 $F --batch 1 16 --steps 24 --input-len 512 --out "$OUT/dsv2_latency.json"
         $M bench offline --model /tmp/dsv2 $F --num-prompts 64 --input-len 512 --output-len 128 \
           --out "$OUT/dsv2_offline.json" ;;
+    dsv2prof) build /tmp/dsv2 --preset deepseek-v2-lite  # where the DeepSeek decode step goes: batch 1 and 16, PDL off / on
+        for b in ${PROF_BATCH:-1 16}; do for v in MANTA_PDL=0 MANTA_PDL=1; do echo "--- batch $b $v"
+          env $v python3 scripts/profile_decode.py /tmp/dsv2 "$b" --steps 24 --out "$OUT/dsv2_profile_b${b}_${v//=/_}.json" \
+            2>&1 | grep -v Warning | head -${PROF_LINES:-120}; done; done ;;
     spec) build /tmp/l8 --preset llama-3.1-8b
         build /tmp/l1b --arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256 \
           --max-position 8192

@@ -43,7 +43,7 @@ def kernel_intervals(prof) -> list[tuple[str, float, float]]:
 def layer_breakdown(iv: list[tuple[str, float, float]], anchor: str = "_decode_stage1") -> list[tuple[str, float, float]]:
     """The kernels of one decoder layer, averaged over the layers and steps profiled: the
     sequence between consecutive `anchor` kernels (the layer's position in the step differs,
-    its kernels do not), as (name, mean duration µs, mean end-to-end interval µs). The interval
+    its kernels do not; `_mla_stage1` for MLA models), as (name, mean duration µs, mean end-to-end interval µs). The interval
     (this kernel's end minus the previous kernel's) is what a kernel adds to the step even
     when PDL overlaps it with its neighbours."""
     idx = [i for i, (name, _, _) in enumerate(iv) if name == anchor]
@@ -114,6 +114,7 @@ def main() -> None:
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3
     iv = kernel_intervals(prof)
+    anchor = next((n for n in ("_decode_stage1", "_mla_stage1") if any(k == n for k, _, _ in iv)), "_decode_stage1")
     span_us = iv[-1][2] - iv[0][1] if iv else 0.0
     busy_us = busy_union(iv)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
@@ -137,7 +138,7 @@ def main() -> None:
         "batch": a.batch, "prefill": a.prefill, "steps": n, "wall_ms_per_step": wall_ms / n,
         "gpu_span_ms_per_step": span_us / 1e3 / n, "gpu_busy_ms_per_step": busy_us / 1e3 / n,
         "gpu_kernels_per_step": len(iv) / n, "graph_replay_alone_ms": graph_ms,
-        "layer": layer_breakdown(iv) if a.batch else [],
+        "layer": layer_breakdown(iv, anchor) if a.batch else [],
         "kernels": sorted(([k, c / n, t / 1e3 / n] for k, (c, t) in by_name.items()), key=lambda x: -x[2])[:30],
     }
     print(f"batch {a.batch}{f' + a {a.prefill}-token prompt' if a.prefill else ''}: step (profiled) "

@@ -14,7 +14,10 @@ input shapes, so it can be captured in a CUDA graph and replayed with new routin
    in torch, h[pair] @ w2[e].T times the routing weight -> [P, hidden]. Rows are gathered and
    scattered by pair index (padding rows carry the sentinel P and are masked), so every output
    row is written by exactly one program: no atomics, deterministic.
-3. The k rows of each token are summed in float32 and cast to x.dtype.
+3. The k rows of each token are summed in float32 and cast to x.dtype (plus the caller's
+   `add`, the shared experts' output).
+At decode sizes steps 1 and 3 and the router are one Triton kernel each (`moe_kernels`): as
+torch ops they were ~40 graph nodes a layer, more time than the expert products.
 The per-pair product of the second GEMM is stored in x.dtype (the loop rounds it there too),
 which halves the [P, hidden] buffer for bf16 models; accumulation is always float32.
 
@@ -37,6 +40,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from workers.layers import fused
 from workers.layers.fp8 import dequantize
 
 try:
@@ -48,15 +52,19 @@ except ImportError:  # CPU-only install: only moe_loop / moe_align are usable
 
 logger = logging.getLogger(__name__)
 
+# Up to this many tokens the router runs as one kernel (`moe_kernels.route`: each token's program
+# reads the whole router weight, which past this costs more than a GEMM).
+ROUTE_MAX_TOKENS = 64
+
 
 def moe_loop(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None, block_k13: int = 0,
-    block_k2: int = 0,
+    block_k2: int = 0, add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I], weights [T, k] float32, ids [T, k]
-    -> [T, hidden] in x.dtype. A loop over the experts hit, in ascending order (as transformers
-    sums them). FP8 experts come with their scales (module docstring)."""
+    -> [T, hidden] in x.dtype (plus `add`). A loop over the experts hit, in ascending order (as
+    transformers sums them). FP8 experts come with their scales (module docstring)."""
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         tok, pos = torch.where(ids == e)
@@ -67,7 +75,7 @@ def moe_loop(
         gate, up = F.linear(x[tok], a).chunk(2, dim=-1)
         h = F.linear(F.silu(gate) * up, b) * weights[tok, pos, None]
         out.index_add_(0, tok, h.to(out.dtype))
-    return out
+    return out if add is None else out + add
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -159,8 +167,8 @@ if triton is not None:
 def _config(num_pairs: int) -> dict:
     """Block sizes by the (static) number of pairs: small blocks for decode, where each expert
     gets a handful of rows, larger ones for prefill."""
-    if num_pairs <= 1024:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4)
+    if num_pairs <= 1024:  # within 1% of the best of 27 launches at 1, 16 and 64 tokens (bench_moe, H200)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
@@ -199,27 +207,36 @@ def fused_moe(
     block_k13: int = 0,
     block_k2: int = 0,
     block_m: int | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `moe_loop`, through the Triton grouped GEMM; graph-capturable.
-    `block_m` (16 or a multiple) overrides the configured BLOCK_M (for tests)."""
+    `block_m` (16 or a multiple) overrides the configured BLOCK_M (for tests). The grouping
+    (`moe_kernels.align`) and the final sum (`moe_kernels.combine`) are one kernel each where
+    they fit, the SiLU·up `fused.silu_and_mul`'s."""
     if triton is None:
         raise RuntimeError("fused_moe needs triton")
+    from workers.layers import moe_kernels
+
     t, top_k = ids.shape
     p = t * top_k
     if p == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if add is None else add.clone()
     cfg = _config(p)
     if block_m is not None:
         cfg["BLOCK_M"] = block_m
-    sorted_pairs, block_expert = moe_align(ids, w13.shape[0], cfg["BLOCK_M"])
+    num_experts = w13.shape[0]
+    if moe_kernels.align_fits(p, num_experts):
+        nb = max_blocks(p, num_experts, cfg["BLOCK_M"])
+        sorted_pairs, block_expert = moe_kernels.align(ids, num_experts, cfg["BLOCK_M"], nb)
+    else:
+        sorted_pairs, block_expert = moe_align(ids, num_experts, cfg["BLOCK_M"])
     h13 = torch.empty(p, w13.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, h13, None, sorted_pairs, block_expert, top_k, cfg, w13_scale, block_k13)
-    gate, up = h13.chunk(2, dim=-1)
-    h = F.silu(gate) * up
+    h = fused.silu_and_mul(h13)
     out = torch.empty(p, w2.shape[1], dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
     _grouped_gemm(h, w2, out, scale, sorted_pairs, block_expert, 1, cfg, w2_scale, block_k2)
-    return out.view(t, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return moe_kernels.combine(out, top_k, add)
 
 
 @functools.lru_cache(maxsize=8)

@@ -95,6 +95,16 @@ def matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torc
     return F.linear(x, w, bias)
 
 
+def product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`matmul`, through the one-row GEMV kernel at batch 1 on CUDA where it applies
+    (`one_row.applies`: not block-wise FP8). cuBLAS's one-row products of the DeepSeek-V2-Lite
+    shape took 1.5-10x their bytes' time (BENCHMARKS.md)."""
+    scale = fp8.row_scale(layer)
+    if x.dim() == 2 and x.shape[0] == 1 and one_row.applies(x, layer.weight, scale):
+        return one_row.linear(x, layer.weight, bias, scale=scale)
+    return matmul(layer, x, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A's output rows split over ranks; each rank returns its own
     [.., out / tp] columns (no gather: the next layer is row-parallel or per-head)."""
@@ -124,7 +134,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.data, src[self.start : self.end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(self, x, self.bias)
+        return product(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -170,7 +180,7 @@ class MergedColumnParallelLinear(nn.Module):
         _copy(param.data[offset : offset + self.local_sizes[i]], src[start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(self, x, self.bias)
+        return product(self, x, self.bias)
 
 
 class QKVParallelLinear(nn.Module):
@@ -305,4 +315,4 @@ class ReplicatedLinear(nn.Module):
         return self.out_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(self, x, self.bias)
+        return product(self, x, self.bias)

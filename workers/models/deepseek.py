@@ -230,19 +230,47 @@ class DeepseekAttention(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(t, self.heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.lora, self.rope], dim=-1)
-        q_pe, k_pe = _rope(rotary, family, positions, q_pe, k_pe.unsqueeze(1))
-        entry = torch.cat((self.kv_a_layernorm(latent).unsqueeze(1), k_pe), dim=-1)  # [T, 1, C + R]
+        q = q.view(t, self.heads, self.nope + self.rope)
+        q_nope = q[..., : self.nope]
+        kv_a = self.kv_a_proj_with_mqa(x)
         backend = fb.attn_backend
         assert backend is not None
         if fb.forward_mode.is_decode():
+            q_pe, entry = self._rope_norm_store(positions, q, kv_a, fb, rotary, family)
             q_lat = self.absorb_query(q_nope)
-            out = backend.forward(torch.cat((q_lat, q_pe), dim=-1), entry, None, self.attn, fb)
-            out = self.absorb_output(out.view(t, self.heads, self.lora))
-        else:
-            out = backend.forward(torch.cat((q_nope, q_pe), dim=-1), entry, None, self.attn, fb)
+            out = backend.forward(torch.cat((q_lat, q_pe), dim=-1), entry, None, self.attn, fb,
+                                  save_kv_cache=entry is not None)
+            return self.o_proj(self.absorb_output(out.view(t, self.heads, self.lora)).reshape(t, -1))
+        q_pe, entry = self._rope_entry(positions, q, kv_a, rotary, family)
+        out = backend.forward(torch.cat((q_nope, q_pe), dim=-1), entry, None, self.attn, fb)
         return self.o_proj(out.reshape(t, self.heads * self.v_dim))
+
+    def _rope_norm_store(self, positions, q, kv_a, fb: ForwardBatch, rotary: RotaryEmbedding,
+                         family: DeepseekFamily) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode's rotated q_pe [T, H, R] and the cache entry [T, 1, C + R] to write; on CUDA
+        (a cache of the activations' dtype, interleaved RoPE) one kernel that writes the entry
+        itself (`workers.layers.mla_rope_store`): the entry comes back None."""
+        pool = fb.kv_pool
+        if q.is_cuda and family.rope_interleave and pool is not None and not pool.quantized:
+            from workers.layers import mla_rope_store  # Triton, imported on the first CUDA call
+
+            cache = pool.get_key_buffer(self.attn.layer_id)
+            if mla_rope_store.applies(q, kv_a, cache, rotary.cos_cache, self.rope):
+                norm = self.kv_a_layernorm
+                q_pe = mla_rope_store.rope_norm_store(positions, q, kv_a, norm.weight, norm.eps, rotary.cos_cache,
+                                                      rotary.sin_cache, cache, fb.out_cache_loc, self.nope,
+                                                      family.rope_fp32)
+                pool.write_count += 1
+                return q_pe, None
+        return self._rope_entry(positions, q, kv_a, rotary, family)
+
+    def _rope_entry(self, positions, q, kv_a, rotary: RotaryEmbedding,
+                    family: DeepseekFamily) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated q_pe [T, H, R] and the cache entry [T, 1, C + R] (normalised latent, rotated
+        k_pe), as torch ops."""
+        latent, k_pe = kv_a.split([self.lora, self.rope], dim=-1)
+        q_pe, k_pe = _rope(rotary, family, positions, q[..., self.nope :], k_pe.unsqueeze(1))
+        return q_pe, torch.cat((self.kv_a_layernorm(latent).unsqueeze(1), k_pe), dim=-1)
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -272,9 +300,17 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
-    def forward(self, positions, x, fb: ForwardBatch, rotary: RotaryEmbedding, family: DeepseekFamily):
-        x = x + self.self_attn(positions, self.input_layernorm(x), fb, rotary, family)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, fb: ForwardBatch, rotary: RotaryEmbedding,
+                family: DeepseekFamily) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): each residual add runs in
+        the next norm's kernel (`RMSNorm.forward_with_residual`); residual None: the first layer."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        h, residual = self.post_attention_layernorm.forward_with_residual(
+            self.self_attn(positions, h, fb, rotary, family), residual)
+        return self.mlp(h), residual
 
 
 class DeepseekModel(nn.Module):
@@ -346,9 +382,10 @@ class DeepseekV2ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden] (every rank)."""
         x = self.model.embed_tokens(input_ids)
+        residual = None
         for layer in self.model.layers:
-            x = layer(positions, x, forward_batch, self.rotary_emb, self.family)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual, forward_batch, self.rotary_emb, self.family)
+        return self.model.norm.forward_with_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab] float32, the full vocabulary on every rank."""

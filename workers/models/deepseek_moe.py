@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import fp8
-from workers.layers.fused_moe import select_moe
+from workers.layers import fp8, fused, fused_moe, one_row
+from workers.layers.fused_moe import ROUTE_MAX_TOKENS, select_moe
 from workers.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
@@ -54,9 +54,14 @@ class DeepseekMLP(nn.Module):
         self.local_inter = inter // tp.size
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.local_inter, dim=-1)
-        h = F.silu(gate) * up
-        return self.down_proj(h) if reduce else matmul(self.down_proj, h, None)
+        gate_up = self.gate_up_proj(x)
+        if reduce:
+            return self.down_proj.forward_silu_mul(gate_up)
+        down = self.down_proj
+        scale = fp8.row_scale(down)
+        if fp8.is_fp8(down.weight) and scale is None:  # block-wise FP8: no one-row fusions
+            return matmul(down, fused.silu_and_mul(gate_up), None)
+        return one_row.silu_mul_linear(gate_up, down.weight, None, scale=scale)
 
 
 class DeepseekExperts(nn.Module):
@@ -115,13 +120,13 @@ class DeepseekExperts(nn.Module):
                               (self.hidden, self.inter), f"expert {shard_id} down")
         param.data[shard_id].copy_(rows.expand(-1, param.shape[2]).to(param.device))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden], weights [T, k] float32, ids [T, k] -> this rank's partial sum [T, hidden].
-        `fused_moe` (Triton grouped GEMM, graph-capturable) on CUDA with triton, else `moe_loop`
-        (a loop over the experts hit, in ascending order, as transformers sums them)."""
-        if self.scales is not None:
-            return self._moe(x, self.w13, self.w2, weights, ids, **self.scales)
-        return self._moe(x, self.w13, self.w2, weights, ids)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden], weights [T, k] float32, ids [T, k] -> this rank's partial sum [T, hidden]
+        (plus `add`, the shared experts' partial sum). `fused_moe` (Triton grouped GEMM,
+        graph-capturable) on CUDA with triton, else `moe_loop` (a loop over the experts hit, in
+        ascending order, as transformers sums them)."""
+        return self._moe(x, self.w13, self.w2, weights, ids, add=add, **(self.scales or {}))
 
 
 class DeepseekRouter(nn.Module):
@@ -143,7 +148,26 @@ class DeepseekRouter(nn.Module):
         return mask.unsqueeze(-1).expand(-1, f.n_group, self.num_experts // f.n_group).reshape(choice.shape)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k]): one Triton kernel for
+        a decode-sized batch on CUDA (`workers.layers.moe_kernels.route`), else torch ops."""
+        if x.is_cuda and fused_moe.triton is not None and x.shape[0] <= ROUTE_MAX_TOKENS:
+            return self.forward_kernel(x)
+        return self.forward_torch(x)
+
+    def forward_kernel(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_torch`'s routing in one kernel (ids int32)."""
+        from workers.layers import moe_kernels
+
+        f = self.family
+        v3 = f.version == 3
+        grouped = v3 or f.topk_method == "group_limited_greedy"
+        return moe_kernels.route(
+            x, self.weight, self.top_k, sigmoid=v3, bias=self.e_score_correction_bias if v3 else None,
+            n_group=f.n_group if grouped else 1, topk_group=f.topk_group if grouped else 1, top2_groups=v3,
+            norm=f.norm_topk_prob, scale=f.routed_scaling_factor,
+        )
+
+    def forward_torch(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         f = self.family
         logits = F.linear(x.float(), self.weight.float())
         per_group = self.num_experts // f.n_group
@@ -189,9 +213,7 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x, reduce=False)
-        out = self.tp.all_reduce(out)
+        shared = self.shared_experts(x, reduce=False) if self.shared_experts is not None else None
+        out = self.tp.all_reduce(self.experts(x, weights, ids, add=shared))
         bias = self.shared_experts.down_proj.bias if self.shared_experts is not None else None
         return out if bias is None else out + bias
