@@ -75,3 +75,24 @@ def test_gpu_kernel_equals_the_cpu_products(block, dtype, tokens):
     got = fp8_heads.out_of_latent(o.cuda(), qc, sc, bk, N)
     assert got.shape == (tokens, H, V) and got.dtype == dtype
     torch.testing.assert_close(got.float().cpu(), _loop(o.float(), wq, uv=True), **tol)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 16, 70])
+def test_a_16bit_weight_into_a_slice_of_the_absorbed_query(device, dtype, tokens):
+    """A 16-bit kv_b_proj (no scales): the products equal the loop, and into_latent fills the
+    latent part of a [T, H, C + R] buffer without touching the rest (decode's absorbed query)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(tokens)
+    w = (torch.randn(H * (N + V), C, generator=g) / C**0.5).to(dtype)
+    x = torch.randn(tokens, H, N + 8, generator=g).to(dtype)[:, :, :N]
+    o = torch.randn(tokens, H, C, generator=g).to(dtype)
+    buf = torch.full((tokens, H, C + 8), 7.0, dtype=dtype, device=device)
+    got = fp8_heads.into_latent(x.to(device), w.to(device), None, 0, V, out=buf[..., :C])
+    assert got.data_ptr() == buf.data_ptr() and (buf[..., C:] == 7).all()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(buf[..., :C].float().cpu(), _loop(x.float(), w.float(), uv=False), **tol)
+    got = fp8_heads.out_of_latent(o.to(device), w.to(device), None, 0, N)
+    torch.testing.assert_close(got.float().cpu(), _loop(o.float(), w.float(), uv=True), **tol)

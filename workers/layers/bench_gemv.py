@@ -46,6 +46,15 @@ SHAPES = [
     ("down_proj+add", gemv.SILU_MUL, 4096, 14336),
     ("gate_up_plain", gemv.PLAIN, 28672, 4096),  # after the one-row norm kernel (`gemv_launch.fuse_norm`)
 ]
+# --shapes deepseek: the one-row products of a DeepSeek-V2-Lite layer (hidden 2,048; the shared
+# experts' 2 x 1,408 intermediate; the MoE experts run on the grouped GEMM, `bench_moe`)
+DEEPSEEK_SHAPES = [
+    ("q_proj", gemv.PLAIN, 3072, 2048),
+    ("kv_a_proj", gemv.PLAIN, 576, 2048),
+    ("o_proj", gemv.PLAIN, 2048, 2048),
+    ("shared_gate_up", gemv.PLAIN, 5632, 2048),
+    ("shared_down", gemv.SILU_MUL, 2048, 2816),
+]
 FMA = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 4), (16, 512, 8), (4, 1024, 4), (32, 256, 8)]
 DOT = [(64, 128, 4), (64, 256, 3), (32, 256, 4), (128, 128, 3)]
 FUSED_FMA = [(8, 512, 8), (16, 512, 8), (32, 256, 8), (32, 512, 8), (64, 128, 8), (64, 256, 8), (128, 64, 8),
@@ -204,14 +213,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="a few launch configurations only")
-    parser.add_argument("--only", nargs="*", type=int, default=None, help="indices into SHAPES")
+    parser.add_argument("--only", nargs="*", type=int, default=None, help="indices into the shapes")
     parser.add_argument("--fp8", action="store_true", help="FP8 weights with one scale per row")
+    parser.add_argument("--shapes", choices=("llama", "deepseek"), default="llama",
+                        help="Llama-3.1-8B's products (SHAPES) or DeepSeek-V2-Lite's (DEEPSEEK_SHAPES)")
     args = parser.parse_args()
     copy_gbs = measure_copy_bandwidth(torch.device("cuda")) / 1e9
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s")
     print(f"{'shape':<13} {'kind':<15} {'config':<28} {'us':>8} {'GB/s':>7} {'copy':>6}")
     everything = []
-    for i, (name, mode, n, k) in enumerate(SHAPES):
+    for i, (name, mode, n, k) in enumerate(SHAPES if args.shapes == "llama" else DEEPSEEK_SHAPES):
         if args.only is not None and i not in args.only:
             continue
         if args.fp8 and name == "lm_head":

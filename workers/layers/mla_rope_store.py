@@ -95,13 +95,15 @@ def applies(q: torch.Tensor, kv_a: torch.Tensor, cache: torch.Tensor, cos_cache:
 def rope_norm_store(
     positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     cos_cache: torch.Tensor, sin_cache: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, nope: int, fp32: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, H, N + R], kv_a [T, C + R] -> q_pe [T, H, R] rotated; cache[loc[t], 0] =
-    [RMSNorm(latent), rotated k_pe] (cache [slots, 1, C + R]). `applies` must hold."""
+    """q [T, H, N + R], kv_a [T, C + R] -> q_pe [T, H, R] rotated (into `out`, e.g. a slice of
+    the absorbed query, last dim contiguous); cache[loc[t], 0] = [RMSNorm(latent), rotated k_pe]
+    (cache [slots, 1, C + R]). `applies` must hold."""
     t, heads, width = q.shape
     rope = width - nope
     lora = kv_a.shape[1] - rope
-    q_pe = torch.empty(t, heads, rope, dtype=q.dtype, device=q.device)
+    q_pe = torch.empty(t, heads, rope, dtype=q.dtype, device=q.device) if out is None else out
     if t == 0:
         return q_pe
     use_pdl = pdl.enabled(q.device)

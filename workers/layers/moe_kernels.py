@@ -7,8 +7,8 @@ cumsums, a sort, searchsorted: ~30 kernels) and the final sum over the k experts
 CUDA graph each costs ~1.5 us whatever its size (DeepSeek-V2-Lite shape on an H200: ~65 us of a
 227 us layer, BENCHMARKS.md). Here:
 
-- `route`: logits = x W^T in float32 (16 programs a token share the experts; the last to
-  arrive goes on, `attention.arrival`), the family's scores (softmax, or sigmoid plus the
+- `route`: logits = x W^T in float32 (up to 32 programs a token share the experts; the last
+  to arrive goes on, `attention.arrival`), the family's scores (softmax, or sigmoid plus the
   correction bias), the group limit (the best `topk_group` groups by their max, or by the sum of
   their top two), the top k by repeated argmax, the normalisation and the scaling factor (used
   up to `fused_moe.ROUTE_MAX_TOKENS` tokens). One program a token reading the whole router
@@ -111,11 +111,14 @@ def _route_kernel(
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor | None,
-          n_group: int, topk_group: int, top2_groups: bool, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+          n_group: int, topk_group: int, top2_groups: bool, norm: bool, scale: float, programs: int | None = None,
+          num_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, hidden], weight [E, hidden] -> (weights [T, k] float32, ids [T, k] int32).
     sigmoid: V3's scores (with `bias`, the correction), else V2's softmax; n_group > 1 limits
     the choice to the `topk_group` best groups (top2_groups: a group's score is the sum of its top
-    two, else its max); norm: weights over their sum; scale: the routed scaling factor."""
+    two, else its max); norm: weights over their sum; scale: the routed scaling factor.
+    programs / num_warps: the launch (programs a token). The defaults are the best of a sweep on
+    an H200 (64 experts: 32 programs of one warp up to 16 tokens, 4.9 us at one; 8 past that)."""
     t, h = x.shape
     e = weight.shape[0]
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
@@ -123,7 +126,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, sigmoid: bool, b
     if t == 0:
         return weights, ids
     e_pad = triton.next_power_of_2(e)
-    block_e = max(1, e_pad // 16)  # 16 programs a token share the logits
+    block_e = max(1, e_pad // (programs or (32 if t <= 16 else 8)))
     splits = triton.cdiv(e, block_e)
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
     use_pdl = pdl.enabled(x.device)
@@ -133,7 +136,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, sigmoid: bool, b
         K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_E=block_e,
         BLOCK_H=min(triton.next_power_of_2(h), 4096 // block_e), SPLITS=splits, SIGMOID=sigmoid, N_GROUP=n_group,
         NG_PAD=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group, TOP2_GROUPS=top2_groups, NORM=norm,
-        PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return weights, ids
 

@@ -193,17 +193,20 @@ class DeepseekAttention(nn.Module):
             expand_kv=self.expand_kv,
         )
 
-    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_nope [T, H, N] -> [T, H, C]: each head's query through its W_UK (kv_b_proj's first N
-        rows of the head), into the latent space the cache holds."""
+    def _kv_b(self) -> tuple[torch.Tensor | None, int]:
+        """kv_b_proj's (scales, block_k) for `fp8_heads`: (None, 0) for a 16-bit weight."""
         b = self.kv_b_proj
-        if fp8.is_fp8(b.weight):
-            return fp8_heads.into_latent(q_nope, b.weight, b.weight_scale, b.block_k, self.v_dim)
-        w_uk = b.weight.view(self.heads, self.nope + self.v_dim, self.lora)[:, : self.nope]
-        return torch.einsum("thn,hnc->thc", q_nope, w_uk)
+        return (b.weight_scale, b.block_k) if fp8.is_fp8(b.weight) else (None, 0)
+
+    def absorb_query(self, q_nope: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q_nope [T, H, N] -> `out` (or a new tensor) [T, H, C]: each head's query through its
+        W_UK (kv_b_proj's first N rows of the head), into the latent space the cache holds."""
+        return fp8_heads.into_latent(q_nope, self.kv_b_proj.weight, *self._kv_b(), self.v_dim, out=out)
 
     def absorb_output(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention's latent output [T, H, C] -> [T, H, V] through each head's W_UV."""
+        """Attention's latent output [T, H, C] -> [T, H, V] through each head's W_UV. A 16-bit
+        weight stays on cuBLAS's batched product: 3.96 us a layer at batch 1 on an H200, against
+        5.15 us for the per-head kernel (BENCHMARKS.md, DeepSeek decode 2026-11-27)."""
         b = self.kv_b_proj
         if fp8.is_fp8(b.weight):
             return fp8_heads.out_of_latent(out, b.weight, b.weight_scale, b.block_k, self.nope)
@@ -235,21 +238,21 @@ class DeepseekAttention(nn.Module):
         kv_a = self.kv_a_proj_with_mqa(x)
         backend = fb.attn_backend
         assert backend is not None
-        if fb.forward_mode.is_decode():
-            q_pe, entry = self._rope_norm_store(positions, q, kv_a, fb, rotary, family)
-            q_lat = self.absorb_query(q_nope)
-            out = backend.forward(torch.cat((q_lat, q_pe), dim=-1), entry, None, self.attn, fb,
-                                  save_kv_cache=entry is not None)
+        if fb.forward_mode.is_decode():  # the absorbed query [T, H, C + R] filled in place
+            q_abs = q.new_empty(t, self.heads, self.lora + self.rope)
+            entry = self._rope_norm_store(positions, q, kv_a, fb, rotary, family, q_abs[..., self.lora :])
+            self.absorb_query(q_nope, out=q_abs[..., : self.lora])
+            out = backend.forward(q_abs, entry, None, self.attn, fb, save_kv_cache=entry is not None)
             return self.o_proj(self.absorb_output(out.view(t, self.heads, self.lora)).reshape(t, -1))
         q_pe, entry = self._rope_entry(positions, q, kv_a, rotary, family)
         out = backend.forward(torch.cat((q_nope, q_pe), dim=-1), entry, None, self.attn, fb)
         return self.o_proj(out.reshape(t, self.heads * self.v_dim))
 
     def _rope_norm_store(self, positions, q, kv_a, fb: ForwardBatch, rotary: RotaryEmbedding,
-                         family: DeepseekFamily) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Decode's rotated q_pe [T, H, R] and the cache entry [T, 1, C + R] to write; on CUDA
-        (a cache of the activations' dtype, interleaved RoPE) one kernel that writes the entry
-        itself (`workers.layers.mla_rope_store`): the entry comes back None."""
+                         family: DeepseekFamily, q_pe: torch.Tensor) -> torch.Tensor | None:
+        """Decode's rotated q_pe, written into `q_pe` [T, H, R], and the cache entry [T, 1, C + R]
+        to write; on CUDA (a cache of the activations' dtype, interleaved RoPE) one kernel that
+        writes the entry itself (`workers.layers.mla_rope_store`): the entry comes back None."""
         pool = fb.kv_pool
         if q.is_cuda and family.rope_interleave and pool is not None and not pool.quantized:
             from workers.layers import mla_rope_store  # Triton, imported on the first CUDA call
@@ -257,12 +260,14 @@ class DeepseekAttention(nn.Module):
             cache = pool.get_key_buffer(self.attn.layer_id)
             if mla_rope_store.applies(q, kv_a, cache, rotary.cos_cache, self.rope):
                 norm = self.kv_a_layernorm
-                q_pe = mla_rope_store.rope_norm_store(positions, q, kv_a, norm.weight, norm.eps, rotary.cos_cache,
-                                                      rotary.sin_cache, cache, fb.out_cache_loc, self.nope,
-                                                      family.rope_fp32)
+                mla_rope_store.rope_norm_store(positions, q, kv_a, norm.weight, norm.eps, rotary.cos_cache,
+                                               rotary.sin_cache, cache, fb.out_cache_loc, self.nope, family.rope_fp32,
+                                               out=q_pe)
                 pool.write_count += 1
-                return q_pe, None
-        return self._rope_entry(positions, q, kv_a, rotary, family)
+                return None
+        rotated, entry = self._rope_entry(positions, q, kv_a, rotary, family)
+        q_pe.copy_(rotated)
+        return entry
 
     def _rope_entry(self, positions, q, kv_a, rotary: RotaryEmbedding,
                     family: DeepseekFamily) -> tuple[torch.Tensor, torch.Tensor]:
