@@ -105,7 +105,7 @@ for s in $stages; do
     tests) python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_rope_store.py tests/test_gemv.py tests/test_argmax_kernel.py \
              tests/test_decode_prep_kernels.py tests/test_sampler.py \
              tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_speculative.py \
-             tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_fp8.py \
+             tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py tests/test_moe_kernels.py tests/test_fp8_heads.py tests/test_fp8_gemm.py tests/test_gpu_fp8.py \
              tests/test_gpu_kv_fp8.py 2>&1 | grep -v "Warning\|warn" \
              | tee "$OUT/tests.log" ;;
     compiles) python3 scripts/compiles_after_start.py llama; python3 scripts/compiles_after_start.py deepseek_v2 ;;
