@@ -52,8 +52,9 @@ except ImportError:  # CPU-only install: only moe_loop / moe_align are usable
 
 logger = logging.getLogger(__name__)
 
-# Up to this many tokens the router runs as one kernel (`moe_kernels.route`: each token's program
-# reads the whole router weight, which past this costs more than a GEMM).
+# Up to this many tokens (decode batches) the router runs as one kernel (`moe_kernels.route`:
+# each token's programs read the whole router weight between them); prompts keep the torch ops,
+# whose one product reads it once.
 ROUTE_MAX_TOKENS = 64
 
 
