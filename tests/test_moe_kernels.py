@@ -100,10 +100,6 @@ def test_combine_equals_the_sum_and_add(dtype, t, k, n, with_add):
     torch.testing.assert_close(moe_kernels.combine(prod, k, add), want, **ulp)
 
 
-def _rms(x, w, eps):
-    return fused._rms_norm(x, w, eps)
-
-
 @pytest.mark.parametrize("dtype,fp32", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)])
 @pytest.mark.parametrize("tokens,heads", [(1, 16), (5, 3), (16, 20)])
 def test_mla_rope_store_equals_the_torch_ops(dtype, fp32, tokens, heads):
@@ -123,7 +119,7 @@ def test_mla_rope_store_equals_the_torch_ops(dtype, fp32, tokens, heads):
     q_pe = mla_rope_store.rope_norm_store(positions, q, kv_a, w, eps, rotary.cos_cache, rotary.sin_cache, cache,
                                           loc, nope, fp32)
     want_q, want_k = _rope(rotary, family, positions, q[..., nope:], kv_a[:, None, lora:])
-    want_entry = torch.cat((_rms(kv_a[:, :lora], w, eps), want_k[:, 0]), dim=-1)
+    want_entry = torch.cat((fused._rms_norm(kv_a[:, :lora], w, eps), want_k[:, 0]), dim=-1)
     ulp = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2 if ON_GPU else 0.25, rtol=8e-3 * BF16_ULPS)
     torch.testing.assert_close(q_pe, want_q, **ulp)
     torch.testing.assert_close(cache[loc, 0], want_entry, **ulp)

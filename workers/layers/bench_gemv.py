@@ -1,5 +1,5 @@
 """Time the one-row linear kernel against cuBLAS inside CUDA graphs:
-`python -m workers.layers.bench_gemv [--out FILE.json] [--quick] [--fp8]`.
+`python -m workers.layers.bench_gemv [--out FILE.json] [--quick] [--fp8] [--shapes llama|deepseek]`.
 
 For each matrix of a Llama-3.1-8B decoder step at batch 1 (bf16), one graph replays the op on
 a rotation of weight copies larger than L2 (as a step reads 32 layers' weights, never the same

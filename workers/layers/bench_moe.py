@@ -15,26 +15,7 @@ import json
 import torch
 
 from workers.layers import fused_moe
-
-
-def time_graph(fn, reps: int = 50) -> float:
-    """Mean µs of one replay of a CUDA graph of `fn`."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1e3 / reps
+from workers.layers.bench_gemv import time_in_graph
 
 
 def main() -> None:
@@ -62,7 +43,8 @@ def main() -> None:
         for cfg in configs:
             fused_moe._config = default if cfg is None else (lambda p, c=cfg: dict(c))
             try:
-                us = time_graph(lambda x=x, weights=weights, ids=ids: fused_moe.fused_moe(x, w13, w2, weights, ids))
+                us = time_in_graph(lambda _, x=x, weights=weights, ids=ids: fused_moe.fused_moe(x, w13, w2, weights, ids),
+                                   [None], calls=1, replays=50)
             except Exception as e:  # a launch the GPU cannot take (shared memory)
                 us = float("nan")
                 print(f"  {cfg}: {type(e).__name__}")

@@ -100,7 +100,7 @@ def product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> tor
     (`one_row.applies`: not block-wise FP8). cuBLAS's one-row products of the DeepSeek-V2-Lite
     shape took 1.5-10x their bytes' time (BENCHMARKS.md)."""
     scale = fp8.row_scale(layer)
-    if x.dim() == 2 and x.shape[0] == 1 and one_row.applies(x, layer.weight, scale):
+    if one_row.applies(x, layer.weight, scale):
         return one_row.linear(x, layer.weight, bias, scale=scale)
     return matmul(layer, x, bias)
 
@@ -286,12 +286,16 @@ class RowParallelLinear(nn.Module):
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward_silu_mul(self, gate_up: torch.Tensor, partial: bool = False) -> torch.Tensor:
         """forward(silu(gate) * up) for gate_up = [gate | up] (this rank's slices): the
-        activation fused into the product at batch 1 on CUDA."""
+        activation fused into the product at batch 1 on CUDA. `partial`: this rank's sum
+        alone, without the all-reduce and the bias (for a caller that reduces it with more)."""
         scale = fp8.row_scale(self)
         if fp8.is_fp8(self.weight) and scale is None:
-            return self.forward(fused.silu_and_mul(gate_up))
+            h = fused.silu_and_mul(gate_up)
+            return matmul(self, h, None) if partial else self.forward(h)
+        if partial:
+            return one_row.silu_mul_linear(gate_up, self.weight, None, scale=scale)
         if self.tp.size == 1:
             return one_row.silu_mul_linear(gate_up, self.weight, self.bias, scale=scale)
         return self._reduce(one_row.silu_mul_linear(gate_up, self.weight, None, scale=scale))

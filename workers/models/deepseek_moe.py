@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import fp8, fused, fused_moe, one_row
+from workers.layers import fp8, fused_moe
 from workers.layers.fused_moe import ROUTE_MAX_TOKENS, select_moe
 from workers.layers.linear import (
     MergedColumnParallelLinear,
@@ -19,7 +19,6 @@ from workers.layers.linear import (
     TensorSlice,
     check_shape,
     make_param,
-    matmul,
 )
 from workers.parallel import TPGroup, shard_range
 
@@ -54,14 +53,7 @@ class DeepseekMLP(nn.Module):
         self.local_inter = inter // tp.size
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if reduce:
-            return self.down_proj.forward_silu_mul(gate_up)
-        down = self.down_proj
-        scale = fp8.row_scale(down)
-        if fp8.is_fp8(down.weight) and scale is None:  # block-wise FP8: no one-row fusions
-            return matmul(down, fused.silu_and_mul(gate_up), None)
-        return one_row.silu_mul_linear(gate_up, down.weight, None, scale=scale)
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x), partial=not reduce)
 
 
 class DeepseekExperts(nn.Module):
