@@ -56,6 +56,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most prompt tokens a step computes while requests are decoding, so that their next "
                         "tokens never wait on a burst of prompts (0: only --max-num-batched-tokens bounds them; default: 1024 "
                         "where prompt pieces run as CUDA graphs, else 0; measured, BENCHMARKS.md)")
+    p.add_argument("--itl-target-ms", type=float, default=None,
+                   help="time target for a step that computes prompt tokens beside decodes (the gap it puts "
+                        "between a stream's tokens): its prompt tokens are what the engine predicts fits, from "
+                        "its own measured steps, at most --mixed-prefill-tokens (default: the fixed cap alone)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--attention-backend", default="flash", choices=["flash", "reference", "mla"],
                    help="flash: MHA/GQA and MLA models (kernels chosen at start-up); reference: the torch "
@@ -87,7 +91,7 @@ ENGINE_ARG_NAMES = (
     "tokenizer", "served_model_name", "device", "dtype", "quantization", "kv_cache_dtype", "tp_size", "page_size",
     "kv_cache_tokens",
     "mem_fraction", "gpus_per_rank", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
-    "mixed_prefill_tokens", "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len",
+    "mixed_prefill_tokens", "itl_target_ms", "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len",
     "max_waiting", "step_timeout_s",
     "disable_cuda_graph", "disable_overlap_schedule", "speculative_draft_model", "speculative_num_tokens",
 )

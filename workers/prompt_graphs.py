@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048)
+DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 896, 1024, 1280, 1536, 2048)
 
 
 class _Memory:

@@ -121,6 +121,8 @@ async def run_in_process(engine, prompts: list[list[int]], output_len: int, rate
     res = summarize(list(timings), time.perf_counter() - t0)
     trace, engine.step_trace = engine.step_trace, None
     res["steps"] = summarize_steps(trace)
+    if engine.scheduler.step_budget is not None:  # --itl-target-ms: what the budget learned and capped
+        res["step_budget"] = engine.scheduler.step_budget.stats()
     return res
 
 

@@ -53,6 +53,10 @@ class EngineConfig:
     # Most prompt tokens a step computes while requests are decoding (stall-free mixing:
     # cluster/engine/scheduler.py); 0: only max_num_batched_tokens bounds them; None: `prefill_cap`.
     mixed_prefill_tokens: int | None = None
+    # A time target for steps that compute prompt tokens beside decodes (the gap they put between a
+    # stream's tokens): their prompt tokens are what is predicted to fit, at most the cap above
+    # (cluster/engine/step_budget.py). None: the cap alone.
+    itl_target_ms: float | None = None
     disable_radix_cache: bool = False
     attention_backend: str = "flash"
     is_embedding: bool = False
@@ -112,6 +116,10 @@ class EngineConfig:
             bad("max_num_batched_tokens", "must be >= 1")
         if self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < 0:
             bad("mixed_prefill_tokens", "must be >= 0 (0: no cap beside decodes)")
+        if self.itl_target_ms is not None and self.itl_target_ms <= 0:
+            bad("itl_target_ms", "must be > 0 (or unset: the fixed cap on prompt tokens beside decodes)")
+        if self.itl_target_ms is not None and self.speculative_draft_model is not None:
+            bad("itl_target_ms", "is not supported with speculative decoding (a verify step's time is not modelled)")
         if self.max_running_requests < 1:
             bad("max_running_requests", "must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2 * self.page_size:
@@ -163,5 +171,9 @@ class EngineConfig:
         host time again in every capped step (7% of the throughput on an H100 at 1,024)."""
         if self.mixed_prefill_tokens is not None:
             return self.mixed_prefill_tokens
-        graphs = self.device == "cuda" and not self.disable_cuda_graph and self.kernels.prompt_graphs
-        return 1024 if graphs else 0
+        return 1024 if self.prompt_graphs else 0
+
+    @property
+    def prompt_graphs(self) -> bool:
+        """Prompt pieces run as CUDA graphs per token-count bucket (`workers/prompt_graphs.py`)."""
+        return self.device == "cuda" and not self.disable_cuda_graph and self.kernels.prompt_graphs

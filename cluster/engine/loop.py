@@ -29,11 +29,13 @@ from cluster.engine.ranks import make_worker_group
 from cluster.engine.request import ADMITTED, Admitted, FinishReason, GenerationResult, Request, RequestOutput
 from cluster.engine.scheduler import RequestRejected, TokenEvent
 from cluster.engine.spec_scheduler import scheduler_class
+from cluster.engine.step_budget import StepBudget
 from workers.encoder_decoder import GenerationRules
 from workers.forward_batch import ForwardMode
 from workers.group import WorkerGroup
 from workers.messages import StepPlan
 from workers.model_config import serving_mode
+from workers.prompt_graphs import DEFAULT_BUCKETS as PROMPT_BUCKETS
 from workers.request_errors import Unavailable
 from workers.sampling_params import SamplingParams
 
@@ -88,6 +90,12 @@ class Engine:
             max_waiting=config.max_waiting,
             mixed_prefill_tokens=config.prefill_cap,
         )
+        if config.itl_target_ms:  # prompt tokens beside decodes follow a step time target
+            ceiling = config.prefill_cap or config.max_num_batched_tokens
+            self.scheduler.step_budget = StepBudget(  # (a prompt always takes a quarter of the cap, <= 256)
+                config.itl_target_ms / 1e3, ceiling=ceiling, floor=max(config.page_size, min(256, ceiling // 4)),
+                sizes=PROMPT_BUCKETS if config.prompt_graphs else None)
+        self._last_done = 0.0  # when the last plan completed
         self.kv_offload = attach_kv_offload(self)  # the shared KV store (None: off)
         # Overlapped scheduling: plan and launch step k+1 before step k's tokens are read.
         self.overlap = (not config.disable_overlap_schedule and self.workers.supports_overlap
@@ -242,9 +250,13 @@ class Engine:
             events = self.scheduler.process_result(done, result)
             outputs = [self._emit(ev) for ev in events]
         self._deliver(outputs)
-        dt = time.perf_counter() - t0
+        end = time.perf_counter()
+        dt = end - t0
+        if self.scheduler.step_budget is not None:  # the step's time as its streams saw it
+            self.scheduler.step_budget.observe(done, end - max(self._last_done, t0))
+        self._last_done = end
         if self.step_trace is not None:
-            self.step_trace.append((t0, time.perf_counter(), done.mode.name, len(done.reqs),
+            self.step_trace.append((t0, end, done.mode.name, len(done.reqs),
                                     sum(len(r.input_ids) for r in done.reqs)))
         for listener in self.step_listeners:
             listener(self, dt)

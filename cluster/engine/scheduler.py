@@ -11,6 +11,8 @@ is DECODE, one without any is EXTEND.
 With `mixed_prefill_tokens` > 0, a step computes at most that many prompt tokens while requests
 decode (continued chunks first): each stream's next token then waits for a step of bounded
 length, not for a burst of prompts. The engine's default was measured (`EngineConfig.prefill_cap`).
+With a step time target (`step_budget`, `cluster/engine/step_budget.py`) the cap is what the
+step is predicted to fit in that time beside its decodes, at most `mixed_prefill_tokens`.
 
 Guarantees:
 - KV pages are reserved before a plan leaves the scheduler; a plan never refers to a page
@@ -120,6 +122,8 @@ class Scheduler:
         self._step_id = 0
         self.stats = SchedulerStats()
         self.kv_offload = None  # cluster.engine.kv_offload.SchedulerKVOffload when a KV store is on
+        # cluster.engine.step_budget.StepBudget with a step time target: it sets the cap above.
+        self.step_budget = None
         self.overlap = False  # plans may run ahead of results (see the module docstring)
 
     # ---------------- requests in ----------------
@@ -193,9 +197,13 @@ class Scheduler:
         share, counts, starved = fair_share(self)  # (may preempt over-share requests)
         # Prompt tokens this step may compute (stall-free mixing: see the module docstring); a
         # prompt that cannot be chunked takes what the budget holds.
-        capped = (self.mixed_prefill_tokens < budget and self.chunk_size is not None
-                  and any(self._decoding(r) for r in self.running))
-        prefill = room = self.mixed_prefill_tokens if capped else budget
+        decoding = [r for r in self.running if self._decoding(r)]
+        capped = bool(decoding) and self.chunk_size is not None and (
+            self.mixed_prefill_tokens < budget or self.step_budget is not None)
+        cap = self.mixed_prefill_tokens
+        if capped and self.step_budget is not None:  # what fits the step's time target
+            cap = self.step_budget.prompt_tokens(len(decoding), sum(r.num_computed for r in decoding))
+        prefill = room = min(cap, budget) if capped else budget
 
         i = 0
         while i < len(self.running) and budget > 0:

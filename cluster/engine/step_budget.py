@@ -1,0 +1,129 @@
+"""How many prompt tokens a step may compute beside decodes so that the step stays under a time
+target (`EngineConfig.itl_target_ms`): the gap that step puts between every decoding stream's
+tokens.
+
+A fixed cap (`mixed_prefill_tokens`) bounds a step's prompt tokens whatever the decodes beside
+them cost; but a step's time is the decodes' part plus the prompt's, and the decodes' part grows
+with how many requests decode and how much KV they read. Here the cap follows the step's
+predicted time, from what the engine measured of its own recent steps (no offline profile: it
+follows the GPU, the model, the TP size and what the KV cache holds):
+
+- the decodes' part, a + b·D + c·K (D decoding requests, K the KV tokens they read), fitted on
+  DECODE steps by least squares with exponential forgetting;
+- the prompt's part, per size a prompt forward runs at (its CUDA-graph bucket: a piece padded up
+  to the next bucket costs that bucket): the recent MIXED steps' time beyond their predicted
+  decode part, a moving average per size; a size not yet seen is scaled from the nearest seen.
+
+The cap is the largest size whose step is predicted to fit the target, never below `floor`
+(prompts always progress) nor above `ceiling` (the fixed cap). Until it has seen enough steps,
+it answers `ceiling`. Step times are measured as the engine's completions are spaced: under
+overlapped scheduling about the step's device time (`cluster/bench/serve.py` reads them alike).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from workers.forward_batch import ForwardMode
+
+MIN_DECODE_STEPS = 8  # DECODE steps seen before the decode fit is trusted
+FORGET = 0.97  # weight of the fit's past per new DECODE step (~30 steps of memory)
+EMA = 0.3  # weight of a new MIXED step in its size's prompt cost
+
+
+class StepBudget:
+    def __init__(self, target_s: float, *, ceiling: int, floor: int, sizes: tuple[int, ...] | None = None,
+                 granule: int = 64):
+        if target_s <= 0:
+            raise ValueError("target_s must be > 0")
+        self.target_s = target_s
+        self.ceiling = ceiling
+        self.floor = min(floor, ceiling)
+        # The sizes a prompt forward runs at (prompt graphs' buckets), or multiples of `granule`.
+        self.sizes = sorted(s for s in (sizes or ()) if s <= ceiling)
+        self.granule = granule
+        self._sizes_down = sorted({s for s in self.sizes or range(granule, ceiling + 1, granule) if s <= ceiling}
+                                  | {ceiling}, reverse=True)
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self._decode_steps = 0
+        self._coef: np.ndarray | None = None
+        self._prompt_s: dict[int, float] = {}  # size -> seconds its prompt part takes
+        self.last_cap = ceiling
+        self.capped_steps = 0  # plans whose cap was below the ceiling
+
+    # ---------------- measurements ----------------
+    def observe(self, plan, seconds: float) -> None:
+        """One completed plan and the time it took."""
+        if plan.mode not in (ForwardMode.DECODE, ForwardMode.MIXED) or seconds <= 0:
+            return
+        decodes = [r for r in plan.reqs if len(r.input_ids) == 1]
+        d, k = len(decodes), sum(r.prefix_len for r in decodes)
+        if plan.mode == ForwardMode.DECODE:
+            x = self._features(d, k)
+            self._xtx = FORGET * self._xtx + np.outer(x, x)
+            self._xty = FORGET * self._xty + x * seconds
+            self._decode_steps += 1
+            if self._decode_steps >= MIN_DECODE_STEPS:
+                # (a little ridge: a run of steps at one batch size leaves the fit underdetermined)
+                coef = np.linalg.solve(self._xtx + 1e-9 * np.eye(3), self._xty)
+                self._coef = coef
+            return
+        prompt = sum(len(r.input_ids) for r in plan.reqs) - d
+        if self._coef is None or prompt <= 0:
+            return
+        size = self._size_of(prompt)
+        spent = max(seconds - self.decode_s(d, k), 0.0)
+        old = self._prompt_s.get(size)
+        self._prompt_s[size] = spent if old is None else (1 - EMA) * old + EMA * spent
+
+    @staticmethod
+    def _features(d: int, k: int) -> np.ndarray:
+        return np.array([1.0, d / 100.0, k / 1e5])
+
+    def decode_s(self, decodes: int, kv_tokens: int) -> float:
+        """The decodes' part of a step, predicted (0 before the fit)."""
+        if self._coef is None:
+            return 0.0
+        return max(float(self._features(decodes, kv_tokens) @ self._coef), 0.0)
+
+    def prompt_s(self, size: int) -> float | None:
+        """The prompt part of a step computing `size` tokens, predicted (None: nothing seen)."""
+        if not self._prompt_s:
+            return None
+        if size in self._prompt_s:
+            return self._prompt_s[size]
+        near = min(self._prompt_s, key=lambda s: abs(s - size))
+        return self._prompt_s[near] * size / near
+
+    # ---------------- the cap ----------------
+    def prompt_tokens(self, decodes: int, kv_tokens: int) -> int:
+        """The prompt tokens the next step may compute beside `decodes` decoding requests that
+        read `kv_tokens` KV tokens."""
+        cap = self.ceiling
+        if self._coef is not None and self._prompt_s:
+            left = self.target_s - self.decode_s(decodes, kv_tokens)
+            cap = self.floor
+            for size in self._sizes_down:
+                if size <= self.floor:
+                    break
+                if self.prompt_s(size) <= left:
+                    cap = size
+                    break
+        self.last_cap = cap
+        self.capped_steps += cap < self.ceiling
+        return cap
+
+    def _size_of(self, tokens: int) -> int:
+        """The size a prompt forward of `tokens` tokens runs at."""
+        if self.sizes and tokens <= self.sizes[-1]:
+            return self.sizes[bisect.bisect_left(self.sizes, tokens)]
+        return -(-tokens // self.granule) * self.granule
+
+    def stats(self) -> dict:
+        coef = [] if self._coef is None else [float(c) for c in self._coef]
+        return {"target_ms": 1e3 * self.target_s, "last_cap": self.last_cap, "capped_steps": self.capped_steps,
+                "decode_fit_ms": [1e3 * c for c in coef],  # a, b per 100 decodes, c per 100k KV tokens
+                "prompt_ms": {s: 1e3 * t for s, t in sorted(self._prompt_s.items())}}

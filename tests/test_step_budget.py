@@ -1,0 +1,140 @@
+"""The prompt-token cap that follows a step time target (`cluster/engine/step_budget.py`): the
+fit it learns from steps of a known cost, the cap it picks, the scheduler that follows it, and
+an engine on the CPU whose steps it caps without changing a token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
+from cluster.engine.step_budget import MIN_DECODE_STEPS, StepBudget
+from tests.fixtures import tiny_model_dir
+from tests.test_engine import greedy, hf_greedy, run_staggered
+from tests.test_scheduler import make_scheduler, req, run_step
+from workers.forward_batch import ForwardMode
+from workers.messages import ScheduledReq, StepPlan
+
+SIZES = (256, 512, 768, 896, 1024)
+
+
+def decode_cost(d: int, k: int) -> float:  # seconds: launch, per decode, per KV token read
+    return 2e-3 + 5e-5 * d + 3e-8 * k
+
+
+def prompt_cost(size: int) -> float:
+    return 1e-3 + 2.4e-5 * size
+
+
+def plan(decodes: list[int], prompt: int = 0) -> StepPlan:
+    reqs = [ScheduledReq(f"d{i}", i, [7], ctx, [0]) for i, ctx in enumerate(decodes)]
+    if prompt:
+        reqs.append(ScheduledReq("p", len(decodes), [7] * prompt, 0, [0] * prompt))
+    return StepPlan(1, ForwardMode.MIXED if prompt else ForwardMode.DECODE, reqs, [], [], [])
+
+
+def trained(target_s: float, seed: int = 0) -> StepBudget:
+    """A budget that has seen DECODE steps over a range of batches and contexts, and MIXED
+    steps at two sizes, all of the cost above."""
+    rng = random.Random(seed)
+    b = StepBudget(target_s, ceiling=1024, floor=256, sizes=SIZES)
+    for _ in range(60):
+        ctx = [rng.randint(100, 3000) for _ in range(rng.randint(1, 250))]
+        b.observe(plan(ctx), decode_cost(len(ctx), sum(ctx)))
+    for prompt, size in ((1000, 1024), (700, 768)):  # a piece runs at its bucket's cost
+        ctx = [rng.randint(100, 3000) for _ in range(rng.randint(1, 250))]
+        b.observe(plan(ctx, prompt), decode_cost(len(ctx), sum(ctx)) + prompt_cost(size))
+    return b
+
+
+def test_the_fit_recovers_the_step_costs():
+    b = trained(0.04)
+    for d, k in ((1, 500), (64, 64 * 1024), (200, 200 * 2000)):
+        assert b.decode_s(d, k) == pytest.approx(decode_cost(d, k), rel=1e-3)
+    assert b.prompt_s(1024) == pytest.approx(prompt_cost(1024), rel=1e-3)
+    assert b.prompt_s(768) == pytest.approx(prompt_cost(768), rel=1e-3)
+    # a size never seen: scaled from the nearest one seen
+    assert b.prompt_s(896) == pytest.approx(prompt_cost(1024) * 896 / 1024, rel=1e-3)
+
+
+@pytest.mark.parametrize("d,ctx", [(1, 100), (100, 1000), (190, 1500), (250, 2500), (400, 4000)])
+def test_the_cap_is_the_largest_size_predicted_to_fit(d, ctx):
+    target = 0.04
+    b = trained(target)
+    left = target - decode_cost(d, d * ctx)
+    fits = [s for s in SIZES if s > 256 and b.prompt_s(s) <= left]
+    expect = max(fits) if fits else 256  # nothing fits: the floor (prompts still progress)
+    assert b.prompt_tokens(d, d * ctx) == expect
+    if d == 1:
+        assert expect == 1024  # a light step takes the whole cap
+    if d == 400:
+        assert expect == 256
+
+
+def test_before_it_has_seen_steps_the_cap_is_the_ceiling():
+    b = StepBudget(1e-6, ceiling=1024, floor=256, sizes=SIZES)
+    for _ in range(MIN_DECODE_STEPS - 1):
+        b.observe(plan([500] * 8), 0.01)
+    assert b.prompt_tokens(8, 4000) == 1024
+    b.observe(plan([500] * 8), 0.01)  # the decode fit exists, but no prompt cost yet
+    assert b.prompt_tokens(8, 4000) == 1024
+    b.observe(plan([500] * 8, 300), 0.02)
+    assert b.prompt_tokens(8, 4000) == 256
+    assert b.stats()["capped_steps"] == 1
+
+
+def test_without_prompt_graphs_sizes_are_granules_of_the_ceiling():
+    b = StepBudget(0.0205, ceiling=1000, floor=100, granule=64)
+    for d in range(1, 40):
+        b.observe(plan([100] * d), 0.005)
+    b.observe(plan([100] * 10, 640), 0.005 + 0.01)  # 640 prompt tokens: 10 ms
+    assert b.prompt_tokens(10, 1000) == 960  # 15.5 ms left: 960 tokens fit (15 ms), the ceiling does not (15.6)
+    assert b.prompt_tokens(10, 1000) in b._sizes_down
+
+
+def test_the_scheduler_takes_its_prompt_room_from_the_budget():
+    s = make_scheduler(max_num_batched_tokens=64, chunked_prefill_size=64, max_running_requests=8)
+    b = StepBudget(0.04, ceiling=32, floor=4, granule=4)
+    s.step_budget = b
+    s.add_request(req("a", 8, max_tokens=40))
+    run_step(s)
+    # every step costs more the more KV its decodes read: the room shrinks as a's context grows
+    for _ in range(MIN_DECODE_STEPS + 2):
+        p, _ = run_step(s)
+        b.observe(p, 0.001 + 1e-3 * sum(r.prefix_len for r in p.reqs if len(r.input_ids) == 1))
+    b.observe(plan([20], 16), 0.001 + 0.02 + 0.016)  # 16 prompt tokens: 16 ms
+    a = s.requests["a"]
+    expect = b.prompt_tokens(1, a.num_computed)
+    s.add_request(req("b", 60, max_tokens=4, first=300))
+    p, _ = run_step(s)
+    assert p.mode == ForwardMode.MIXED
+    assert [(r.rid, len(r.input_ids)) for r in p.reqs] == [("a", 1), ("b", expect)]
+    assert 4 <= expect < 32
+
+
+def test_an_engine_with_a_target_caps_its_mixed_steps_and_keeps_its_tokens(tmp_path_factory):
+    """A target no step can meet: once the budget has seen steps, every prompt piece beside
+    decodes is the floor; the greedy tokens are transformers'."""
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    config = EngineConfig(model=str(d), chunked_prefill_size=64, max_num_batched_tokens=64, page_size=4,
+                          itl_target_ms=1e-3)
+    engine = Engine(config)
+    budget = engine.scheduler.step_budget
+    assert budget is not None and (budget.ceiling, budget.floor) == (64, 16)
+    engine.step_trace = []
+    prompts = [[5 + (i * 13 + j * 7) % 200 for j in range(40 + 3 * i)] for i in range(10)]
+    results = run_staggered(engine, prompts, greedy(24), arrive_every=8)  # decode steps between arrivals
+    for p, res in zip(prompts, results):
+        assert res.token_ids == hf_greedy(d, p, 24)
+    assert budget.capped_steps > 0 and budget.last_cap == 16
+    mixed = [tokens - reqs for _, _, mode, reqs, tokens in engine.step_trace if mode == "MIXED"]
+    assert mixed and max(mixed[-5:]) <= 16, mixed
+
+
+def test_the_target_is_validated():
+    with pytest.raises(ValueError, match="itl_target_ms"):
+        EngineConfig(model="m", itl_target_ms=0)
+    with pytest.raises(ValueError, match="itl_target_ms"):
+        EngineConfig(model="m", itl_target_ms=30, speculative_draft_model="d")
