@@ -146,6 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cluster.api.metrics import ServerMetrics
     from cluster.api.server import build_app
     from cluster.api.shutdown import ShutdownGate
+    from cluster.engine import heap
     from cluster.launch import ServingCluster
 
     options = cluster_options_from_args(args)
@@ -176,6 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             await router.start()
             supervisor = ReplicaSupervisor(cluster)  # replaces replica actors that die
             await supervisor.start()
+            heap.freeze()  # the server's start-up objects: out of the collector's walks (a pause stalls every stream)
             loop = asyncio.get_running_loop()
 
             async def stop_when_drained() -> None:

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from cluster.engine import heap
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer, DetokState
 from cluster.engine.kv_events import KVEventLog
@@ -403,6 +404,7 @@ class Engine:
         if self._thread is not None:
             return
         self._stop = False
+        heap.freeze()  # what the engine built lives as long as it serves: out of the collector's walks
         self._thread = threading.Thread(target=self._run, name="manta-engine", daemon=True)
         self._thread.start()
 
@@ -439,6 +441,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+            heap.thaw()
         if self.kv_offload is not None and self.workers.failed:  # the ranks cannot save anything
             logger.warning("KV store: the cached KV pages are not saved at shutdown: %s", self.workers.failed)
         elif self.kv_offload is not None:
