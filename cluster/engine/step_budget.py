@@ -9,14 +9,18 @@ predicted time, from what the engine measured of its own recent steps (no offlin
 follows the GPU, the model, the TP size and what the KV cache holds):
 
 - the decodes' part, a + b·D + c·K (D decoding requests, K the KV tokens they read), fitted on
-  DECODE steps by least squares with exponential forgetting;
-- the prompt's part, per size a prompt forward runs at (its CUDA-graph bucket: a piece padded up
-  to the next bucket costs that bucket): the recent MIXED steps' time beyond their predicted
-  decode part, a moving average per size; a size not yet seen is scaled from the nearest seen.
+  DECODE steps by least squares with exponential forgetting, every coefficient >= 0 (D and K
+  rise together: an unconstrained fit trades one against the other and extrapolates badly);
+- the prompt's part, a cost per prompt token at the size a prompt forward runs at (its
+  CUDA-graph bucket: a piece padded up to the next bucket costs that bucket): a moving average
+  over recent MIXED steps of their time beyond the predicted decode part. One rate for every
+  size, so each MIXED step refreshes the estimate of every size (a cost kept per size goes
+  stale at a size the cap no longer picks, and one slow step would keep it from being picked).
 
-The cap is the largest size whose step is predicted to fit the target, never below `floor`
-(prompts always progress) nor above `ceiling` (the fixed cap). Until it has seen enough steps,
-it answers `ceiling`. Step times are measured as the engine's completions are spaced: under
+A step far slower than predicted (a collector pause, a page fault) counts as at most `CLIP`
+times the prediction. The cap is the largest size whose step is predicted to fit the target,
+never below `floor` (prompts always progress) nor above `ceiling` (the fixed cap). Until it has
+seen enough steps, it answers `ceiling`. Step times are measured as the engine's completions are spaced: under
 overlapped scheduling about the step's device time (`cluster/bench/serve.py` reads them alike).
 """
 
@@ -30,7 +34,8 @@ from workers.forward_batch import ForwardMode
 
 MIN_DECODE_STEPS = 8  # DECODE steps seen before the decode fit is trusted
 FORGET = 0.97  # weight of the fit's past per new DECODE step (~30 steps of memory)
-EMA = 0.3  # weight of a new MIXED step in its size's prompt cost
+EMA = 0.3  # weight of a new MIXED step in the prompt cost per token
+CLIP = 1.5  # an observation counts as at most this many times its prediction
 
 
 class StepBudget:
@@ -50,7 +55,7 @@ class StepBudget:
         self._xty = np.zeros(3)
         self._decode_steps = 0
         self._coef: np.ndarray | None = None
-        self._prompt_s: dict[int, float] = {}  # size -> seconds its prompt part takes
+        self._per_token: float | None = None  # seconds a prompt token takes (at its padded size)
         self.last_cap = ceiling
         self.capped_steps = 0  # plans whose cap was below the ceiling
 
@@ -63,21 +68,24 @@ class StepBudget:
         d, k = len(decodes), sum(r.prefix_len for r in decodes)
         if plan.mode == ForwardMode.DECODE:
             x = self._features(d, k)
+            if self._coef is not None:
+                seconds = min(seconds, CLIP * max(self.decode_s(d, k), 1e-4))
             self._xtx = FORGET * self._xtx + np.outer(x, x)
             self._xty = FORGET * self._xty + x * seconds
             self._decode_steps += 1
             if self._decode_steps >= MIN_DECODE_STEPS:
-                # (a little ridge: a run of steps at one batch size leaves the fit underdetermined)
-                coef = np.linalg.solve(self._xtx + 1e-9 * np.eye(3), self._xty)
-                self._coef = coef
+                self._coef = nonnegative_fit(self._xtx, self._xty)
             return
         prompt = sum(len(r.input_ids) for r in plan.reqs) - d
         if self._coef is None or prompt <= 0:
             return
         size = self._size_of(prompt)
-        spent = max(seconds - self.decode_s(d, k), 0.0)
-        old = self._prompt_s.get(size)
-        self._prompt_s[size] = spent if old is None else (1 - EMA) * old + EMA * spent
+        rate = max(seconds - self.decode_s(d, k), 0.0) / size
+        if self._per_token is None:
+            self._per_token = rate
+        else:
+            rate = min(rate, CLIP * self._per_token)
+            self._per_token = (1 - EMA) * self._per_token + EMA * rate
 
     @staticmethod
     def _features(d: int, k: int) -> np.ndarray:
@@ -91,19 +99,14 @@ class StepBudget:
 
     def prompt_s(self, size: int) -> float | None:
         """The prompt part of a step computing `size` tokens, predicted (None: nothing seen)."""
-        if not self._prompt_s:
-            return None
-        if size in self._prompt_s:
-            return self._prompt_s[size]
-        near = min(self._prompt_s, key=lambda s: abs(s - size))
-        return self._prompt_s[near] * size / near
+        return None if self._per_token is None else self._per_token * self._size_of(size)
 
     # ---------------- the cap ----------------
     def prompt_tokens(self, decodes: int, kv_tokens: int) -> int:
         """The prompt tokens the next step may compute beside `decodes` decoding requests that
         read `kv_tokens` KV tokens."""
         cap = self.ceiling
-        if self._coef is not None and self._prompt_s:
+        if self._coef is not None and self._per_token is not None:
             left = self.target_s - self.decode_s(decodes, kv_tokens)
             cap = self.floor
             for size in self._sizes_down:
@@ -126,4 +129,26 @@ class StepBudget:
         coef = [] if self._coef is None else [float(c) for c in self._coef]
         return {"target_ms": 1e3 * self.target_s, "last_cap": self.last_cap, "capped_steps": self.capped_steps,
                 "decode_fit_ms": [1e3 * c for c in coef],  # a, b per 100 decodes, c per 100k KV tokens
-                "prompt_ms": {s: 1e3 * t for s, t in sorted(self._prompt_s.items())}}
+                "prompt_us_per_token": None if self._per_token is None else 1e6 * self._per_token}
+
+
+def nonnegative_fit(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:
+    """argmin |Xb - y|^2 over b >= 0, from the normal equations (X'X, X'y): the best of the
+    unconstrained solutions on each subset of the features whose coefficients are all >= 0."""
+    n = len(xty)
+    best, best_loss = np.zeros(n), 0.0  # (all zero: loss y'y, the same constant dropped from every loss)
+    for mask in range(1, 1 << n):
+        idx = [i for i in range(n) if mask >> i & 1]
+        sub = xtx[np.ix_(idx, idx)] + 1e-12 * np.eye(len(idx))
+        try:
+            b = np.linalg.solve(sub, xty[idx])
+        except np.linalg.LinAlgError:
+            continue
+        if (b < 0).any():
+            continue
+        loss = float(b @ sub @ b - 2 * b @ xty[idx])
+        if loss < best_loss:
+            full = np.zeros(n)
+            full[idx] = b
+            best, best_loss = full, loss
+    return best
