@@ -248,7 +248,8 @@ def test_metrics_exposed(stack, oai):
                  "manta:time_to_first_token_seconds_bucket", "manta:time_per_output_token_seconds_bucket",
                  "manta:e2e_request_latency_seconds_count", "manta:prompt_tokens_total",
                  "manta:generation_tokens_total", "manta:kv_cache_usage_perc",
-                 "manta:prefix_cache_hit_tokens_total", "manta:prefix_cache_query_tokens_total"):
+                 "manta:prefix_cache_hit_tokens_total", "manta:prefix_cache_query_tokens_total",
+                 "manta:prompt_token_cap"):
         assert name + "{" in text, name
     assert 'manta:request_errors_total{code="400"}' in text
     assert 'manta:generation_tokens_total{replica="local"}' in text

@@ -153,6 +153,8 @@ def test_an_engine_with_a_target_caps_its_mixed_steps_and_keeps_its_tokens(tmp_p
     for p, res in zip(prompts, results):
         assert res.token_ids == hf_greedy(d, p, 24)
     assert budget.capped_steps > 0 and budget.last_cap == 16
+    stats = engine.stats()  # what a replica reports: /admin/replicas, manta:prompt_token_cap
+    assert stats["prompt_token_cap"] == 16 and stats["step_budget"]["capped_steps"] == budget.capped_steps
     mixed = [tokens - reqs for _, _, mode, reqs, tokens in engine.step_trace if mode == "MIXED"]
     assert mixed and max(mixed[-5:]) <= 16, mixed
 

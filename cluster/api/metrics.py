@@ -69,7 +69,7 @@ QUEUE_STAGES = ("engine", "serving_path", "to_engine", "from_engine", "to_engine
                 "from_engine_transit", "from_engine_server")
 
 # Keys of the dict a replica reports (see `update_replica_stats`).
-STATS_KEYS = ("num_running", "num_waiting", "kv_usage", "prefix_hit_tokens", "prefix_query_tokens")
+STATS_KEYS = ("num_running", "num_waiting", "kv_usage", "prefix_hit_tokens", "prefix_query_tokens", "prompt_token_cap")
 
 
 class _PolledCounters(Collector):
@@ -135,6 +135,10 @@ class ServerMetrics:
         self.num_requests_running = Gauge(
             "manta:num_requests_running", "Requests in the running batch.", ["replica"], registry=r
         )
+        self.prompt_token_cap = Gauge(
+            "manta:prompt_token_cap", "Prompt tokens a step may compute beside decoding requests: the last "
+            "choice of the --itl-target-ms budget, else the fixed --mixed-prefill-tokens cap.", ["replica"],
+            registry=r)
         self.num_requests_waiting = Gauge(
             "manta:num_requests_waiting", "Requests queued for admission.", ["replica"], registry=r
         )
@@ -341,6 +345,8 @@ class ServerMetrics:
             self.num_requests_waiting.labels(replica).set(stats["num_waiting"])
         if "kv_usage" in stats:
             self.kv_cache_usage.labels(replica).set(stats["kv_usage"])
+        if "prompt_token_cap" in stats:
+            self.prompt_token_cap.labels(replica).set(stats["prompt_token_cap"])
         if "healthy" in stats:
             self.replica_healthy.labels(replica).set(1.0 if stats["healthy"] else 0.0)
             self.init_replica(replica)
@@ -387,7 +393,7 @@ class ServerMetrics:
         """Drop a departed replica's state series (gauges, polled counters, route counts).
         Latency histograms and token counters keep their history: they are server-side totals."""
         for g in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
-                  self.replica_healthy, self.replica_restarts, self.kv_cache_capacity):
+                  self.replica_healthy, self.replica_restarts, self.kv_cache_capacity, self.prompt_token_cap):
             g.remove_by_labels({"replica": replica})
         self.router_requests.remove_by_labels({"replica": replica})
         self.router_retries.remove_by_labels({"replica": replica})

@@ -199,6 +199,9 @@ class Engine:
             "spec_draft_tokens": sch.stats.spec_draft_tokens,
             "spec_accepted_tokens": sch.stats.spec_accepted_tokens,
             "spec_verify_requests": sch.stats.spec_verify_requests,
+            # Prompt tokens a MIXED step may compute: the step budget's last choice, else the fixed cap.
+            "prompt_token_cap": sch.step_budget.last_cap if sch.step_budget else sch.mixed_prefill_tokens,
+            "step_budget": sch.step_budget.stats() if sch.step_budget else None,
         }
 
     def kv_events(self, epoch: str | None, seq: int) -> dict:

@@ -157,6 +157,11 @@ def build() -> dash_b.Dashboard:
         [(f"sum(manta:num_requests_running{{{REPLICA}}})", "running"),
          (f"sum(manta:num_requests_waiting{{{REPLICA}}})", "waiting")], "short"))
     n.panel(timeseries(
+        "Prompt tokens beside decodes", "The most prompt tokens a step computes while requests decode, per "
+        "replica: the fixed --mixed-prefill-tokens cap, or what the --itl-target-ms budget last chose (lower: "
+        "its decodes leave less of the target).",
+        [(f"max by (replica) (manta:prompt_token_cap{{{REPLICA}}})", "{{replica}}")], "short"))
+    n.panel(timeseries(
         "KV cache usage", "Fraction of each replica's KV cache pages in use.",
         [(f"max by (replica) (manta:kv_cache_usage_perc{{{REPLICA}}})", "{{replica}}")], "percentunit",
         max_val=1))
