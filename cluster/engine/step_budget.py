@@ -20,8 +20,9 @@ follows the GPU, the model, the TP size and what the KV cache holds):
 A step far slower than predicted (a collector pause, a page fault) counts as at most `CLIP`
 times the prediction. The cap is the largest size whose step is predicted to fit the target,
 never below `floor` (prompts always progress) nor above `ceiling` (the fixed cap). Until it has
-seen enough steps, it answers `ceiling`. Step times are measured as the engine's completions are spaced: under
-overlapped scheduling about the step's device time (`cluster/bench/serve.py` reads them alike).
+seen enough steps, it answers `ceiling`. Step times are measured as the engine's completions are
+spaced: under overlapped scheduling about the step's device time (`cluster/bench/serve.py` reads
+them alike).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ MIN_DECODE_STEPS = 8  # DECODE steps seen before the decode fit is trusted
 FORGET = 0.97  # weight of the fit's past per new DECODE step (~30 steps of memory)
 EMA = 0.3  # weight of a new MIXED step in the prompt cost per token
 CLIP = 1.5  # an observation counts as at most this many times its prediction
+REFIT = 4  # DECODE steps per refit (a constrained fit takes up to ~0.15 ms of the engine thread)
 
 
 class StepBudget:
@@ -73,7 +75,7 @@ class StepBudget:
             self._xtx = FORGET * self._xtx + np.outer(x, x)
             self._xty = FORGET * self._xty + x * seconds
             self._decode_steps += 1
-            if self._decode_steps >= MIN_DECODE_STEPS:
+            if self._decode_steps >= MIN_DECODE_STEPS and (self._coef is None or self._decode_steps % REFIT == 0):
                 self._coef = nonnegative_fit(self._xtx, self._xty)
             return
         prompt = sum(len(r.input_ids) for r in plan.reqs) - d
@@ -136,6 +138,12 @@ def nonnegative_fit(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:
     """argmin |Xb - y|^2 over b >= 0, from the normal equations (X'X, X'y): the best of the
     unconstrained solutions on each subset of the features whose coefficients are all >= 0."""
     n = len(xty)
+    try:  # the usual case, one solve: the unconstrained optimum is feasible, hence the answer
+        b = np.linalg.solve(xtx + 1e-12 * np.eye(n), xty)
+        if (b >= 0).all():
+            return b
+    except np.linalg.LinAlgError:
+        pass
     best, best_loss = np.zeros(n), 0.0  # (all zero: loss y'y, the same constant dropped from every loss)
     for mask in range(1, 1 << n):
         idx = [i for i in range(n) if mask >> i & 1]
