@@ -146,8 +146,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cluster.api.metrics import ServerMetrics
     from cluster.api.server import build_app
     from cluster.api.shutdown import ShutdownGate
-    from cluster.engine import heap
     from cluster.launch import ServingCluster
+    from workers import heap
 
     options = cluster_options_from_args(args)
     refusal = _refused_checkpoint(options.engine.model, options.engine.quantization)

@@ -17,6 +17,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from workers import heap
 from workers.messages import OverlapCall, StepPlan, StepResult
 from workers.model_runner import ModelRunner, RunnerOptions
 from workers.parallel import TPGroup
@@ -40,6 +41,7 @@ class RankWorker:
         self.rank = rank
         self.world_size = world_size
         self.runner: ModelRunner | None = None
+        self._frozen = False  # this rank counts as a user of workers.heap's frozen heap
         self._stop = threading.Event()
         if opts.device == "cpu":
             # Several ranks share the host's cores: one thread each keeps them from fighting.
@@ -74,6 +76,8 @@ class RankWorker:
             )
             tp = TPGroup(self.rank, self.world_size, cpu_group=_cpu_group(backend))
         self.runner = ModelRunner(self.opts, tp)
+        heap.freeze()  # the model and its graphs live as long as the rank: out of the collector's walks
+        self._frozen = True
         return {"num_pages": self.runner.num_pages, "model_config": self.runner.model_config,
                 "attention": f"{self.runner.attn_backend.describe()} ({self.opts.kernels.describe()})"}
 
@@ -129,6 +133,9 @@ class RankWorker:
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self._frozen:
+            self._frozen = False
+            heap.thaw()
         if self.runner is not None and self.runner.kv_offload is not None:
             self.runner.kv_offload.close()
         if dist.is_initialized():

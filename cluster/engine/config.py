@@ -118,6 +118,8 @@ class EngineConfig:
             bad("mixed_prefill_tokens", "must be >= 0 (0: no cap beside decodes)")
         if self.itl_target_ms is not None and self.itl_target_ms <= 0:
             bad("itl_target_ms", "must be > 0 (or unset: the fixed cap on prompt tokens beside decodes)")
+        if self.itl_target_ms is not None and self.chunked_prefill_size == -1:
+            bad("itl_target_ms", "needs chunked prefill (a whole prompt cannot be cut to fit a step's time)")
         if self.itl_target_ms is not None and self.speculative_draft_model is not None:
             bad("itl_target_ms", "is not supported with speculative decoding (a verify step's time is not modelled)")
         if self.max_running_requests < 1:

@@ -21,7 +21,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from cluster.engine import heap
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer, DetokState
 from cluster.engine.kv_events import KVEventLog
@@ -31,6 +30,7 @@ from cluster.engine.request import ADMITTED, Admitted, FinishReason, GenerationR
 from cluster.engine.scheduler import RequestRejected, TokenEvent
 from cluster.engine.spec_scheduler import scheduler_class
 from cluster.engine.step_budget import StepBudget
+from workers import heap
 from workers.encoder_decoder import GenerationRules
 from workers.forward_batch import ForwardMode
 from workers.group import WorkerGroup
@@ -91,12 +91,13 @@ class Engine:
             max_waiting=config.max_waiting,
             mixed_prefill_tokens=config.prefill_cap,
         )
-        if config.itl_target_ms:  # prompt tokens beside decodes follow a step time target
+        if config.itl_target_ms and self.serving.chunked_prefill_size > 0:  # a step time target
             ceiling = config.prefill_cap or config.max_num_batched_tokens
             self.scheduler.step_budget = StepBudget(  # (a prompt always takes a quarter of the cap, <= 256)
                 config.itl_target_ms / 1e3, ceiling=ceiling, floor=max(config.page_size, min(256, ceiling // 4)),
                 sizes=PROMPT_BUCKETS if config.prompt_graphs else None)
-        self._last_done = 0.0  # when the last plan completed
+        elif config.itl_target_ms:  # (the config refuses it without chunking; the checkpoint forbids it)
+            logger.warning("--itl-target-ms is ignored: %s computes whole prompts", config.model)
         self.kv_offload = attach_kv_offload(self)  # the shared KV store (None: off)
         # Overlapped scheduling: plan and launch step k+1 before step k's tokens are read.
         self.overlap = (not config.disable_overlap_schedule and self.workers.supports_overlap
@@ -200,7 +201,8 @@ class Engine:
             "spec_accepted_tokens": sch.stats.spec_accepted_tokens,
             "spec_verify_requests": sch.stats.spec_verify_requests,
             # Prompt tokens a MIXED step may compute: the step budget's last choice, else the fixed cap.
-            "prompt_token_cap": sch.step_budget.last_cap if sch.step_budget else sch.mixed_prefill_tokens,
+            "prompt_token_cap": (sch.step_budget.last_cap if sch.step_budget else
+                                 sch.mixed_prefill_tokens if sch.chunk_size else sch.max_batched_tokens),
             "step_budget": sch.step_budget.stats() if sch.step_budget else None,
         }
 
@@ -257,8 +259,7 @@ class Engine:
         end = time.perf_counter()
         dt = end - t0
         if self.scheduler.step_budget is not None:  # the step's time as its streams saw it
-            self.scheduler.step_budget.observe(done, end - max(self._last_done, t0))
-        self._last_done = end
+            self.scheduler.step_budget.observe(done, dt)
         if self.step_trace is not None:
             self.step_trace.append((t0, end, done.mode.name, len(done.reqs),
                                     sum(len(r.input_ids) for r in done.reqs)))

@@ -201,7 +201,8 @@ class Scheduler:
         capped = bool(decoding) and self.chunk_size is not None and (
             self.mixed_prefill_tokens < budget or self.step_budget is not None)
         cap = self.mixed_prefill_tokens
-        if capped and self.step_budget is not None:  # what fits the step's time target
+        if capped and self.step_budget is not None and (self.waiting or len(decoding) < len(self.running)):
+            # prompt work beside the decodes: what fits the step's time target
             cap = self.step_budget.prompt_tokens(len(decoding), sum(r.num_computed for r in decoding))
         prefill = room = min(cap, budget) if capped else budget
 

@@ -11,18 +11,22 @@ follows the GPU, the model, the TP size and what the KV cache holds):
 - the decodes' part, a + b·D + c·K (D decoding requests, K the KV tokens they read), fitted on
   DECODE steps by least squares with exponential forgetting, every coefficient >= 0 (D and K
   rise together: an unconstrained fit trades one against the other and extrapolates badly);
-- the prompt's part, a cost per prompt token at the size a prompt forward runs at (its
-  CUDA-graph bucket: a piece padded up to the next bucket costs that bucket): a moving average
-  over recent MIXED steps of their time beyond the predicted decode part. One rate for every
-  size, so each MIXED step refreshes the estimate of every size (a cost kept per size goes
-  stale at a size the cap no longer picks, and one slow step would keep it from being picked).
+- the prompt's part, p + r·S at the size S a prompt forward runs at (its CUDA-graph bucket: a
+  piece padded up to the next bucket costs that bucket), fitted alike on recent MIXED steps'
+  time beyond their predicted decode part and on EXTEND steps (prompts alone, of every size),
+  p and r >= 0, with a weak prior that a prompt of no tokens costs nothing. One model
+  for every size, so each MIXED step refreshes every size's estimate (a cost kept per size
+  goes stale at a size the cap no longer picks, and one slow step would keep it from being
+  picked); its fixed part keeps small pieces from pricing large ones too high.
 
 A step far slower than predicted (a collector pause, a page fault) counts as at most `CLIP`
 times the prediction. The cap is the largest size whose step is predicted to fit the target,
 never below `floor` (prompts always progress) nor above `ceiling` (the fixed cap). Until it has
-seen enough steps, it answers `ceiling`. Step times are measured as the engine's completions are
-spaced: under overlapped scheduling about the step's device time (`cluster/bench/serve.py` reads
-them alike).
+seen enough steps, it answers `ceiling`. A step's time is that of the engine's step call that
+completes it: under overlapped scheduling about its device time (`cluster/bench/serve.py` reads
+them alike). The scheduler asks for a cap only when prompt work waits beside decodes
+(`capped_steps` counts those plans), and only with chunked prefill (a whole prompt cannot be cut
+to fit: `EngineConfig` refuses the target without chunking).
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ import numpy as np
 from workers.forward_batch import ForwardMode
 
 MIN_DECODE_STEPS = 8  # DECODE steps seen before the decode fit is trusted
-FORGET = 0.97  # weight of the fit's past per new DECODE step (~30 steps of memory)
-EMA = 0.3  # weight of a new MIXED step in the prompt cost per token
+FORGET = 0.97  # weight of the decode fit's past per new DECODE step (~30 steps of memory)
+FORGET_PROMPT = 0.95  # weight of the prompt fit's past per new prompt step (~20 steps)
+PRIOR = 0.5  # weight of the prompt fit's prior: no prompt tokens, no time
 CLIP = 1.5  # an observation counts as at most this many times its prediction
 REFIT = 4  # DECODE steps per refit (a constrained fit takes up to ~0.15 ms of the engine thread)
 
@@ -57,14 +62,18 @@ class StepBudget:
         self._xty = np.zeros(3)
         self._decode_steps = 0
         self._coef: np.ndarray | None = None
-        self._per_token: float | None = None  # seconds a prompt token takes (at its padded size)
+        self._pxtx = np.diag([PRIOR, 0.0])  # the prompt fit's normal equations, over (1, S / 1000)
+        self._pxty = np.zeros(2)
+        self._prompt: np.ndarray | None = None  # p, r per 1000 tokens (seconds)
         self.last_cap = ceiling
         self.capped_steps = 0  # plans whose cap was below the ceiling
 
     # ---------------- measurements ----------------
     def observe(self, plan, seconds: float) -> None:
         """One completed plan and the time it took."""
-        if plan.mode not in (ForwardMode.DECODE, ForwardMode.MIXED) or seconds <= 0:
+        if plan.mode not in (ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.EXTEND) or seconds <= 0:
+            return
+        if any(r.encoder_len for r in plan.reqs):  # an encoder ran whole in it: not modelled
             return
         decodes = [r for r in plan.reqs if len(r.input_ids) == 1]
         d, k = len(decodes), sum(r.prefix_len for r in decodes)
@@ -79,15 +88,18 @@ class StepBudget:
                 self._coef = nonnegative_fit(self._xtx, self._xty)
             return
         prompt = sum(len(r.input_ids) for r in plan.reqs) - d
-        if self._coef is None or prompt <= 0:
+        mixed = plan.mode == ForwardMode.MIXED
+        if self._coef is None or prompt <= 0:  # (the first prompts pay first-use costs: warm-up)
             return
         size = self._size_of(prompt)
-        rate = max(seconds - self.decode_s(d, k), 0.0) / size
-        if self._per_token is None:
-            self._per_token = rate
-        else:
-            rate = min(rate, CLIP * self._per_token)
-            self._per_token = (1 - EMA) * self._per_token + EMA * rate
+        spent = max(seconds - (self.decode_s(d, k) if mixed else 0.0), 0.0)
+        if self._prompt is not None:
+            spent = min(spent, CLIP * max(self.prompt_s(size), 1e-4))
+        x = np.array([1.0, size / 1000.0])
+        prior = np.diag([PRIOR, 0.0])  # (kept at its weight: it is not forgotten)
+        self._pxtx = FORGET_PROMPT * (self._pxtx - prior) + np.outer(x, x) + prior
+        self._pxty = FORGET_PROMPT * self._pxty + x * spent
+        self._prompt = nonnegative_fit(self._pxtx, self._pxty)
 
     @staticmethod
     def _features(d: int, k: int) -> np.ndarray:
@@ -101,14 +113,16 @@ class StepBudget:
 
     def prompt_s(self, size: int) -> float | None:
         """The prompt part of a step computing `size` tokens, predicted (None: nothing seen)."""
-        return None if self._per_token is None else self._per_token * self._size_of(size)
+        if self._prompt is None:
+            return None
+        return float(self._prompt @ np.array([1.0, self._size_of(size) / 1000.0]))
 
     # ---------------- the cap ----------------
     def prompt_tokens(self, decodes: int, kv_tokens: int) -> int:
         """The prompt tokens the next step may compute beside `decodes` decoding requests that
         read `kv_tokens` KV tokens."""
         cap = self.ceiling
-        if self._coef is not None and self._per_token is not None:
+        if self._coef is not None and self._prompt is not None:
             left = self.target_s - self.decode_s(decodes, kv_tokens)
             cap = self.floor
             for size in self._sizes_down:
@@ -131,7 +145,8 @@ class StepBudget:
         coef = [] if self._coef is None else [float(c) for c in self._coef]
         return {"target_ms": 1e3 * self.target_s, "last_cap": self.last_cap, "capped_steps": self.capped_steps,
                 "decode_fit_ms": [1e3 * c for c in coef],  # a, b per 100 decodes, c per 100k KV tokens
-                "prompt_us_per_token": None if self._per_token is None else 1e6 * self._per_token}
+                # p, and r per 1000 tokens of the padded size
+                "prompt_fit_ms": [] if self._prompt is None else [1e3 * float(c) for c in self._prompt]}
 
 
 def nonnegative_fit(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:
