@@ -11,7 +11,8 @@ of what it sent there (`cluster/prefix_tree.py`), which never learns of eviction
 Health: a poller fetches every replica's stats each `stats_interval_s`; a replica that fails
 to answer, reports itself unhealthy, or fails a request before its first token is skipped
 until it answers healthy again. A request that fails before its first token is retried on
-another replica; one that fails later ends with a clean error.
+another replica; one that fails later ends with a clean error, unless its caller has shown
+nothing of it yet (`restart`: a response that is not streamed), when it runs again elsewhere.
 
 Requests reach a replica through its `ReplicaClient` (`cluster/replica_client.py`), over a
 connection of its own (`cluster/replica_channel.py`): batched admissions in, one frame of every
@@ -34,7 +35,7 @@ from typing import Any
 import ray
 
 from cluster.engine.client import HealthStatus, NoReplicaAvailable
-from cluster.engine.request import ADMITTED, Admitted, RequestOutput
+from cluster.engine.request import ADMITTED, RESTARTED, Admitted, RequestOutput, Restarted
 from cluster.kv_index import KVIndex, StoreIndex
 from cluster.pd_route import disaggregated_stream
 from cluster.prefix_tree import PrefixTree, RecentRoutes
@@ -43,6 +44,10 @@ from workers.request_errors import QueueFull, RequestError
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Error types of an output that failed after tokens because its replica did (not the request):
+# a request whose caller allows it (`restart`) runs again elsewhere.
+REPLICA_FAILURES = (None, "internal", "unavailable")
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 
@@ -195,10 +200,12 @@ class Router:
         return list(self.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
 
     async def generate_stream(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None,
-                              is_embedding: bool = False, group: str | None = None,
-                              announce: bool = False) -> AsyncIterator[RequestOutput | Admitted]:
+                              is_embedding: bool = False, group: str | None = None, announce: bool = False,
+                              restart: bool = False) -> AsyncIterator[RequestOutput | Admitted | Restarted]:
         """The request's outputs; `announce`: first `ADMITTED`, once a replica has queued it
-        (not on the disaggregated path)."""
+        (not on the disaggregated path); `restart`: the caller shows nothing until the request
+        ends, so a replica that fails it mid-generation has it run again on another (`RESTARTED`
+        then voids what came before; not on the disaggregated path)."""
         params.validate(self.vocab_size)
         if self._poller is None:  # the stats poller lives on the serving event loop
             await self.start()
@@ -212,7 +219,8 @@ class Router:
                 stream = disaggregated_stream(self, rid, tokens, params, group)
             else:  # mixed replicas first; without any, a prefill or decode replica serves it whole
                 roles = ("mixed",) if any(h.role == "mixed" for h in self.replicas.values()) else None
-                stream = self.attempts(rid, tokens, params, is_embedding, group, roles, announce=announce)
+                stream = self.attempts(rid, tokens, params, is_embedding, group, roles, announce=announce,
+                                       restart=restart)
             async with contextlib.aclosing(stream):  # a client gone: the replica hears of it now
                 async for out in stream:
                     yield out
@@ -226,11 +234,13 @@ class Router:
 
     async def attempts(self, rid: str, tokens: list[int], params: SamplingParams, is_embedding: bool = False,
                        group: str | None = None, roles: tuple[str, ...] | None = None, announce: bool = False,
-                       **admission) -> AsyncIterator[RequestOutput | Admitted]:
+                       restart: bool = False, **admission) -> AsyncIterator[RequestOutput | Admitted | Restarted]:
         """Serve a request on one replica of `roles`, retried on another while it fails before
         its first output; `admission`: the disaggregation fields of `cluster.replica.Admission`.
         `announce`: yield `ADMITTED` when the first replica queues it (a retry after that is
-        the stream's own business: its errors come as outputs or exceptions, as after a token)."""
+        the stream's own business: its errors come as outputs or exceptions, as after a token).
+        `restart`: a replica's failure after outputs (it died, or failed its requests) yields
+        `RESTARTED` and the request runs again on another replica, within the same attempts."""
         tried: set[str] = set()
         saw_full = False
         for _attempt in range(self.options.max_attempts):
@@ -246,6 +256,7 @@ class Router:
             first_seen = False
             handle.inflight += 1
             finished = False
+            failed = None  # why the replica failed it after outputs (`restart`: it runs again)
             assert handle.client is not None
             stream = handle.client.open(rid, tokens, params, is_embedding, group, **admission)
             try:
@@ -264,9 +275,17 @@ class Router:
                     first_seen, announce = True, False  # ADMITTED never follows an output
                     finished = out.finished
                     out.replica = handle.name
+                    if restart and out.finish_reason == "error" and out.error_type in REPLICA_FAILURES:
+                        failed = out.error or "the replica failed the request"
+                        break  # run it again elsewhere (below)
                     yield out
-                if finished and first_seen:
+                if finished and first_seen and failed is None:
                     return
+                if first_seen and restart:  # it failed there, or its stream ended early: again elsewhere
+                    self._mark_unhealthy(handle, failed or "the replica closed the stream")
+                    self._record_retry(handle, "replica_failed")
+                    yield RESTARTED
+                    continue
                 if first_seen:  # the stream ended without a final output
                     yield self._failed(rid, handle.name, "the replica closed the stream")
                     return
@@ -276,14 +295,16 @@ class Router:
                 # (Ray's ActorDiedError when the actor could not be asked where to connect; a
                 # connection that dropped is only unhealthy until the stats poll says more.)
                 handle.dead |= isinstance(exc.cause, ray.exceptions.ActorDiedError)
-                if first_seen:
+                if first_seen and not restart:
                     why = type(exc.cause).__name__
                     if isinstance(exc.cause, TimeoutError) and str(exc.cause):  # the router's own words
                         why = f"{why}: {exc.cause}"
                     yield self._failed(rid, handle.name, f"replica {handle.name} failed: {why}")
                     return
                 self._record_retry(handle, "replica_failed")
-                continue  # nothing sent yet: retry elsewhere
+                if first_seen:
+                    yield RESTARTED  # what it sent is void: it runs again elsewhere
+                continue  # nothing sent yet (or nothing shown): retry elsewhere
             finally:
                 handle.inflight -= 1
                 if not finished:

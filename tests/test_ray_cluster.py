@@ -106,6 +106,54 @@ def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
         cluster.shutdown()
 
 
+def test_a_collected_request_whose_replica_fails_runs_again_elsewhere(ray_local, tmp_path_factory):
+    """A response that is not streamed has shown the client nothing: when its replica fails it
+    mid-generation (a TP rank killed), it runs again on the other replica and ends whole, with
+    the tokens the same prompt gets when nothing fails (greedy)."""
+    from cluster.engine.client import FanOut
+
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    metrics = ServerMetrics()
+    cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d)), replicas=2,
+                                            router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),
+                             metrics)
+    router = cluster.start()
+    try:
+        async def scenario():
+            await router.start()
+            prompts = [f"{PROMPTS[i % 5]} {i}" for i in range(8)]
+
+            async def collected(i: int):
+                fan = await FanOut.open(router, [(prompts[i], greedy(300))], f"c{i}", restart=True)
+                try:
+                    return (await fan.collect())[0]
+                finally:
+                    await fan.aclose()
+
+            tasks = [asyncio.create_task(collected(i)) for i in range(8)]
+            while router.replicas["replica-0"].inflight < 4:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.5)  # its requests are generating
+            ray.kill(ray.get_actor("manta-replica-0-rank0", namespace="manta-test"))
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+            exported = metrics.render().decode()
+            while not router.replicas["replica-1"].healthy:
+                await asyncio.sleep(0.05)
+            alone = [await _collect(router, p, 300) for p in prompts]  # nothing fails now
+            return results, exported, alone
+
+        results, exported, alone = asyncio.run(scenario())
+        assert all(c.finish_reason == "length" and len(c.token_ids) == 300 for c in results), \
+            [(c.replica, c.finish_reason, len(c.token_ids)) for c in results]
+        assert [c.token_ids for c in results] == [[t for o in outs for t in o.delta_token_ids] for outs in alone]
+        retries = [line for line in exported.splitlines() if line.startswith("manta:router_retries_total{")]
+        assert any('replica="replica-0"' in line and 'reason="replica_failed"' in line
+                   and float(line.split()[-1]) >= 1 for line in retries), retries  # at least one ran again
+    finally:
+        asyncio.run(router.aclose())
+        cluster.shutdown()
+
+
 async def _stop_while_streaming(router, pid: int) -> tuple[float, list, list]:
     """6 long requests over the two replicas; `pid` gets SIGSTOP while replica-0 streams 3 of
     them. (Seconds until every request ended, their outputs, 5 later requests' outputs.)"""

@@ -405,9 +405,11 @@ class StubClient:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.mode = "ok"
         self.ok = True
+        self.restart: list[bool] = []  # what each request allowed: a rerun elsewhere after outputs
 
     async def generate_stream(self, prompt, params, rid=None, is_embedding=False, group=None,
-                              announce=False) -> AsyncIterator[RequestOutput]:
+                              announce=False, restart=False) -> AsyncIterator[RequestOutput]:
+        self.restart.append(restart)
         if self.mode == "queue_full":
             raise QueueFull("3 waiting")
         if self.mode == "no_replica":
@@ -443,8 +445,10 @@ def test_error_mapping_with_stub_client(stack):
         err = assert_error(httpx.post(url, json=body), 500)
         assert "secret" not in err["message"] and "Traceback" not in err["message"]
         stub.mode = "ok"
+        stub.restart.clear()
         assert_error(httpx.post(url, json=body), 500)  # the replica failed the request
         r = httpx.post(url, json={**body, "stream": True})
+        assert stub.restart == [True, False]  # only a response not streamed may run again elsewhere
         events = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and "replica died" in json.loads(events[-2])["error"]["message"]
         oai = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)

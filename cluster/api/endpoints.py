@@ -125,9 +125,11 @@ class Endpoints:
                            param=param, code="context_length_exceeded")
 
     async def open(self, request: Request, jobs: list[tuple[list[int], SamplingParams]], rid: str,
-                   is_embedding: bool = False, n: int = 1) -> FanOut:
+                   is_embedding: bool = False, n: int = 1, stream: bool = True) -> FanOut:
         """Admit `jobs` (request ids `{rid}-{i}`); `n`: each prompt's choices, consecutive jobs
-        that share it (its tokens count once in the metrics, as in the response's usage)."""
+        that share it (its tokens count once in the metrics, as in the response's usage).
+        `stream` False: nothing is sent before the end, so a choice whose replica fails
+        mid-generation runs again on another."""
         def finished(out: RequestOutput, edge: EdgeTiming, i: int) -> None:
             self.metrics.observe_finished(out.replica, out, edge, prompt=i % n == 0)
 
@@ -138,7 +140,7 @@ class Endpoints:
         try:
             fan = await until_disconnect(request, within(request.state, FanOut.open(
                 self.client, list(jobs), rid, finished, is_embedding, arrival=request.state.arrival,
-                on_first_token=first_token, n=n)), self.gate)
+                on_first_token=first_token, n=n, restart=not stream)), self.gate)
             self.gate.enter()  # left in close(): the shutdown waits for it, up to its deadline
             return fan
         except (ClientGone, RequestTimedOut) as exc:  # FanOut.open aborted what it had admitted
@@ -220,7 +222,7 @@ class Endpoints:
                 texts.append(text if text is not None else self.client.tokenizer.decode(ids, skip_special_tokens=True))
         cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.client.model_name
         want_lp, scores_only = req.logprobs is not None, req.scores_only
-        fan = await self.open(request, jobs, cid, n=req.n)
+        fan = await self.open(request, jobs, cid, n=req.n, stream=req.stream)
 
         def echo(i: int, prompt_lps: list | None, offsets: CompletionOffsets) -> tuple[str, P.CompletionLogprobs | None]:
             """The prompt's text and logprobs, for a choice's first chunk when echoing."""
@@ -314,7 +316,7 @@ class Endpoints:
             jobs.append((ids, params))
         self.check_context(len(ids), max_tokens, req.max_tokens_param, "messages")
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.client.model_name
-        fan = await self.open(request, jobs, cid, n=req.n)
+        fan = await self.open(request, jobs, cid, n=req.n, stream=req.stream)
 
         def chunk(choices: list[P.ChatChunkChoice], usage: P.Usage | None = None) -> str:
             return sse(P.ChatCompletionChunk(id=cid, created=created, model=model, choices=choices, usage=usage))
@@ -405,7 +407,7 @@ class Endpoints:
         ids = self.prompt_ids(req.prompt())
         self.check_context(len(ids), params.max_tokens, "sampling_params.max_tokens")
         rid = req.rid or f"gen-{uuid.uuid4().hex}"
-        fan = await self.open(request, [(ids, params)], rid)
+        fan = await self.open(request, [(ids, params)], rid, stream=req.stream)
 
         def meta(c: ChoiceResult, finish_reason: str | None) -> dict:
             m = {"id": rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,

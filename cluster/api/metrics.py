@@ -194,8 +194,9 @@ class ServerMetrics:
             "manta:router_requests", "Routing decisions.", ["policy", "replica"], registry=r
         )
         self.router_retries = Counter(
-            "manta:router_retries", "Requests moved to another replica before their first token, by the "
-            "replica that could not serve them and why (unavailable, queue_full, replica_failed).",
+            "manta:router_retries", "Requests moved to another replica before their first token (or later, "
+            "for a response not streamed), by the replica that could not serve them and why (unavailable, "
+            "queue_full, replica_failed).",
             ["replica", "reason"], registry=r,
         )
         self.router_prefix_hit_tokens = Counter(

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from cluster.engine.request import ADMITTED, Admitted, RequestOutput
+from cluster.engine.request import ADMITTED, RESTARTED, Admitted, RequestOutput, Restarted
 from workers.request_errors import Unavailable
 from workers.sampling_params import SamplingParams
 
@@ -78,7 +78,10 @@ class ServingClient(Protocol):
         is_embedding: bool = False,
         group: str | None = None,
         announce: bool = False,  # yield ADMITTED first, once the request is queued on an engine
-    ) -> AsyncIterator[RequestOutput | Admitted]: ...
+        # The caller shows nothing until the request ends: a client with several replicas may run
+        # it again on another after one fails it mid-generation, yielding RESTARTED first.
+        restart: bool = False,
+    ) -> AsyncIterator[RequestOutput | Admitted | Restarted]: ...
 
     def health(self) -> HealthStatus: ...
 
@@ -135,6 +138,7 @@ class LocalEngineClient:
         is_embedding: bool = False,
         group: str | None = None,
         announce: bool = False,
+        restart: bool = False,  # (one engine: nowhere else to run it)
     ) -> AsyncIterator[RequestOutput | Admitted]:
         if self._closed:
             raise NoReplicaAvailable("the engine is shut down")
@@ -247,7 +251,7 @@ class FanOut:
                    on_finished: Callable[[RequestOutput, EdgeTiming, int], None] = lambda out, timing, i: None,
                    is_embedding: bool = False, arrival: float | None = None,
                    on_first_token: Callable[[RequestOutput, float], None] = lambda out, ttft: None,
-                   n: int = 1) -> FanOut:
+                   n: int = 1, restart: bool = False) -> FanOut:
         """Admit every job concurrently (request ids `{rid}-{i}`) and wait until each one is
         queued on an engine (`ADMITTED`) or has its first output. If any admission fails, or
         this is cancelled, the admitted ones are aborted and the error propagates.
@@ -255,7 +259,9 @@ class FanOut:
         server (monotonic; default now): latencies are measured from it.
         `on_first_token(out, ttft_s)` runs when a choice's first token is handed on by `outputs`
         (a stream sends it at once; also for one its client abandons later); `on_finished(out,
-        timing, i)` when choice i finishes. `n`: consecutive jobs that share a prompt (its choices)."""
+        timing, i)` when choice i finishes. `n`: consecutive jobs that share a prompt (its choices).
+        `restart`: the outputs are collected, not streamed: a choice its replica fails
+        mid-generation may run again elsewhere (what it had is then dropped)."""
         arrival = time.monotonic() if arrival is None else arrival
         streams: list[AsyncIterator[RequestOutput | Admitted]] = []
         tasks: list[asyncio.Future] = []
@@ -271,7 +277,7 @@ class FanOut:
                 # The choices of one HTTP request share a group: the scheduler's fair share
                 # counts them together (a request with n=64 cannot starve the others).
                 streams.append(client.generate_stream(prompt, params, rid=f"{rid}-{i}", is_embedding=is_embedding,
-                                                      group=rid, announce=True))
+                                                      group=rid, announce=True, restart=restart))
             if len(streams) == 1:  # the common case: no task, so no turn of the event loop
                 firsts = [await first(streams[0])]
             else:
@@ -298,6 +304,9 @@ class FanOut:
             got = self.firsts[i][0] is not ADMITTED
             try:
                 async for out in self.streams[i]:  # ADMITTED only ever comes first
+                    if out is RESTARTED:
+                        self._restarted(i)
+                        continue
                     got = True
                     queue.put_nowait((i, out))
                 if not got:
@@ -331,12 +340,20 @@ class FanOut:
         # the turn of the event loop that brings it.
         got = first is not ADMITTED
         async for item in self.streams[0]:  # ADMITTED only ever comes first
+            if item is RESTARTED:
+                self._restarted(0)
+                continue
             got = True
             yield self._took(0, item)
             if item.finished:
                 return
         if not got:
             raise GenerationFailed("the serving client's stream ended without output", index=0)
+
+    def _restarted(self, i: int) -> None:
+        """Choice i runs again on another replica: drop what it had (its first token's time
+        stays: that token's TTFT was counted)."""
+        self.choices[i] = ChoiceResult(first_token_at=self.choices[i].first_token_at)
 
     def _took(self, i: int, item: RequestOutput) -> tuple[int, RequestOutput]:
         """Book an output of choice i (first token, finish) before it is handed on."""

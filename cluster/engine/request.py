@@ -212,3 +212,18 @@ class Admitted:
 
 
 ADMITTED = Admitted()
+
+
+class Restarted:
+    """The marker a stream yields, when its caller allowed it (`restart=True`: nothing it
+    received has reached the client yet, as for a response that is not streamed), after the
+    replica serving it failed mid-generation: what came before is void, and the request runs
+    again from its prompt on another replica."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "RESTARTED"
+
+
+RESTARTED = Restarted()

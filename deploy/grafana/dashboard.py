@@ -198,8 +198,9 @@ def build() -> dash_b.Dashboard:
         [(_rate("manta:router_requests_total", by="replica, policy"), "{{replica}} ({{policy}})")], "reqps",
         width=12, stack=True))
     n.panel(timeseries(
-        "Router retries", "Requests moved to another replica before their first token, per second, by the "
-        "replica that could not serve them and why (unavailable, queue_full, replica_failed).",
+        "Router retries", "Requests moved to another replica before their first token (or later, for a "
+        "response not streamed), per second, by the replica that could not serve them and why (unavailable, "
+        "queue_full, replica_failed).",
         [(_rate("manta:router_retries_total", by="replica, reason"), "{{replica}} ({{reason}})")], "reqps",
         width=12, stack=True))
     n.panel(timeseries(
