@@ -45,9 +45,10 @@ from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Error types of an output that failed after tokens because its replica did (not the request):
-# a request whose caller allows it (`restart`) runs again elsewhere.
-REPLICA_FAILURES = (None, "internal", "unavailable")
+# Error types of an output that failed after tokens because its replica did (a lost worker, a
+# rebuild, a shutdown: not the request, nor a step that raised, which may be the request's own
+# doing): a request whose caller allows it (`restart`) runs again elsewhere, once.
+REPLICA_FAILURES = ("internal", "unavailable")
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 
@@ -243,6 +244,7 @@ class Router:
         `RESTARTED` and the request runs again on another replica, within the same attempts."""
         tried: set[str] = set()
         saw_full = False
+        restarts = 1 if restart else 0  # runs again after outputs it may still have
         for _attempt in range(self.options.max_attempts):
             handle = self.choose(tokens, tried, roles)
             if handle is None:
@@ -275,13 +277,14 @@ class Router:
                     first_seen, announce = True, False  # ADMITTED never follows an output
                     finished = out.finished
                     out.replica = handle.name
-                    if restart and out.finish_reason == "error" and out.error_type in REPLICA_FAILURES:
+                    if restarts and out.finish_reason == "error" and out.error_type in REPLICA_FAILURES:
                         failed = out.error or "the replica failed the request"
                         break  # run it again elsewhere (below)
                     yield out
                 if finished and first_seen and failed is None:
                     return
-                if first_seen and restart:  # it failed there, or its stream ended early: again elsewhere
+                if first_seen and restarts:  # it failed there, or its stream ended early: again elsewhere
+                    restarts -= 1
                     self._mark_unhealthy(handle, failed or "the replica closed the stream")
                     self._record_retry(handle, "replica_failed")
                     yield RESTARTED
@@ -295,7 +298,7 @@ class Router:
                 # (Ray's ActorDiedError when the actor could not be asked where to connect; a
                 # connection that dropped is only unhealthy until the stats poll says more.)
                 handle.dead |= isinstance(exc.cause, ray.exceptions.ActorDiedError)
-                if first_seen and not restart:
+                if first_seen and not restarts:
                     why = type(exc.cause).__name__
                     if isinstance(exc.cause, TimeoutError) and str(exc.cause):  # the router's own words
                         why = f"{why}: {exc.cause}"
@@ -303,6 +306,7 @@ class Router:
                     return
                 self._record_retry(handle, "replica_failed")
                 if first_seen:
+                    restarts -= 1
                     yield RESTARTED  # what it sent is void: it runs again elsewhere
                 continue  # nothing sent yet (or nothing shown): retry elsewhere
             finally:

@@ -208,6 +208,34 @@ def test_context_limit_finishes_with_length(model_dirs):
     assert res.finish_reason == "length" and len(res.token_ids) == 6
 
 
+def test_a_step_that_raises_fails_its_requests_as_step_failed_not_as_the_replicas_fault(model_dirs):
+    """An exception in a step may be a request's own doing: the requests with tokens end as
+    `step_failed`, which a router does not run again elsewhere (a lost worker's are `internal`);
+    those without tokens are `unavailable`, retried as before any output."""
+    import time
+
+    engine = Engine(EngineConfig(model=str(model_dirs["llama"]), disable_overlap_schedule=True))
+    outs: dict[str, list] = {"started": [], "queued": []}
+    engine.add_request(PROMPTS[0], greedy(40), outs["started"].append)
+    engine.step()
+    engine.step()  # it has tokens
+    engine.add_request(PROMPTS[1], greedy(40), outs["queued"].append)
+
+    def broken(plan):
+        raise RuntimeError("a kernel failed on this batch")
+
+    engine.workers.execute = broken
+    engine.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not all(o and o[-1].finished for o in outs.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.shutdown()
+    assert outs["started"][-1].finish_reason == "error" and outs["started"][-1].error_type == "step_failed"
+    assert outs["queued"][-1].error_type == "unavailable"
+
+
 def test_an_engine_failed_for_good_refuses_admissions_as_unavailable(model_dirs):
     """A replica replacing its engine (a worker died, a restart, shutdown) fails every request
     and closes it in one step: a request that reached the old engine after its requests were

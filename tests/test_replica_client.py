@@ -128,6 +128,35 @@ def test_the_first_token_is_handed_on_in_the_turn_that_brings_it():
     asyncio.run(run())
 
 
+def test_a_restarted_choice_drops_what_it_had_even_when_it_came_in_one_frame():
+    """Two choices collected together; the first's replica failed it right after two tokens,
+    which arrive with the restart in one burst (one frame). What it had before the restart is
+    dropped, however far the merge lags the streams; the other choice is untouched."""
+    from cluster.engine.client import FanOut
+    from cluster.engine.request import ADMITTED, RESTARTED
+
+    async def failed_then_again():
+        yield _out("c0", 1)
+        yield _out("c0", 2)
+        yield RESTARTED  # (no pause: the burst of one frame)
+        yield _out("c0", 5)
+        yield _out("c0", 6, finished=True)
+
+    async def whole():
+        for t in (3, 4):
+            yield _out("c1", t)
+        yield _out("c1", 9, finished=True)
+
+    async def run():
+        fan = FanOut([(ADMITTED, 0.0), (ADMITTED, 0.0)], [failed_then_again(), whole()],
+                     lambda out, timing, i: None, 0.0, lambda out, ttft: None, n=2)
+        return await fan.collect()
+
+    first, second = asyncio.run(run())
+    assert first.token_ids == [5, 6] and first.finish_reason == "length"
+    assert second.token_ids == [3, 4, 9]
+
+
 def test_a_refused_admission_is_the_streams_only_output_and_a_lost_replica_ends_the_streams():
     from cluster.engine.request import ADMITTED
     from cluster.replica_client import ReplicaGone

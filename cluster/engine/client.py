@@ -298,17 +298,14 @@ class FanOut:
             async for item in self._single():
                 yield item
             return
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, RequestOutput | Restarted | BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int) -> None:
             got = self.firsts[i][0] is not ADMITTED
             try:
                 async for out in self.streams[i]:  # ADMITTED only ever comes first
-                    if out is RESTARTED:
-                        self._restarted(i)
-                        continue
-                    got = True
-                    queue.put_nowait((i, out))
+                    got |= out is not RESTARTED
+                    queue.put_nowait((i, out))  # (a restart too: it voids what is queued before it)
                 if not got:
                     raise GenerationFailed("the serving client's stream ended without output", index=i)
             except Exception as exc:
@@ -328,6 +325,9 @@ class FanOut:
                 continue
             if isinstance(item, BaseException):
                 raise item
+            if item is RESTARTED:
+                self._restarted(i)
+                continue
             yield self._took(i, item)
 
     async def _single(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -351,9 +351,12 @@ class FanOut:
             raise GenerationFailed("the serving client's stream ended without output", index=0)
 
     def _restarted(self, i: int) -> None:
-        """Choice i runs again on another replica: drop what it had (its first token's time
-        stays: that token's TTFT was counted)."""
-        self.choices[i] = ChoiceResult(first_token_at=self.choices[i].first_token_at)
+        """Choice i runs again on another replica: drop what it generated (its first token's
+        time, its prompt's size and the replica stay: that TTFT was counted, and an abort before
+        the next output is booked there)."""
+        old = self.choices[i]
+        self.choices[i] = ChoiceResult(first_token_at=old.first_token_at, prompt_tokens=old.prompt_tokens,
+                                       replica=old.replica)
 
     def _took(self, i: int, item: RequestOutput) -> tuple[int, RequestOutput]:
         """Book an output of choice i (first token, finish) before it is handed on."""

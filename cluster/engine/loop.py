@@ -342,9 +342,11 @@ class Engine:
             cached_tokens=req.cached_tokens,
         )
 
-    def fail_all(self, error: str, close: bool = False) -> None:
+    def fail_all(self, error: str, close: bool = False, error_type: str = "internal") -> None:
         """Finish every request with an error (the worker group died). Requests that had no
-        token yet are marked `unavailable`, so a router may retry them elsewhere. `close`: this
+        token yet are marked `unavailable`, so a router may retry them elsewhere; the others
+        `error_type` ("internal": the replica's fault, a response not yet shown may run again
+        elsewhere; "step_failed": a step raised, maybe for a request's own input). `close`: this
         engine is being replaced, and from the same moment refuses admissions (as unavailable),
         so none lands after the others were failed and waits forever."""
         with self._lock:
@@ -357,7 +359,7 @@ class Engine:
                 self.scheduler.finish(t.req, FinishReason.ERROR)
         self._deliver([(t, self._final_output(t.req, FinishReason.ERROR.value, error,
                                               "unavailable" if t.req.num_output_tokens <= t.req.resumed
-                                              else "internal"))
+                                              else error_type))
                        for t in tracked])
 
     def _deliver(self, outputs: list[tuple[_Tracked | None, RequestOutput]]) -> None:
@@ -423,7 +425,11 @@ class Engine:
                 stepped = self.step()
             except Exception as exc:  # a failed forward must not hang its requests
                 logger.exception("engine step failed")
-                self.fail_all(f"engine step failed: {exc}")
+                # A lost worker fails its requests as the replica's fault ("internal": a response
+                # not yet shown may run again elsewhere); any other exception may be a request's
+                # own doing, which must not fail the next replica's batch too ("step_failed").
+                self.fail_all(f"engine step failed: {exc}",
+                              error_type="internal" if self.workers.failed else "step_failed")
                 continue
             if not stepped:  # work that cannot run yet (a store lookup in flight): do not spin
                 with self._lock:
