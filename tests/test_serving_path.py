@@ -216,7 +216,7 @@ def test_server_ttft_is_what_clients_see(served):
         fresh.stop()
     c50 = client[len(client) // 2]
     print(f"burst of 500: client TTFT p50 {c50:.2f} s, server's histogram p50 {server:.2f} s")
-    assert c50 > 0.5  # a real queue formed
+    assert c50 > 0.3  # a real queue formed (unqueued, a first token takes tens of ms here)
     # The server's clock starts when the request's bytes reached the kernel and stops before the
     # client reads the token, so it can only be below the client's, by the client's own loop lag
     # over 500 sockets (and above by the histogram's interpolation within a bucket).
