@@ -58,13 +58,11 @@ class StepBudget:
         self.granule = granule
         self._sizes_down = sorted({s for s in self.sizes or range(granule, ceiling + 1, granule) if s <= ceiling}
                                   | {ceiling}, reverse=True)
-        self._xtx = np.zeros((3, 3))
-        self._xty = np.zeros(3)
+        self._decode = ForgettingFit(3, FORGET)  # over (1, D / 100, K / 1e5)
         self._decode_steps = 0
         self._coef: np.ndarray | None = None
-        self._pxtx = np.diag([PRIOR, 0.0])  # the prompt fit's normal equations, over (1, S / 1000)
-        self._pxty = np.zeros(2)
-        self._prompt: np.ndarray | None = None  # p, r per 1000 tokens (seconds)
+        self._prompt_fit = ForgettingFit(2, FORGET_PROMPT, prior=PRIOR)  # over (1, S / 1000)
+        self._prompt: tuple[float, float] | None = None  # p, r per 1000 tokens (seconds)
         self.last_cap = ceiling
         self.capped_steps = 0  # plans whose cap was below the ceiling
 
@@ -78,14 +76,12 @@ class StepBudget:
         decodes = [r for r in plan.reqs if len(r.input_ids) == 1]
         d, k = len(decodes), sum(r.prefix_len for r in decodes)
         if plan.mode == ForwardMode.DECODE:
-            x = self._features(d, k)
             if self._coef is not None:
                 seconds = min(seconds, CLIP * max(self.decode_s(d, k), 1e-4))
-            self._xtx = FORGET * self._xtx + np.outer(x, x)
-            self._xty = FORGET * self._xty + x * seconds
+            self._decode.add(self._features(d, k), seconds)
             self._decode_steps += 1
             if self._decode_steps >= MIN_DECODE_STEPS and (self._coef is None or self._decode_steps % REFIT == 0):
-                self._coef = nonnegative_fit(self._xtx, self._xty)
+                self._coef = self._decode.solve()
             return
         prompt = sum(len(r.input_ids) for r in plan.reqs) - d
         mixed = plan.mode == ForwardMode.MIXED
@@ -95,11 +91,9 @@ class StepBudget:
         spent = max(seconds - (self.decode_s(d, k) if mixed else 0.0), 0.0)
         if self._prompt is not None:
             spent = min(spent, CLIP * max(self.prompt_s(size), 1e-4))
-        x = np.array([1.0, size / 1000.0])
-        prior = np.diag([PRIOR, 0.0])  # (kept at its weight: it is not forgotten)
-        self._pxtx = FORGET_PROMPT * (self._pxtx - prior) + np.outer(x, x) + prior
-        self._pxty = FORGET_PROMPT * self._pxty + x * spent
-        self._prompt = nonnegative_fit(self._pxtx, self._pxty)
+        self._prompt_fit.add(np.array([1.0, size / 1000.0]), spent)
+        p, r = self._prompt_fit.solve()
+        self._prompt = (float(p), float(r))
 
     @staticmethod
     def _features(d: int, k: int) -> np.ndarray:
@@ -115,7 +109,8 @@ class StepBudget:
         """The prompt part of a step computing `size` tokens, predicted (None: nothing seen)."""
         if self._prompt is None:
             return None
-        return float(self._prompt @ np.array([1.0, self._size_of(size) / 1000.0]))
+        p, r = self._prompt
+        return p + r * self._size_of(size) / 1000.0
 
     # ---------------- the cap ----------------
     def prompt_tokens(self, decodes: int, kv_tokens: int) -> int:
@@ -146,7 +141,28 @@ class StepBudget:
         return {"target_ms": 1e3 * self.target_s, "last_cap": self.last_cap, "capped_steps": self.capped_steps,
                 "decode_fit_ms": [1e3 * c for c in coef],  # a, b per 100 decodes, c per 100k KV tokens
                 # p, and r per 1000 tokens of the padded size
-                "prompt_fit_ms": [] if self._prompt is None else [1e3 * float(c) for c in self._prompt]}
+                "prompt_fit_ms": [] if self._prompt is None else [1e3 * c for c in self._prompt]}
+
+
+class ForgettingFit:
+    """Least squares over a stream of (x, y) with exponential forgetting, coefficients >= 0:
+    the normal equations, each old observation's weight times `forget` per new one. `prior`:
+    the weight of a pseudo-observation that the first feature alone (the constant) explains
+    nothing, never forgotten."""
+
+    def __init__(self, n: int, forget: float, prior: float = 0.0):
+        self.forget = forget
+        self._prior = np.zeros((n, n))
+        self._prior[0, 0] = prior
+        self.xtx = self._prior.copy()
+        self.xty = np.zeros(n)
+
+    def add(self, x: np.ndarray, y: float) -> None:
+        self.xtx = self.forget * (self.xtx - self._prior) + np.outer(x, x) + self._prior
+        self.xty = self.forget * self.xty + x * y
+
+    def solve(self) -> np.ndarray:
+        return nonnegative_fit(self.xtx, self.xty)
 
 
 def nonnegative_fit(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:
