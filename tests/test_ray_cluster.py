@@ -53,7 +53,10 @@ async def _collect(router, prompt, max_tokens):
     return outs
 
 
-def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
+@contextlib.contextmanager
+def _two_replicas(tmp_path_factory):
+    """Two TP=1 replicas of the tiny Llama behind a round-robin router: (cluster, router,
+    metrics); the router closed and the cluster shut down afterwards."""
     d = tiny_model_dir(tmp_path_factory, "llama")
     metrics = ServerMetrics()
     cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d)), replicas=2,
@@ -61,6 +64,14 @@ def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
                              metrics)
     router = cluster.start()
     try:
+        yield cluster, router, metrics
+    finally:
+        asyncio.run(router.aclose())
+        cluster.shutdown()
+
+
+def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
+    with _two_replicas(tmp_path_factory) as (cluster, router, metrics):
         async def scenario():
             await router.start()
             # Load: long generations spread over both replicas.
@@ -101,9 +112,6 @@ def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
                 break
             time.sleep(0.5)
         assert stats["healthy"] and stats["restarts"] == 1
-    finally:
-        asyncio.run(router.aclose())
-        cluster.shutdown()
 
 
 def test_a_collected_request_whose_replica_fails_runs_again_elsewhere(ray_local, tmp_path_factory):
@@ -112,13 +120,7 @@ def test_a_collected_request_whose_replica_fails_runs_again_elsewhere(ray_local,
     the tokens the same prompt gets when nothing fails (greedy)."""
     from cluster.engine.client import FanOut
 
-    d = tiny_model_dir(tmp_path_factory, "llama")
-    metrics = ServerMetrics()
-    cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d)), replicas=2,
-                                            router=RouterOptions(policy="round_robin", stats_interval_s=0.2)),
-                             metrics)
-    router = cluster.start()
-    try:
+    with _two_replicas(tmp_path_factory) as (cluster, router, metrics):
         async def scenario():
             await router.start()
             prompts = [f"{PROMPTS[i % 5]} {i}" for i in range(8)]
@@ -149,9 +151,6 @@ def test_a_collected_request_whose_replica_fails_runs_again_elsewhere(ray_local,
         retries = [line for line in exported.splitlines() if line.startswith("manta:router_retries_total{")]
         assert any('replica="replica-0"' in line and 'reason="replica_failed"' in line
                    and float(line.split()[-1]) >= 1 for line in retries), retries  # at least one ran again
-    finally:
-        asyncio.run(router.aclose())
-        cluster.shutdown()
 
 
 async def _stop_while_streaming(router, pid: int) -> tuple[float, list, list]:
