@@ -14,9 +14,9 @@ All calls come from the store under its lock, but for the I/O of `write_bytes` a
 `read_many`, which the store runs outside it (on page RAM it has pinned) so that one page's
 file I/O never holds up another client's call.
 
-The disk is shared: the tier never fills its filesystem past a reserve (5% of its size, at
-least 256 MiB, at most 20%). At start its capacity is clamped to what the disk has free beyond
-the reserve (with a warning); while running the free space is read again at most every
+The disk is shared: the tier never fills its filesystem past a reserve (5% of its size but no
+more than 4 GiB, at least 256 MiB, at most 20%). At start its capacity is clamped to what the
+disk has free beyond the reserve (with a warning); while running the free space is read again at most every
 second and the capacity shrinks (or grows back, up to the configured cap) with it, so the LRU
 eviction makes room inside what the disk allows. A failed write (a full or failing disk)
 stops file writes for `backoff_s` and is logged once per burst, not once per page.
@@ -43,6 +43,7 @@ HEADER_BYTES = 128
 SUFFIX = ".kv"
 
 
+RESERVE_MAX = 4 << 30  # the reserve of a big disk (5% of 2 TB would idle 100 GB)
 BLOCK = 4096  # what a file takes on disk is counted in whole blocks
 
 
@@ -58,7 +59,7 @@ def file_bytes(page_size: int) -> int:
 
 def disk_reserve(total_bytes: int) -> int:
     """Bytes of a filesystem the file tier leaves free."""
-    return int(min(max(0.05 * total_bytes, 256 << 20), 0.2 * total_bytes))
+    return int(min(max(min(0.05 * total_bytes, RESERVE_MAX), 256 << 20), 0.2 * total_bytes))
 
 
 class FileTier:

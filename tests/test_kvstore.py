@@ -769,3 +769,15 @@ def test_concurrent_reads_of_the_same_file_pages(ray_local, tmp_path):
     assert got == [48, 48]
     assert all(torch.equal(o[:, :4096], data[:, :4096]) for o in outs)
     assert ray.get(handle.stats.remote())["counters"].get("corrupt", 0) == 0
+
+
+def test_disk_reserve_is_a_twentieth_clamped():
+    """The file tier's reserve: 5% of the filesystem, at least 256 MiB, but never more than 4 GiB
+    (a 2 TB disk keeps 4 GiB free, not 100 GB) nor more than a fifth of a small filesystem."""
+    from kvstore.file_tier import disk_reserve
+
+    gib = 1 << 30
+    assert disk_reserve(2000 * gib) == 4 * gib
+    assert disk_reserve(40 * gib) == 2 * gib
+    assert disk_reserve(2 * gib) == 256 << 20
+    assert disk_reserve(32 << 20) == int(0.2 * (32 << 20))
