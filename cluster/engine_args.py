@@ -60,6 +60,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="time target for a step that computes prompt tokens beside decodes (the gap it puts "
                         "between a stream's tokens): its prompt tokens are what the engine predicts fits, from "
                         "its own measured steps, at most --mixed-prefill-tokens (default: the fixed cap alone)")
+    p.add_argument("--ttft-target-ms", type=float, default=None,
+                   help="with --itl-target-ms: when the prompts waiting would take the capped steps longer than "
+                        "half this to compute, their cap grows (up to --mixed-prefill-tokens) until they would "
+                        "not, so a burst costs a few longer gaps instead of a growing queue (default: 8 x "
+                        "--itl-target-ms)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--attention-backend", default="flash", choices=["flash", "reference", "mla"],
                    help="flash: MHA/GQA and MLA models (kernels chosen at start-up); reference: the torch "
@@ -91,7 +96,7 @@ ENGINE_ARG_NAMES = (
     "tokenizer", "served_model_name", "device", "dtype", "quantization", "kv_cache_dtype", "tp_size", "page_size",
     "kv_cache_tokens",
     "mem_fraction", "gpus_per_rank", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
-    "mixed_prefill_tokens", "itl_target_ms", "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len",
+    "mixed_prefill_tokens", "itl_target_ms", "ttft_target_ms", "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len",
     "max_waiting", "step_timeout_s",
     "disable_cuda_graph", "disable_overlap_schedule", "speculative_draft_model", "speculative_num_tokens",
 )

@@ -36,11 +36,11 @@ def plan(decodes: list[int], prompt: int = 0) -> StepPlan:
     return StepPlan(1, mode, reqs, [], [], [])
 
 
-def trained(target_s: float, seed: int = 0) -> StepBudget:
+def trained(target_s: float, seed: int = 0, ttft_target_s: float | None = None) -> StepBudget:
     """A budget that has seen DECODE steps over a range of batches and contexts, MIXED steps at
     three sizes and prompts alone (EXTEND), all of the costs above."""
     rng = random.Random(seed)
-    b = StepBudget(target_s, ceiling=1024, floor=256, sizes=SIZES)
+    b = StepBudget(target_s, ceiling=1024, floor=256, sizes=SIZES, ttft_target_s=ttft_target_s)
     for _ in range(60):
         ctx = [rng.randint(100, 3000) for _ in range(rng.randint(1, 250))]
         b.observe(plan(ctx), decode_cost(len(ctx), sum(ctx)))
@@ -109,6 +109,51 @@ def test_the_cap_is_the_largest_size_predicted_to_fit(d, ctx):
         assert expect == 256
 
 
+def test_prompts_waiting_longer_than_the_ttft_target_allows_raise_the_cap():
+    """The cap that fits the ITL target computes prompts more slowly than a burst arrives: once
+    the capped steps would take more than half the TTFT target to compute what waits, the cap
+    grows to the smallest size that would not, and to the ceiling when none would."""
+    d, k = 190, 190 * 1500
+    step = decode_cost(d, k)
+
+    def drain(size: int, backlog: int) -> float:
+        return -(-backlog // size) * (step + prompt_cost(size))
+
+    b = trained(0.04)
+    assert b.ttft_target_s == pytest.approx(8 * 0.04)  # the default: 8 ITL targets
+    b.ttft_target_s = 0.3  # what waits may take 150 ms
+    fit = b.prompt_tokens(d, k)
+    assert fit < 1024 and b.stats()["relaxed_steps"] == 0
+    assert b.prompt_tokens(d, k, backlog=fit) == fit  # one step's worth: nothing to relax
+    assert drain(fit, 2 * fit) < 0.15 and b.prompt_tokens(d, k, backlog=2 * fit) == fit
+    backlog = 2600  # four capped steps, more than 150 ms; fewer at a larger size
+    assert drain(fit, backlog) > 0.15
+    raised = b.prompt_tokens(d, k, backlog=backlog)
+    assert fit < raised < 1024 and drain(raised, backlog) <= 0.15
+    assert all(drain(s, backlog) > 0.15 for s in SIZES if fit < s < raised)
+    assert b.prompt_tokens(d, k, backlog=100_000) == 1024  # no size drains it in time: the ceiling
+    assert b.stats()["relaxed_steps"] == 2 and b.last_cap == 1024
+    lax = trained(0.04, ttft_target_s=10.0)  # a lax TTFT target: the ITL target alone decides
+    assert lax.prompt_tokens(d, k, backlog=10_000) == fit
+
+
+def test_the_scheduler_tells_the_budget_what_waits():
+    """The backlog: prompt tokens of running pieces still to compute and of queued prompts, not
+    the decodes' one token each."""
+    from cluster.engine.step_budget import prompt_backlog
+
+    s = make_scheduler(max_num_batched_tokens=64, chunked_prefill_size=16, max_running_requests=8)
+    s.add_request(req("a", 8, max_tokens=40))
+    run_step(s)  # a decodes from now on
+    s.add_request(req("b", 40, max_tokens=4))
+    s.add_request(req("c", 30, max_tokens=4))
+    assert prompt_backlog(s, 10_000) == 70
+    s.mixed_prefill_tokens = 16
+    run_step(s)  # b's first 16 tokens beside a's decode
+    assert prompt_backlog(s, 10_000) == 54
+    assert prompt_backlog(s, 20) == 24  # counting stops past the limit
+
+
 def test_before_it_has_seen_steps_the_cap_is_the_ceiling():
     b = StepBudget(1e-6, ceiling=1024, floor=256, sizes=SIZES)
     for _ in range(MIN_DECODE_STEPS - 1):
@@ -155,7 +200,7 @@ def test_an_engine_with_a_target_caps_its_mixed_steps_and_keeps_its_tokens(tmp_p
     decodes is the floor; the greedy tokens are transformers'."""
     d = tiny_model_dir(tmp_path_factory, "llama")
     config = EngineConfig(model=str(d), chunked_prefill_size=64, max_num_batched_tokens=64, page_size=4,
-                          itl_target_ms=1e-3)
+                          itl_target_ms=1e-3, ttft_target_ms=1e9)  # (a queue never lifts the cap here)
     engine = Engine(config)
     budget = engine.scheduler.step_budget
     assert budget is not None and (budget.ceiling, budget.floor) == (64, 16)
@@ -188,3 +233,7 @@ def test_the_target_is_validated():
         EngineConfig(model="m", itl_target_ms=30, chunked_prefill_size=-1)
     with pytest.raises(ValueError, match="itl_target_ms"):
         EngineConfig(model="m", itl_target_ms=30, speculative_draft_model="d")
+    with pytest.raises(ValueError, match="ttft_target_ms"):
+        EngineConfig(model="m", ttft_target_ms=300)  # without an ITL target it has nothing to bound
+    with pytest.raises(ValueError, match="ttft_target_ms"):
+        EngineConfig(model="m", itl_target_ms=30, ttft_target_ms=0)

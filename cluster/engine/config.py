@@ -57,6 +57,9 @@ class EngineConfig:
     # stream's tokens): their prompt tokens are what is predicted to fit, at most the cap above
     # (cluster/engine/step_budget.py). None: the cap alone.
     itl_target_ms: float | None = None
+    # With itl_target_ms: when the prompt tokens waiting would take capped steps longer than half
+    # this to compute, the cap grows until they would not. None: 8 x itl_target_ms.
+    ttft_target_ms: float | None = None
     disable_radix_cache: bool = False
     attention_backend: str = "flash"
     is_embedding: bool = False
@@ -118,6 +121,9 @@ class EngineConfig:
             bad("mixed_prefill_tokens", "must be >= 0 (0: no cap beside decodes)")
         if self.itl_target_ms is not None and self.itl_target_ms <= 0:
             bad("itl_target_ms", "must be > 0 (or unset: the fixed cap on prompt tokens beside decodes)")
+        if self.ttft_target_ms is not None and (self.itl_target_ms is None or self.ttft_target_ms <= 0):
+            bad("ttft_target_ms", "must be > 0, and goes with itl_target_ms (it bounds what the ITL target may "
+                "cost first tokens)")
         if self.itl_target_ms is not None and self.chunked_prefill_size == -1:
             bad("itl_target_ms", "needs chunked prefill (a whole prompt cannot be cut to fit a step's time)")
         if self.itl_target_ms is not None and self.speculative_draft_model is not None:

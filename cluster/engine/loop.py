@@ -95,7 +95,8 @@ class Engine:
             ceiling = config.prefill_cap or config.max_num_batched_tokens
             self.scheduler.step_budget = StepBudget(  # (a prompt always takes a quarter of the cap, <= 256)
                 config.itl_target_ms / 1e3, ceiling=ceiling, floor=max(config.page_size, min(256, ceiling // 4)),
-                sizes=PROMPT_BUCKETS if config.prompt_graphs else None)
+                sizes=PROMPT_BUCKETS if config.prompt_graphs else None,
+                ttft_target_s=config.ttft_target_ms / 1e3 if config.ttft_target_ms else None)
         elif config.itl_target_ms:  # (the config refuses it without chunking; the checkpoint forbids it)
             logger.warning("--itl-target-ms is ignored: %s computes whole prompts", config.model)
         self.kv_offload = attach_kv_offload(self)  # the shared KV store (None: off)

@@ -46,6 +46,7 @@ from cluster.engine.kv_allocator import PageAllocator, RequestKV, slots_for
 from cluster.engine.kv_loads import Verdict
 from cluster.engine.radix_cache import RadixCache
 from cluster.engine.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
+from cluster.engine.step_budget import prompt_backlog
 from workers.forward_batch import ForwardMode
 from workers.messages import NewRequest, ScheduledReq, StepPlan, StepResult, TokenLogprobs
 from workers.request_errors import InvalidRequest, QueueFull
@@ -203,7 +204,8 @@ class Scheduler:
         cap = self.mixed_prefill_tokens
         if capped and self.step_budget is not None and (self.waiting or len(decoding) < len(self.running)):
             # prompt work beside the decodes: what fits the step's time target
-            cap = self.step_budget.prompt_tokens(len(decoding), sum(r.num_computed for r in decoding))
+            cap = self.step_budget.prompt_tokens(len(decoding), sum(r.num_computed for r in decoding),
+                                                 prompt_backlog(self, 64 * self.step_budget.ceiling))
         prefill = room = min(cap, budget) if capped else budget
 
         i = 0

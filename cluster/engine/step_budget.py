@@ -27,11 +27,21 @@ completes it: under overlapped scheduling about its device time (`cluster/bench/
 them alike). The scheduler asks for a cap only when prompt work waits beside decodes
 (`capped_steps` counts those plans), and only with chunked prefill (a whole prompt cannot be cut
 to fit: `EngineConfig` refuses the target without chunking).
+
+The cap trades prompt throughput for the gap: capped steps may compute prompt tokens more
+slowly than they arrive, and then the queue, and every first token, would grow without bound.
+So the scheduler also says how many prompt tokens wait (`backlog`: those of prompts being
+computed and of queued requests); when the capped steps are predicted to take longer than
+`DRAIN` of the time-to-first-token target (`ttft_target_s`) to compute them all, the cap grows
+to the smallest size that would, up to `ceiling` (`relaxed_steps` counts those plans). A burst
+thus costs some streams a longer gap for a few steps instead of costing the queue's first
+tokens many steps each.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import numpy as np
 
@@ -43,14 +53,18 @@ FORGET_PROMPT = 0.95  # weight of the prompt fit's past per new prompt step (~20
 PRIOR = 0.5  # weight of the prompt fit's prior: no prompt tokens, no time
 CLIP = 1.5  # an observation counts as at most this many times its prediction
 REFIT = 4  # DECODE steps per refit (a constrained fit takes up to ~0.15 ms of the engine thread)
+DRAIN = 0.5  # share of the TTFT target the waiting prompt tokens may take to compute (the last
+# of them then still has its own piece, and the arrivals meanwhile, to wait for)
+TTFT_PER_ITL = 8  # the TTFT target when none is given, in ITL targets
 
 
 class StepBudget:
     def __init__(self, target_s: float, *, ceiling: int, floor: int, sizes: tuple[int, ...] | None = None,
-                 granule: int = 64):
+                 granule: int = 64, ttft_target_s: float | None = None):
         if target_s <= 0:
             raise ValueError("target_s must be > 0")
         self.target_s = target_s
+        self.ttft_target_s = TTFT_PER_ITL * target_s if ttft_target_s is None else ttft_target_s
         self.ceiling = ceiling
         self.floor = min(floor, ceiling)
         # The sizes a prompt forward runs at (prompt graphs' buckets), or multiples of `granule`.
@@ -63,8 +77,10 @@ class StepBudget:
         self._coef: np.ndarray | None = None
         self._prompt_fit = ForgettingFit(2, FORGET_PROMPT, prior=PRIOR)  # over (1, S / 1000)
         self._prompt: tuple[float, float] | None = None  # p, r per 1000 tokens (seconds)
+        self._sizes_up = self._sizes_down[::-1]
         self.last_cap = ceiling
         self.capped_steps = 0  # plans whose cap was below the ceiling
+        self.relaxed_steps = 0  # plans whose cap the waiting prompts raised above what fits the target
 
     # ---------------- measurements ----------------
     def observe(self, plan, seconds: float) -> None:
@@ -113,12 +129,13 @@ class StepBudget:
         return p + r * self._size_of(size) / 1000.0
 
     # ---------------- the cap ----------------
-    def prompt_tokens(self, decodes: int, kv_tokens: int) -> int:
+    def prompt_tokens(self, decodes: int, kv_tokens: int, backlog: int = 0) -> int:
         """The prompt tokens the next step may compute beside `decodes` decoding requests that
-        read `kv_tokens` KV tokens."""
+        read `kv_tokens` KV tokens, while `backlog` prompt tokens wait to be computed."""
         cap = self.ceiling
         if self._coef is not None and self._prompt is not None:
-            left = self.target_s - self.decode_s(decodes, kv_tokens)
+            decode_s = self.decode_s(decodes, kv_tokens)
+            left = self.target_s - decode_s
             cap = self.floor
             for size in self._sizes_down:
                 if size <= self.floor:
@@ -126,9 +143,18 @@ class StepBudget:
                 if self.prompt_s(size) <= left:
                     cap = size
                     break
+            if backlog > cap and self.drain_s(cap, decode_s, backlog) > DRAIN * self.ttft_target_s:
+                cap = next((s for s in self._sizes_up if s > cap
+                            and self.drain_s(s, decode_s, backlog) <= DRAIN * self.ttft_target_s), self.ceiling)
+                self.relaxed_steps += 1
         self.last_cap = cap
         self.capped_steps += cap < self.ceiling
         return cap
+
+    def drain_s(self, size: int, decode_s: float, backlog: int) -> float:
+        """Predicted time for steps of `size` prompt tokens (and decodes costing `decode_s`) to
+        compute `backlog` prompt tokens."""
+        return -(-backlog // size) * (decode_s + self.prompt_s(size))
 
     def _size_of(self, tokens: int) -> int:
         """The size a prompt forward of `tokens` tokens runs at."""
@@ -138,10 +164,25 @@ class StepBudget:
 
     def stats(self) -> dict:
         coef = [] if self._coef is None else [float(c) for c in self._coef]
-        return {"target_ms": 1e3 * self.target_s, "last_cap": self.last_cap, "capped_steps": self.capped_steps,
+        return {"target_ms": 1e3 * self.target_s, "ttft_target_ms": 1e3 * self.ttft_target_s,
+                "last_cap": self.last_cap, "capped_steps": self.capped_steps, "relaxed_steps": self.relaxed_steps,
                 "decode_fit_ms": [1e3 * c for c in coef],  # a, b per 100 decodes, c per 100k KV tokens
                 # p, and r per 1000 tokens of the padded size
                 "prompt_fit_ms": [] if self._prompt is None else [1e3 * c for c in self._prompt]}
+
+
+def prompt_backlog(scheduler, limit: int) -> int:
+    """Prompt tokens a scheduler's running and waiting requests still have to compute (a decode's
+    one token is not counted, nor is a waiting prompt's cached prefix, not known yet); counting
+    stops past `limit`."""
+    n = 0
+    for req in itertools.chain(scheduler.running, scheduler.waiting):
+        left = req.num_tokens - req.num_computed
+        if left > 1:
+            n += left
+            if n > limit:
+                break
+    return n
 
 
 class ForgettingFit:
