@@ -249,10 +249,35 @@ def test_metrics_exposed(stack, oai):
                  "manta:e2e_request_latency_seconds_count", "manta:prompt_tokens_total",
                  "manta:generation_tokens_total", "manta:kv_cache_usage_perc",
                  "manta:prefix_cache_hit_tokens_total", "manta:prefix_cache_query_tokens_total",
-                 "manta:prompt_token_cap"):
+                 "manta:prompt_token_cap", "manta:inter_token_latency_seconds_bucket"):
         assert name + "{" in text, name
     assert 'manta:request_errors_total{code="400"}' in text
     assert 'manta:generation_tokens_total{replica="local"}' in text
+
+
+def test_inter_token_latency_counts_the_gaps_a_stream_waits(stack, oai):
+    """manta:inter_token_latency_seconds: one sample per output after a request's first that
+    brings tokens, the gap since the previous one; together they span the stream from its
+    first token to its last, as the client saw it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def itl() -> tuple[float, float]:
+        text = httpx.get(stack["url"] + "/metrics").text
+        fam = next(f for f in text_string_to_metric_families(text) if f.name == "manta:inter_token_latency_seconds")
+        got = {s.name: s.value for s in fam.samples if s.labels.get("replica") == "local" and "le" not in s.labels}
+        return got.get("manta:inter_token_latency_seconds_count", 0.0), got.get("manta:inter_token_latency_seconds_sum", 0.0)
+
+    count0, sum0 = itl()
+    seen = []  # when each chunk with text reached the client
+    stream = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            seen.append(time.monotonic())
+    count1, sum1 = itl()
+    assert 1 <= count1 - count0 <= 15  # 16 tokens: at most 15 gaps (fewer where an output carried several)
+    span = seen[-1] - seen[0]
+    assert 0 < sum1 - sum0 <= span + 0.25
 
 
 # ------------------------------------------------------------------------------------------------

@@ -137,10 +137,13 @@ class Endpoints:
             if out.embedding is None:  # an embedding has no first token: not a TTFT sample
                 self.metrics.observe_first_token(out.replica, ttft_s)
 
+        def token_gap(out: RequestOutput, gap_s: float) -> None:
+            self.metrics.observe_token_gap(out.replica, gap_s)
+
         try:
             fan = await until_disconnect(request, within(request.state, FanOut.open(
                 self.client, list(jobs), rid, finished, is_embedding, arrival=request.state.arrival,
-                on_first_token=first_token, n=n, restart=not stream)), self.gate)
+                on_first_token=first_token, n=n, restart=not stream, on_token_gap=token_gap)), self.gate)
             self.gate.enter()  # left in close(): the shutdown waits for it, up to its deadline
             return fan
         except (ClientGone, RequestTimedOut) as exc:  # FanOut.open aborted what it had admitted

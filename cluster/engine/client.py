@@ -185,6 +185,7 @@ class ChoiceResult:
     cached_tokens: int = 0
     embedding: list[float] | None = None  # embedding requests: the pooled vector
     first_token_at: float | None = None  # monotonic time its first token reached this process
+    last_token_at: float | None = None  # ... and its latest
     prompt_logprobs: list | None = None  # the prompt's logprobs, when the request asked
     hops: tuple[float | None, float | None] = (None, None)  # its first output's submitted/received_wall
     replica: str = ""  # the replica that sent its last output
@@ -195,8 +196,10 @@ class ChoiceResult:
             self.prompt_logprobs = out.prompt_logprobs
         if out.received_wall is not None and self.hops[1] is None:
             self.hops = (out.submitted_wall, out.received_wall)
-        if self.first_token_at is None and (out.delta_token_ids or out.embedding is not None):
-            self.first_token_at = time.monotonic()
+        if out.delta_token_ids or out.embedding is not None:
+            self.last_token_at = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = self.last_token_at
         if out.embedding is not None:
             self.embedding = out.embedding
         self.text += out.delta_text
@@ -237,10 +240,11 @@ class FanOut:
     def __init__(self, firsts: list[tuple[RequestOutput | Admitted, float]],
                  streams: list[AsyncIterator[RequestOutput | Admitted]],
                  on_finished: Callable[[RequestOutput, EdgeTiming, int], None], arrival: float,
-                 on_first_token: Callable[[RequestOutput, float], None], n: int = 1):
+                 on_first_token: Callable[[RequestOutput, float], None], n: int = 1,
+                 on_token_gap: Callable[[RequestOutput, float], None] = lambda out, gap: None):
         self.firsts, self.streams, self._on_finished = firsts, streams, on_finished
         self.n = n  # choices per prompt: jobs i, i+1, ... i+n-1 share one (i % n == 0 the first)
-        self._on_first_token = on_first_token
+        self._on_first_token, self._on_token_gap = on_first_token, on_token_gap
         self.arrival = arrival
         self.choices = [ChoiceResult() for _ in streams]
         self._tasks: list[asyncio.Future] = []
@@ -251,7 +255,8 @@ class FanOut:
                    on_finished: Callable[[RequestOutput, EdgeTiming, int], None] = lambda out, timing, i: None,
                    is_embedding: bool = False, arrival: float | None = None,
                    on_first_token: Callable[[RequestOutput, float], None] = lambda out, ttft: None,
-                   n: int = 1, restart: bool = False) -> FanOut:
+                   n: int = 1, restart: bool = False,
+                   on_token_gap: Callable[[RequestOutput, float], None] = lambda out, gap: None) -> FanOut:
         """Admit every job concurrently (request ids `{rid}-{i}`) and wait until each one is
         queued on an engine (`ADMITTED`) or has its first output. If any admission fails, or
         this is cancelled, the admitted ones are aborted and the error propagates.
@@ -259,7 +264,8 @@ class FanOut:
         server (monotonic; default now): latencies are measured from it.
         `on_first_token(out, ttft_s)` runs when a choice's first token is handed on by `outputs`
         (a stream sends it at once; also for one its client abandons later); `on_finished(out,
-        timing, i)` when choice i finishes. `n`: consecutive jobs that share a prompt (its choices).
+        timing, i)` when choice i finishes; `on_token_gap(out, gap_s)` when an output brings a
+        choice tokens after earlier ones (`gap_s` since those were handed on). `n`: consecutive jobs that share a prompt (its choices).
         `restart`: the outputs are collected, not streamed: a choice its replica fails
         mid-generation may run again elsewhere (what it had is then dropped)."""
         arrival = time.monotonic() if arrival is None else arrival
@@ -289,7 +295,7 @@ class FanOut:
             await asyncio.gather(*tasks, return_exceptions=True)
             await _close_all(streams)
             raise
-        return cls(list(firsts), streams, on_finished, arrival, on_first_token, n)
+        return cls(list(firsts), streams, on_finished, arrival, on_first_token, n, on_token_gap)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) in arrival order until every request finished; raises
@@ -361,10 +367,12 @@ class FanOut:
     def _took(self, i: int, item: RequestOutput) -> tuple[int, RequestOutput]:
         """Book an output of choice i (first token, finish) before it is handed on."""
         choice = self.choices[i]
-        had_token = choice.first_token_at is not None
-        choice.add(item)  # stamps first_token_at: when it is handed on (a stream sends it now)
+        had_token, last = choice.first_token_at is not None, choice.last_token_at
+        choice.add(item)  # stamps first/last_token_at: when it is handed on (a stream sends it now)
         if not had_token and choice.first_token_at is not None:
             self._on_first_token(item, choice.first_token_at - self.arrival)
+        elif last is not None and item.delta_token_ids:
+            self._on_token_gap(item, choice.last_token_at - last)
         if item.finished:
             now = time.monotonic()
             first = choice.first_token_at

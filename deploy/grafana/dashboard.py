@@ -148,6 +148,10 @@ def build() -> dash_b.Dashboard:
         "Time per output token", "Mean time between generated tokens after the first, per request.",
         _quantiles("manta:time_per_output_token_seconds"), "s"))
     n.panel(timeseries(
+        "Inter-token latency", "Time a stream waits between outputs carrying tokens, as they reach the HTTP "
+        "server; its p99 is the stalls (prompts computed beside decodes, pauses) a mean per token hides.",
+        _quantiles("manta:inter_token_latency_seconds"), "s"))
+    n.panel(timeseries(
         "End-to-end latency", "Arrival to last token.", _quantiles("manta:e2e_request_latency_seconds"), "s"))
 
     n.row("Batching and KV cache")
@@ -159,7 +163,7 @@ def build() -> dash_b.Dashboard:
     n.panel(timeseries(
         "Prompt tokens beside decodes", "The most prompt tokens a step computes while requests decode, per "
         "replica: the fixed --mixed-prefill-tokens cap, or what the --itl-target-ms budget last chose (lower: "
-        "its decodes leave less of the target).",
+        "its decodes leave less of the target; back up: prompts waiting longer than --ttft-target-ms allows).",
         [(f"max by (replica) (manta:prompt_token_cap{{{REPLICA}}})", "{{replica}}")], "short"))
     n.panel(timeseries(
         "KV cache usage", "Fraction of each replica's KV cache pages in use.",
