@@ -20,10 +20,16 @@ disk has free beyond the reserve (with a warning); while running the free space 
 second and the capacity shrinks (or grows back, up to the configured cap) with it, so the LRU
 eviction makes room inside what the disk allows. A failed write (a full or failing disk)
 stops file writes for `backoff_s` and is logged once per burst, not once per page.
+
+One store per directory: a store indexes, evicts and cleans up its root as if it were alone (a
+second one would delete the first's files in flight, and each would count only its own). So
+the tier holds an exclusive lock on `root/.lock` while it lives (`claim_root`); the kernel
+drops it when the process ends, however it ends, so a restarted store gets it back.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -57,6 +63,37 @@ def file_bytes(page_size: int) -> int:
     return -(-(HEADER_BYTES + page_size) // BLOCK) * BLOCK
 
 
+LOCK_NAME = ".lock"
+LOCK_WAIT_S = 10.0  # how long a store waits for the directory's previous store to go away
+
+
+class RootInUse(RuntimeError):
+    pass
+
+
+def claim_root(root: Path, wait_s: float | None = None):
+    """Hold `root` for this store: an exclusive lock on `root/.lock` (kept in the returned open
+    file), waiting up to `wait_s` for a previous holder that is going away (a restart racing its
+    predecessor's exit); raises RootInUse naming the holder."""
+    path = root / LOCK_NAME
+    path.touch()
+    f = open(path)  # read-only: a filesystem with no file open for writing can be remounted
+    deadline = time.monotonic() + (LOCK_WAIT_S if wait_s is None else wait_s)
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                holder = f.read().strip() or "unknown"
+                f.close()
+                raise RootInUse(f"the KV store directory {root} is in use by another store (process {holder}): "
+                                f"give each cluster its own directory (manta serve --kv-store DIR)") from None
+            time.sleep(0.1)
+    path.write_text(f"{os.getpid()} on {os.uname().nodename}\n")
+    return f
+
+
 def disk_reserve(total_bytes: int) -> int:
     """Bytes of a filesystem the file tier leaves free."""
     return int(min(max(min(0.05 * total_bytes, RESERVE_MAX), 256 << 20), 0.2 * total_bytes))
@@ -66,6 +103,7 @@ class FileTier:
     def __init__(self, root: Path, capacity: int, agent, agent_name: str, fsync: bool = False,
                  backoff_s: float = 5.0, disk_check_s: float = 1.0):
         self.root = root
+        self._claim = claim_root(root)  # released by `release` or when the process ends
         self.configured = capacity  # what the operator asked for
         self.capacity = capacity  # what the disk allows now (<= configured)
         self.agent = agent  # the store's NIXL agent, with a POSIX backend
@@ -98,6 +136,10 @@ class FileTier:
                            disk_reserve(du.total) / 2**30)
         self.capacity = capacity
         return capacity
+
+    def release(self) -> None:
+        """Let another store have the directory (this one writes no more)."""
+        self._claim.close()
 
     def writable(self) -> bool:
         """False while backing off after a failed write (the caller skips the write)."""

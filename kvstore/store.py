@@ -215,6 +215,7 @@ class KVStore(StoreFiles):
     def shutdown(self) -> None:
         self.flush()
         self._stop.set()
+        self.files.release()
 
     # ---------------- write path ----------------
     def reserve(self, client: str, keys: list[str], sizes: list[int]) -> ReserveReply | None:

@@ -781,3 +781,29 @@ def test_disk_reserve_is_a_twentieth_clamped():
     assert disk_reserve(40 * gib) == 2 * gib
     assert disk_reserve(2 * gib) == 256 << 20
     assert disk_reserve(32 << 20) == int(0.2 * (32 << 20))
+
+
+def test_one_store_per_directory(ray_local, tmp_path, monkeypatch):
+    """A second store on a directory a live store holds is refused, naming the directory (two
+    would delete each other's files); once the holder is gone, however it went, the directory
+    is free again and its pages are there."""
+    from kvstore import file_tier
+    from kvstore.store import KVStore
+
+    handle, name = new_store(tmp_path)
+    c = client(handle, name, "mla")
+    chain = c.chain_keys(tokens(3, salt=21), PAGE)
+    assert c.batch_set(chain, [[torch.ones(64)] for _ in chain])
+    assert ray.get(handle.flush.remote()) == 3
+    monkeypatch.setattr(file_tier, "LOCK_WAIT_S", 0.5)
+    with pytest.raises(file_tier.RootInUse, match=str(tmp_path)):
+        KVStore(str(tmp_path), ram_bytes=4 << 20, flush_interval_s=None, prefault=False)
+    ray.kill(handle)  # a store killed outright: the kernel drops its lock
+    monkeypatch.setattr(file_tier, "LOCK_WAIT_S", 30.0)
+    store = KVStore(str(tmp_path), ram_bytes=4 << 20, flush_interval_s=None, prefault=False)
+    try:
+        assert store.stats()["file"]["pages"] == 3
+    finally:
+        store.shutdown()
+    again = KVStore(str(tmp_path), ram_bytes=4 << 20, flush_interval_s=None, prefault=False)  # shut down: free
+    again.shutdown()
