@@ -195,16 +195,17 @@ def test_the_scheduler_takes_its_prompt_room_from_the_budget():
     assert 4 <= expect < 32
 
 
-def test_an_engine_with_a_target_caps_its_mixed_steps_and_keeps_its_tokens(tmp_path_factory):
-    """A target no step can meet: once the budget has seen steps, every prompt piece beside
-    decodes is the floor; the greedy tokens are transformers'."""
+def run_with_target(tmp_path_factory, ttft_target_ms: float):
+    """A CPU engine with an ITL target no step can meet, prompts arriving in pairs between
+    decode steps; its greedy tokens must be transformers'. Returns the budget and, for every
+    MIXED plan, (prompt tokens beside decodes, the budget's cap then)."""
     d = tiny_model_dir(tmp_path_factory, "llama")
     config = EngineConfig(model=str(d), chunked_prefill_size=64, max_num_batched_tokens=64, page_size=4,
-                          itl_target_ms=1e-3, ttft_target_ms=1e9)  # (a queue never lifts the cap here)
+                          itl_target_ms=1e-3, ttft_target_ms=ttft_target_ms)
     engine = Engine(config)
     budget = engine.scheduler.step_budget
     assert budget is not None and (budget.ceiling, budget.floor) == (64, 16)
-    plans = []  # (prompt tokens beside decodes, the budget's cap then) of every MIXED plan
+    plans = []
     schedule = engine.scheduler.schedule
 
     def recording():
@@ -219,11 +220,27 @@ def test_an_engine_with_a_target_caps_its_mixed_steps_and_keeps_its_tokens(tmp_p
     results = run_staggered(engine, prompts, greedy(24), arrive_every=8)  # decode steps between arrivals
     for p, res in zip(prompts, results):
         assert res.token_ids == hf_greedy(d, p, 24)
-    assert budget.capped_steps > 0 and budget.last_cap == 16
+    return engine, budget, plans
+
+
+def test_an_engine_with_a_target_caps_its_mixed_steps_and_keeps_its_tokens(tmp_path_factory):
+    """Once the budget has seen steps, every prompt piece beside decodes is the floor (a lax
+    TTFT target: what waits never lifts the cap)."""
+    engine, budget, plans = run_with_target(tmp_path_factory, ttft_target_ms=1e9)
+    assert budget.capped_steps > 0 and budget.last_cap == 16 and budget.relaxed_steps == 0
     stats = engine.stats()  # what a replica reports: /admin/replicas, manta:prompt_token_cap
     assert stats["prompt_token_cap"] == 16 and stats["step_budget"]["capped_steps"] == budget.capped_steps
     first = next(i for i, (_, cap) in enumerate(plans) if cap == 16)
     assert len(plans) - first >= 5 and all(tokens <= 16 for tokens, _ in plans[first:]), plans
+
+
+def test_an_engine_lifts_the_cap_while_prompts_wait_past_the_ttft_target(tmp_path_factory):
+    """The same engine with a TTFT target no queue can meet: whenever more prompt tokens wait
+    than the floor computes, a MIXED step takes the whole ceiling; the tokens are unchanged."""
+    engine, budget, plans = run_with_target(tmp_path_factory, ttft_target_ms=1e-3)
+    assert budget.relaxed_steps > 0 and engine.stats()["step_budget"]["relaxed_steps"] == budget.relaxed_steps
+    assert any(tokens > 16 for tokens, cap in plans if cap == 64), plans
+    assert all(cap in (16, 64) for _, cap in plans), plans
 
 
 def test_the_target_is_validated():
