@@ -152,6 +152,8 @@ def test_the_scheduler_tells_the_budget_what_waits():
     run_step(s)  # b's first 16 tokens beside a's decode
     assert prompt_backlog(s, 10_000) == 54
     assert prompt_backlog(s, 20) == 24  # counting stops past the limit
+    s.max_running = len(s.running)  # no free slot: c waits for one, not for prompt room
+    assert prompt_backlog(s, 10_000) == 24
 
 
 def test_before_it_has_seen_steps_the_cap_is_the_ceiling():

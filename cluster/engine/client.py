@@ -265,7 +265,8 @@ class FanOut:
         `on_first_token(out, ttft_s)` runs when a choice's first token is handed on by `outputs`
         (a stream sends it at once; also for one its client abandons later); `on_finished(out,
         timing, i)` when choice i finishes; `on_token_gap(out, gap_s)` when an output brings a
-        choice tokens after earlier ones (`gap_s` since those were handed on). `n`: consecutive jobs that share a prompt (its choices).
+        choice tokens after earlier ones (`gap_s` since those were handed on). `n`: consecutive
+        jobs that share a prompt (its choices).
         `restart`: the outputs are collected, not streamed: a choice its replica fails
         mid-generation may run again elsewhere (what it had is then dropped)."""
         arrival = time.monotonic() if arrival is None else arrival

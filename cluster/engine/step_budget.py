@@ -31,7 +31,7 @@ to fit: `EngineConfig` refuses the target without chunking).
 The cap trades prompt throughput for the gap: capped steps may compute prompt tokens more
 slowly than they arrive, and then the queue, and every first token, would grow without bound.
 So the scheduler also says how many prompt tokens wait (`backlog`: those of prompts being
-computed and of queued requests); when the capped steps are predicted to take longer than
+computed and of the queued requests it has running slots for); when the capped steps are predicted to take longer than
 `DRAIN` of the time-to-first-token target (`ttft_target_s`) to compute them all, the cap grows
 to the smallest size that would, up to `ceiling` (`relaxed_steps` counts those plans). A burst
 thus costs some streams a longer gap for a few steps instead of costing the queue's first
@@ -143,9 +143,10 @@ class StepBudget:
                 if self.prompt_s(size) <= left:
                     cap = size
                     break
-            if backlog > cap and self.drain_s(cap, decode_s, backlog) > DRAIN * self.ttft_target_s:
-                cap = next((s for s in self._sizes_up if s > cap
-                            and self.drain_s(s, decode_s, backlog) <= DRAIN * self.ttft_target_s), self.ceiling)
+            drain = DRAIN * self.ttft_target_s
+            if cap < self.ceiling and backlog > cap and self.drain_s(cap, decode_s, backlog) > drain:
+                cap = next((s for s in self._sizes_up if s > cap and self.drain_s(s, decode_s, backlog) <= drain),
+                           self.ceiling)
                 self.relaxed_steps += 1
         self.last_cap = cap
         self.capped_steps += cap < self.ceiling
@@ -172,11 +173,13 @@ class StepBudget:
 
 
 def prompt_backlog(scheduler, limit: int) -> int:
-    """Prompt tokens a scheduler's running and waiting requests still have to compute (a decode's
-    one token is not counted, nor is a waiting prompt's cached prefix, not known yet); counting
-    stops past `limit`."""
+    """Prompt tokens a scheduler's running requests and the waiting ones it has free running
+    slots for still have to compute (a decode's one token is not counted, nor is a waiting
+    prompt's cached prefix, not known yet: a queue held back by the slots is not one a bigger
+    cap would drain); counting stops past `limit`."""
     n = 0
-    for req in itertools.chain(scheduler.running, scheduler.waiting):
+    slots = max(0, scheduler.max_running - len(scheduler.running))
+    for req in itertools.chain(scheduler.running, itertools.islice(scheduler.waiting, slots)):
         left = req.num_tokens - req.num_computed
         if left > 1:
             n += left
