@@ -62,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "its own measured steps, at most --mixed-prefill-tokens (default: the fixed cap alone)")
     p.add_argument("--ttft-target-ms", type=float, default=None,
                    help="with --itl-target-ms: when the prompts waiting would take the capped steps longer than "
-                        "half this to compute, their cap grows (up to --mixed-prefill-tokens) until they would "
+                        "this to compute, their cap grows (up to --mixed-prefill-tokens) until they would "
                         "not, so a burst costs a few longer gaps instead of a growing queue (default: 8 x "
                         "--itl-target-ms)")
     p.add_argument("--disable-radix-cache", action="store_true")

@@ -57,8 +57,8 @@ class EngineConfig:
     # stream's tokens): their prompt tokens are what is predicted to fit, at most the cap above
     # (cluster/engine/step_budget.py). None: the cap alone.
     itl_target_ms: float | None = None
-    # With itl_target_ms: when the prompt tokens waiting would take capped steps longer than half
-    # this to compute, the cap grows until they would not. None: 8 x itl_target_ms.
+    # With itl_target_ms: when the prompt tokens waiting would take capped steps longer than this
+    # to compute, the cap grows until they would not. None: 8 x itl_target_ms.
     ttft_target_ms: float | None = None
     disable_radix_cache: bool = False
     attention_backend: str = "flash"

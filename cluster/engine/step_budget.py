@@ -31,11 +31,11 @@ to fit: `EngineConfig` refuses the target without chunking).
 The cap trades prompt throughput for the gap: capped steps may compute prompt tokens more
 slowly than they arrive, and then the queue, and every first token, would grow without bound.
 So the scheduler also says how many prompt tokens wait (`backlog`: those of prompts being
-computed and of the queued requests it has running slots for); when the capped steps are predicted to take longer than
-`DRAIN` of the time-to-first-token target (`ttft_target_s`) to compute them all, the cap grows
-to the smallest size that would, up to `ceiling` (`relaxed_steps` counts those plans). A burst
-thus costs some streams a longer gap for a few steps instead of costing the queue's first
-tokens many steps each.
+computed and of the queued requests it has running slots for); when the capped steps are
+predicted to take longer than the time-to-first-token target (`ttft_target_s`) to compute them
+all, the cap grows to the smallest size that would not, up to `ceiling` (`relaxed_steps` counts
+those plans). A burst thus costs some streams a longer gap for a few steps instead of costing
+the queue's first tokens many steps each.
 """
 
 from __future__ import annotations
@@ -53,8 +53,6 @@ FORGET_PROMPT = 0.95  # weight of the prompt fit's past per new prompt step (~20
 PRIOR = 0.5  # weight of the prompt fit's prior: no prompt tokens, no time
 CLIP = 1.5  # an observation counts as at most this many times its prediction
 REFIT = 4  # DECODE steps per refit (a constrained fit takes up to ~0.15 ms of the engine thread)
-DRAIN = 0.5  # share of the TTFT target the waiting prompt tokens may take to compute (the last
-# of them then still has its own piece, and the arrivals meanwhile, to wait for)
 TTFT_PER_ITL = 8  # the TTFT target when none is given, in ITL targets
 
 
@@ -143,9 +141,9 @@ class StepBudget:
                 if self.prompt_s(size) <= left:
                     cap = size
                     break
-            drain = DRAIN * self.ttft_target_s
-            if cap < self.ceiling and backlog > cap and self.drain_s(cap, decode_s, backlog) > drain:
-                cap = next((s for s in self._sizes_up if s > cap and self.drain_s(s, decode_s, backlog) <= drain),
+            limit = self.ttft_target_s
+            if cap < self.ceiling and backlog > cap and self.drain_s(cap, decode_s, backlog) > limit:
+                cap = next((s for s in self._sizes_up if s > cap and self.drain_s(s, decode_s, backlog) <= limit),
                            self.ceiling)
                 self.relaxed_steps += 1
         self.last_cap = cap
