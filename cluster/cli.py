@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from cluster.engine.config import ConfigError
 from cluster.engine_args import add_engine_args, engine_config_from_args
 
 
@@ -73,7 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(__name__).debug("bench unavailable: %s", exc)
 
     args = parser.parse_args(argv)
-    rc = args.func(args)
+    try:
+        rc = args.func(args)
+    except ConfigError as exc:  # an option out of range: the usage error argparse would give, no traceback
+        flag = next((a.option_strings[0] for a in sub.choices[args.command]._actions
+                     if a.dest == exc.field and a.option_strings), exc.field)
+        print(f"manta {args.command}: error: {flag}: {exc.msg}", file=sys.stderr)
+        return 2
     return rc if isinstance(rc, int) else 0
 
 

@@ -60,3 +60,17 @@ def test_serve_refuses_a_quantized_checkpoint_before_starting(tmp_path):
     assert served.returncode == 2
     assert "quantized checkpoint manta cannot load" in served.stderr and "'gptq', bits 4" in served.stderr
     assert "Started a local Ray instance" not in served.stderr
+
+
+@pytest.mark.parametrize("args,flag,says", [
+    (["--page-size", "0"], "--page-size", "must be >= 1"),
+    (["--ttft-target-ms", "300"], "--ttft-target-ms", "goes with itl_target_ms"),
+    (["--itl-target-ms", "30", "--chunked-prefill-size", "-1"], "--itl-target-ms", "needs chunked prefill"),
+])
+def test_serve_refuses_an_option_out_of_range_by_its_flag(args, flag, says):
+    """An engine option out of range ends `manta serve` at once with a usage error naming the
+    flag the user typed (exit 2, no traceback, no Ray)."""
+    served = run("serve", "--port", "0", *args)
+    assert served.returncode == 2
+    assert f"manta serve: error: {flag}: " in served.stderr and says in served.stderr
+    assert "Traceback" not in served.stderr and "Started a local Ray instance" not in served.stderr

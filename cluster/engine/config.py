@@ -19,6 +19,14 @@ KV_WRITE_POLICIES = ("write_back_selective", "write_back", "write_through_select
 KV_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
+class ConfigError(ValueError):
+    """An engine option out of its range: `field` names the EngineConfig field."""
+
+    def __init__(self, field: str, msg: str):
+        super().__init__(f"invalid engine option {field}: {msg}")
+        self.field, self.msg = field, msg
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("MANTA_CACHE_DIR", Path.home() / ".cache" / "manta"))
 
@@ -103,7 +111,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:
-            raise ValueError(f"invalid engine option {field}: {msg}")
+            raise ConfigError(field, msg)
 
         if self.tp_size < 1:
             bad("tp_size", "must be >= 1")
