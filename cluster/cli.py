@@ -8,14 +8,16 @@ import logging
 import sys
 
 from cluster.engine.config import ConfigError
-from cluster.engine_args import add_engine_args, engine_config_from_args
+from cluster.engine_args import add_engine_args, engine_config_from_args, require_checkpoint
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from cluster.engine.loop import Engine
     from workers.sampling_params import SamplingParams
 
-    engine = Engine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    require_checkpoint(config.model)
+    engine = Engine(config)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.sampling_seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,

@@ -8,11 +8,17 @@ import dataclasses
 from pathlib import Path
 
 from attention.kernel_options import KernelOptions
-from cluster.engine.config import EngineConfig, default_cache_dir
+from cluster.engine.config import ConfigError, EngineConfig, default_cache_dir
 from cluster.kv_store_setup import add_kv_store_args, kv_store_config_from_args
 from workers.kv_quant import KV_CACHE_DTYPES
 
 DEFAULT_MODEL_ARCH = "llama"
+
+
+def require_checkpoint(model: str) -> None:
+    """Refuse a model path that is not a checkpoint directory here (ConfigError, for the CLI)."""
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError("model", f"{model} is not a checkpoint directory (it has no config.json)")
 
 
 def default_model_dir() -> Path:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from cluster.engine.config import EngineConfig
+from cluster.engine.config import ConfigError, EngineConfig
 from cluster.kv_store_setup import ensure_kv_store
 from cluster.replica import REPLICA_THREADS, Replica
 from cluster.router import Router, RouterOptions
@@ -45,20 +45,22 @@ class ClusterOptions:
     namespace: str = "manta"
 
     def __post_init__(self) -> None:
-        if self.replicas < 0 or self.prefill_replicas < 0 or self.decode_replicas < 0:
-            raise ValueError("replica counts must be >= 0")
+        for name in ("replicas", "prefill_replicas", "decode_replicas"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, "must be >= 0")
         if self.replicas + self.prefill_replicas + self.decode_replicas < 1:
-            raise ValueError("replicas must be >= 1")
+            raise ConfigError("replicas", "must be >= 1")
         if bool(self.prefill_replicas) != bool(self.decode_replicas):
-            raise ValueError("--prefill-replicas and --decode-replicas go together (both >= 1)")
+            raise ConfigError("prefill_replicas" if not self.prefill_replicas else "decode_replicas",
+                              "--prefill-replicas and --decode-replicas go together (both >= 1)")
         if self.prefill_replicas:
             from cluster.engine.kv_offload import MIN_PAGE_TOKENS
 
             if self.engine.kv_store is None:
-                raise ValueError("prefill/decode disaggregation moves pages through the ranks' KV store "
-                                 "clients: it needs the KV store (drop --no-kv-store)")
+                raise ConfigError("prefill_replicas", "prefill/decode disaggregation moves pages through the "
+                                  "ranks' KV store clients: it needs the KV store (drop --no-kv-store)")
             if self.engine.page_size < MIN_PAGE_TOKENS:
-                raise ValueError(f"prefill/decode disaggregation needs --page-size >= {MIN_PAGE_TOKENS}")
+                raise ConfigError("page_size", f"prefill/decode disaggregation needs --page-size >= {MIN_PAGE_TOKENS}")
 
     def engine_for(self, role: str) -> EngineConfig:
         """The engine config of a replica of `role` ("mixed", "prefill", "decode")."""
@@ -75,8 +77,8 @@ class ClusterOptions:
 
         mc = ModelConfig.from_pretrained(self.engine.model)
         if not mc.use_mla and (mc.num_kv_heads % p or mc.num_kv_heads % d):
-            raise ValueError(f"--prefill-tp {p} and --decode-tp {d}: pages move between them by kv head, and "
-                             f"{mc.num_kv_heads} kv heads do not split evenly over both")
+            raise ConfigError("prefill_tp", f"--prefill-tp {p} and --decode-tp {d}: pages move between them by kv "
+                              f"head, and {mc.num_kv_heads} kv heads do not split evenly over both")
 
     def roles(self) -> list[str]:
         return ["mixed"] * self.replicas + ["prefill"] * self.prefill_replicas + ["decode"] * self.decode_replicas

@@ -121,16 +121,20 @@ def _gated_server_class():
     return GatedServer
 
 
-def _refused_checkpoint(model: str, quantization: str | None = None) -> str | None:
+def _refused_checkpoint(model: str, quantization: str | None = None, local: bool = True) -> str | None:
     """Why a local checkpoint cannot be served (an unknown architecture, a quantized format it
     cannot load), found before Ray and the replicas start; None when it can, or when the
-    directory is not here (on a `ray up` cluster the ranks' nodes may hold it)."""
+    directory is not here and need not be (`local` False: on a `ray up` cluster the ranks' nodes
+    may hold it). A missing directory of a local Ray instance raises ConfigError."""
     import os
 
+    from cluster.engine_args import require_checkpoint
     from workers.loader import check_quantization
     from workers.model_config import ModelConfig
 
     if not os.path.isfile(os.path.join(model, "config.json")):
+        if local:
+            require_checkpoint(model)
         return None
     try:
         check_quantization(ModelConfig.from_pretrained(model, quantization=quantization))
@@ -146,11 +150,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cluster.api.metrics import ServerMetrics
     from cluster.api.server import build_app
     from cluster.api.shutdown import ShutdownGate
+    from cluster.engine.config import ConfigError
     from cluster.launch import ServingCluster
     from workers import heap
 
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ConfigError("request_timeout", "must be > 0 seconds")
     options = cluster_options_from_args(args)
-    refusal = _refused_checkpoint(options.engine.model, options.engine.quantization)
+    refusal = _refused_checkpoint(options.engine.model, options.engine.quantization, local=options.address is None)
     if refusal:
         logger.error("manta serve: %s", refusal)
         return 2

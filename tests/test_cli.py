@@ -66,11 +66,24 @@ def test_serve_refuses_a_quantized_checkpoint_before_starting(tmp_path):
     (["--page-size", "0"], "--page-size", "must be >= 1"),
     (["--ttft-target-ms", "300"], "--ttft-target-ms", "goes with itl_target_ms"),
     (["--itl-target-ms", "30", "--chunked-prefill-size", "-1"], "--itl-target-ms", "needs chunked prefill"),
+    (["--max-waiting", "-1"], "--max-waiting", "must be >= 0"),
+    (["--kv-store-disk-gb", "0"], "--kv-store-disk-gb", "must be > 0"),
+    (["--replicas", "0"], "--replicas", "must be >= 1"),  # (the cluster's options)
+    (["--prefill-replicas", "1"], "--decode-replicas", "go together"),
+    (["--request-timeout", "-5"], "--request-timeout", "must be > 0"),  # (the HTTP server's)
+    (["--model", "/nonexistent/ckpt"], "--model", "/nonexistent/ckpt is not a checkpoint directory"),
 ])
 def test_serve_refuses_an_option_out_of_range_by_its_flag(args, flag, says):
-    """An engine option out of range ends `manta serve` at once with a usage error naming the
-    flag the user typed (exit 2, no traceback, no Ray)."""
+    """An option out of range (the engine's, the cluster's, the server's) or a model directory
+    that is not there ends `manta serve` at once with a usage error naming the flag the user
+    typed (exit 2, no traceback, no Ray)."""
     served = run("serve", "--port", "0", *args)
     assert served.returncode == 2
     assert f"manta serve: error: {flag}: " in served.stderr and says in served.stderr
     assert "Traceback" not in served.stderr and "Started a local Ray instance" not in served.stderr
+
+
+def test_generate_refuses_a_model_that_is_not_there():
+    gen = run("generate", "--model", "/nonexistent/ckpt", "--prompt", "x")
+    assert gen.returncode == 2 and "manta generate: error: --model: /nonexistent/ckpt" in gen.stderr
+    assert "Traceback" not in gen.stderr

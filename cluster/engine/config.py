@@ -20,10 +20,11 @@ KV_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 class ConfigError(ValueError):
-    """An engine option out of its range: `field` names the EngineConfig field."""
+    """An option out of its range: `field` names the option (an EngineConfig or ClusterOptions
+    field, the `dest` of its command-line flag)."""
 
     def __init__(self, field: str, msg: str):
-        super().__init__(f"invalid engine option {field}: {msg}")
+        super().__init__(f"invalid option {field}: {msg}")
         self.field, self.msg = field, msg
 
 
@@ -138,6 +139,8 @@ class EngineConfig:
             bad("itl_target_ms", "is not supported with speculative decoding (a verify step's time is not modelled)")
         if self.max_running_requests < 1:
             bad("max_running_requests", "must be >= 1")
+        if self.max_waiting < 0:
+            bad("max_waiting", "must be >= 0 (0: unbounded)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2 * self.page_size:
             bad("kv_cache_tokens", "must hold at least two pages")
         if not 0.0 < self.mem_fraction <= 1.0:
@@ -152,8 +155,9 @@ class EngineConfig:
             bad("kv_write_policy", f"must be one of {KV_WRITE_POLICIES}")
         if self.kv_prefetch_policy not in KV_PREFETCH_POLICIES:
             bad("kv_prefetch_policy", f"must be one of {KV_PREFETCH_POLICIES}")
-        if min(self.kv_store_host_gb, self.kv_store_disk_gb, self.kv_host_cache_gb) <= 0:
-            bad("kv_store_host_gb/kv_store_disk_gb/kv_host_cache_gb", "must be > 0")
+        for name in ("kv_store_host_gb", "kv_store_disk_gb", "kv_host_cache_gb"):
+            if getattr(self, name) <= 0:
+                bad(name, "must be > 0")
         if self.pd_transfer_timeout_s <= 0:
             bad("pd_transfer_timeout_s", "must be > 0")
         if self.kv_prefetch_timeout_s < 0 or self.kv_prefetch_timeout_per_page_s < 0:
