@@ -87,3 +87,18 @@ def test_generate_refuses_a_model_that_is_not_there():
     gen = run("generate", "--model", "/nonexistent/ckpt", "--prompt", "x")
     assert gen.returncode == 2 and "manta generate: error: --model: /nonexistent/ckpt" in gen.stderr
     assert "Traceback" not in gen.stderr
+
+
+def test_bench_against_no_server_says_so(tmp_path):
+    """`manta bench serve --url` where nothing listens: exit 1 naming the URL, no traceback."""
+    import socket
+
+    out = tmp_path / "m"
+    assert run("make-model", str(out), "--arch", "llama", "--layers", "1").returncode == 0
+    with socket.socket() as s:  # a port nothing listens on once it is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    bench = run("bench", "serve", "--model", str(out), "--url", url, "--num-prompts", "2", "--input-len", "8")
+    assert bench.returncode == 1 and f"manta bench serve: error: the warm-up requests to {url} failed" in bench.stderr
+    assert "Traceback" not in bench.stderr

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import platform
 import statistics
+import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -240,7 +241,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.mode == "serve":
         import asyncio
 
-        from cluster.bench.serve import run_http, run_in_process
+        from cluster.bench.serve import BenchFailed, run_http, run_in_process
 
         if args.url:
             from transformers import AutoConfig
@@ -248,8 +249,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             vocab = AutoConfig.from_pretrained(config.model).vocab_size
             prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0)
             warmup = random_prompts(2, args.input_len, vocab, 1)  # as the in-process run warms its engine
-            res = asyncio.run(run_http(args.url, config.model_name, prompts, args.output_len, args.request_rate,
-                                       warmup=warmup, server_pid=args.server_pid))
+            try:
+                res = asyncio.run(run_http(args.url, config.model_name, prompts, args.output_len, args.request_rate,
+                                           warmup=warmup, server_pid=args.server_pid))
+            except BenchFailed as exc:
+                print(f"manta bench serve: error: {exc}", file=sys.stderr)
+                return 1
         else:
             engine = Engine(config)
             prompts = random_prompts(args.num_prompts, args.input_len, engine.model_config.vocab_size, 0)

@@ -133,6 +133,10 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class BenchFailed(RuntimeError):
+    """The benchmark could not run (its server is not there, or refused the warm-up)."""
+
+
 async def run_http(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,
                    seed: int = 0, api_key: str = "none", warmup: list[list[int]] = (),
                    server_pid: int | None = None) -> dict:
@@ -192,7 +196,8 @@ async def run_http(url: str, model: str, prompts: list[list[int]], output_len: i
 
         warm = await asyncio.gather(*(one(-1, p, 4) for p in warmup))
         if any(w.error for w in warm):
-            raise RuntimeError(f"the warm-up requests failed: {[w.error for w in warm]}")
+            raise BenchFailed(f"the warm-up requests to {url} failed ({', '.join(sorted({w.error for w in warm if w.error}))}): "
+                              "is a server there, serving this model?")
         t0, cpu0 = time.perf_counter(), process_cpu_s(server_pid) if server_pid else None
         tasks = [asyncio.create_task(one(i)) async for i in _arrivals(len(prompts), rate, seed)]
         timings = await asyncio.gather(*tasks)
