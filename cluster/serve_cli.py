@@ -143,6 +143,23 @@ def _refused_checkpoint(model: str, quantization: str | None = None, local: bool
     return None
 
 
+def _listen_socket(host: str, port: int):
+    """The server's socket, bound before the cluster starts: a port already taken is a usage
+    error at once, not a failure after the replicas came up (uvicorn listens on it later)."""
+    import socket
+
+    from cluster.engine.config import ConfigError
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError("port", f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -161,6 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if refusal:
         logger.error("manta serve: %s", refusal)
         return 2
+    sock = _listen_socket(args.host, args.port)
     gil_switch.apply()  # the event loop and Ray's thread that hands it the replicas' replies
     metrics = ServerMetrics()
     cluster = ServingCluster(options, metrics)
@@ -200,12 +218,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 loop.create_task(stop_when_drained())
 
             server.on_signal = lambda: loop.call_soon_threadsafe(on_signal)
-            logger.info("serving %s on http://%s:%d/v1", router.model_name, args.host, args.port)
-            await server.serve()
+            logger.info("serving %s on http://%s:%d/v1", router.model_name, args.host, sock.getsockname()[1])
+            await server.serve(sockets=[sock])
             await supervisor.aclose()
             await router.aclose()
 
         asyncio.run(main())
     finally:
+        sock.close()
         cluster.shutdown(now=bool(hurry))
     return 0

@@ -102,3 +102,17 @@ def test_bench_against_no_server_says_so(tmp_path):
     bench = run("bench", "serve", "--model", str(out), "--url", url, "--num-prompts", "2", "--input-len", "8")
     assert bench.returncode == 1 and f"manta bench serve: error: the warm-up requests to {url} failed" in bench.stderr
     assert "Traceback" not in bench.stderr
+
+
+def test_serve_on_a_port_in_use_says_so_before_starting():
+    """Another process listens on the port: `manta serve` exits 2 naming it, before Ray and the
+    replicas start (it used to start them all, then fail to bind)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        served = run("serve", "--port", str(port))
+    assert served.returncode == 2 and f"manta serve: error: --port: cannot listen on 127.0.0.1:{port}" in served.stderr
+    assert "Traceback" not in served.stderr and "Started a local Ray instance" not in served.stderr
