@@ -16,15 +16,17 @@ file I/O never holds up another client's call.
 
 The disk is shared: the tier never fills its filesystem past a reserve (5% of its size but no
 more than 4 GiB, at least 256 MiB, at most 20%). At start its capacity is clamped to what the
-disk has free beyond the reserve (with a warning); while running the free space is read again at most every
-second and the capacity shrinks (or grows back, up to the configured cap) with it, so the LRU
-eviction makes room inside what the disk allows. A failed write (a full or failing disk)
+disk has free beyond the reserve (with a warning); while running the free space is read again
+at most every second and the capacity shrinks (or grows back, up to the configured cap) with
+it, so the LRU eviction makes room inside what the disk allows. A failed write (a full or failing disk)
 stops file writes for `backoff_s` and is logged once per burst, not once per page.
 
 One store per directory: a store indexes, evicts and cleans up its root as if it were alone (a
 second one would delete the first's files in flight, and each would count only its own). So
 the tier holds an exclusive lock on `root/.lock` while it lives (`claim_root`); the kernel
-drops it when the process ends, however it ends, so a restarted store gets it back.
+drops it when the process ends, however it ends, so a restarted store gets it back. (A
+directory where the lock file cannot be made, a read-only one, is used without it: a store
+there deletes nothing.)
 """
 
 from __future__ import annotations
@@ -48,8 +50,6 @@ HEADER = struct.Struct("<8s96sQI8sB")  # magic, key (ascii, NUL padded), page si
 HEADER_BYTES = 128
 SUFFIX = ".kv"
 
-
-RESERVE_MAX = 4 << 30  # the reserve of a big disk (5% of 2 TB would idle 100 GB)
 BLOCK = 4096  # what a file takes on disk is counted in whole blocks
 
 
@@ -73,11 +73,16 @@ class RootInUse(RuntimeError):
 
 def claim_root(root: Path, wait_s: float | None = None):
     """Hold `root` for this store: an exclusive lock on `root/.lock` (kept in the returned open
-    file), waiting up to `wait_s` for a previous holder that is going away (a restart racing its
-    predecessor's exit); raises RootInUse naming the holder."""
+    file; None where the file cannot be made), waiting up to `wait_s` for a previous holder that
+    is going away (a restart racing its predecessor's exit); raises RootInUse naming the holder."""
     path = root / LOCK_NAME
-    path.touch()
-    f = open(path)  # read-only: a filesystem with no file open for writing can be remounted
+    try:
+        if not path.exists():
+            path.touch()
+        f = open(path)  # read-only: a filesystem with no file open for writing can be remounted
+    except OSError as exc:
+        logger.warning("kv store: no lock on %s (%s): another store could share the directory", root, exc)
+        return None
     deadline = time.monotonic() + (LOCK_WAIT_S if wait_s is None else wait_s)
     while True:
         try:
@@ -90,8 +95,14 @@ def claim_root(root: Path, wait_s: float | None = None):
                 raise RootInUse(f"the KV store directory {root} is in use by another store (process {holder}): "
                                 f"give each cluster its own directory (manta serve --kv-store DIR)") from None
             time.sleep(0.1)
-    path.write_text(f"{os.getpid()} on {os.uname().nodename}\n")
+    try:
+        path.write_text(f"{os.getpid()} on {os.uname().nodename}\n")
+    except OSError:
+        pass  # (read-only: the holder goes unnamed)
     return f
+
+
+RESERVE_MAX = 4 << 30  # the reserve of a big disk (5% of 2 TB would idle 100 GB)
 
 
 def disk_reserve(total_bytes: int) -> int:
@@ -139,7 +150,8 @@ class FileTier:
 
     def release(self) -> None:
         """Let another store have the directory (this one writes no more)."""
-        self._claim.close()
+        if self._claim is not None:
+            self._claim.close()
 
     def writable(self) -> bool:
         """False while backing off after a failed write (the caller skips the write)."""
