@@ -25,15 +25,15 @@ cluster's store actor (`kvstore.store`, reached through this rank's `kvstore.cli
   all of them hold.
 - load (`KVLoad`, in the plan that admits its request): enqueue the copy of those pages up
   from their pinned rows into a device buffer on a load stream, and their scatter into the
-  device pages on the compute stream behind it, ahead of the forward that reads them. Under
-  overlapped scheduling the plan is enqueued while the previous step computes, so the PCIe copy
-  (a 2,048-token prompt of an 8B model: 256 MiB) runs beside that step instead of holding up
-  every decode behind it; only the scatter (device to device) is on the compute stream, and
-  its stream order keeps pool pages safe from a step still in flight. No host-side copy on the
-  step's thread: the rows stay pinned until the scatter's event has completed, checked at the
-  next step, end the prefetch, and agree with the other ranks on
-  the count (min over ranks). Every rank runs the same loads in the same order, so the
-  collectives line up; a rank that fails locally contributes 0 and never skips one.
+  device pages on the compute stream behind it, ahead of the forward that reads them; end the
+  prefetch, and agree with the other ranks on the count (min over ranks). Under overlapped
+  scheduling the plan is enqueued while the previous step computes, so the PCIe copy (a
+  2,048-token prompt of an 8B model: 256 MiB) runs beside that step instead of holding up
+  every decode behind it; only the scatter (device to device) is on the compute stream, whose
+  order keeps pool pages safe from a step still in flight. Nothing is copied on the step's
+  thread: the rows stay pinned until the scatter's event has completed (checked at the next
+  step). Every rank runs the same loads in the same order, so the collectives line up; a rank
+  that fails locally contributes 0 and never skips one.
 
 Which pages are saved, and when (write-through, selective, write-back), and when a prefetch
 stops, is decided by the scheduler (`cluster.engine.kv_offload`); this file only carries out orders.
