@@ -121,26 +121,24 @@ def _gated_server_class():
     return GatedServer
 
 
-def _refused_checkpoint(model: str, quantization: str | None = None, local: bool = True) -> str | None:
-    """Why a local checkpoint cannot be served (an unknown architecture, a quantized format it
-    cannot load), found before Ray and the replicas start; None when it can, or when the
-    directory is not here and need not be (`local` False: on a `ray up` cluster the ranks' nodes
-    may hold it). A missing directory of a local Ray instance raises ConfigError."""
+def _check_checkpoint(model: str, quantization: str | None, local: bool) -> None:
+    """Refuse, before Ray and the replicas start, a checkpoint that cannot be served (an unknown
+    architecture, a quantized format it cannot load) or, when the ranks run here (`local`), a
+    directory that is not there (on a `ray up` cluster the ranks' nodes may hold it): ConfigError."""
     import os
 
+    from cluster.engine.config import ConfigError
     from cluster.engine_args import require_checkpoint
     from workers.loader import check_quantization
     from workers.model_config import ModelConfig
 
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        if local:
-            require_checkpoint(model)
-        return None
+    if not local and not os.path.isfile(os.path.join(model, "config.json")):
+        return
+    require_checkpoint(model)
     try:
         check_quantization(ModelConfig.from_pretrained(model, quantization=quantization))
     except ValueError as exc:
-        return str(exc)
-    return None
+        raise ConfigError("model", str(exc)) from None
 
 
 def _listen_socket(host: str, port: int):
@@ -174,10 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ConfigError("request_timeout", "must be > 0 seconds")
     options = cluster_options_from_args(args)
-    refusal = _refused_checkpoint(options.engine.model, options.engine.quantization, local=options.address is None)
-    if refusal:
-        logger.error("manta serve: %s", refusal)
-        return 2
+    _check_checkpoint(options.engine.model, options.engine.quantization, local=options.address is None)
     sock = _listen_socket(args.host, args.port)
     gil_switch.apply()  # the event loop and Ray's thread that hands it the replicas' replies
     metrics = ServerMetrics()

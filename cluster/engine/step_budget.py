@@ -75,7 +75,6 @@ class StepBudget:
         self._coef: np.ndarray | None = None
         self._prompt_fit = ForgettingFit(2, FORGET_PROMPT, prior=PRIOR)  # over (1, S / 1000)
         self._prompt: tuple[float, float] | None = None  # p, r per 1000 tokens (seconds)
-        self._sizes_up = self._sizes_down[::-1]
         self.last_cap = ceiling
         self.capped_steps = 0  # plans whose cap was below the ceiling
         self.relaxed_steps = 0  # plans whose cap the waiting prompts raised above what fits the target
@@ -143,7 +142,7 @@ class StepBudget:
                     break
             limit = self.ttft_target_s
             if cap < self.ceiling and backlog > cap and self.drain_s(cap, decode_s, backlog) > limit:
-                cap = next((s for s in self._sizes_up if s > cap and self.drain_s(s, decode_s, backlog) <= limit),
+                cap = next((s for s in reversed(self._sizes_down) if s > cap and self.drain_s(s, decode_s, backlog) <= limit),
                            self.ceiling)
                 self.relaxed_steps += 1
         self.last_cap = cap
