@@ -280,6 +280,39 @@ def test_inter_token_latency_counts_the_gaps_a_stream_waits(stack, oai):
     assert 0 < sum1 - sum0 <= span + 0.25
 
 
+def test_engine_step_seconds_count_the_steps_a_stream_took(stack, oai):
+    """manta:engine_step_seconds{mode}: every completed engine step once, by its mode. A
+    16-token stream takes at least 16 steps (its prompt's, then one per token), all in one engine
+    thread, so their summed time fits in the wall time around them; the buckets are cumulative."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def steps() -> tuple[float, float, dict]:
+        text = httpx.get(stack["url"] + "/metrics").text
+        fam = next(f for f in text_string_to_metric_families(text) if f.name == "manta:engine_step_seconds")
+        mine = [s for s in fam.samples if s.labels.get("replica") == "local"]
+        count = sum(s.value for s in mine if s.name.endswith("_count"))
+        total = sum(s.value for s in mine if s.name.endswith("_sum"))
+        buckets = {}
+        for s in mine:
+            if s.name.endswith("_bucket"):
+                buckets.setdefault(s.labels["mode"], []).append(s.value)
+        return count, total, buckets
+
+    count0, sum0, _ = steps()
+    t0 = time.monotonic()
+    stream = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    assert sum(len(c.choices[0].text) > 0 for c in stream if c.choices) >= 1
+    time.sleep(0.2)  # (the engine thread publishes a step's stats after it has sent its outputs)
+    wall = time.monotonic() - t0
+    count1, sum1, buckets = steps()
+    assert count1 - count0 >= 16
+    assert 0 < sum1 - sum0 <= wall
+    assert "DECODE" in buckets
+    for counts in buckets.values():
+        assert counts == sorted(counts) and counts[-1] > 0
+
+
 # ------------------------------------------------------------------------------------------------
 # Errors
 # ------------------------------------------------------------------------------------------------

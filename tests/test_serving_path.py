@@ -116,6 +116,23 @@ def test_the_serving_paths_hops_split_at_the_transport(served):
         assert abs(sum(t for _, t in parts) - total) <= 1e-3 * count + 0.01 * total, (hop, total, parts)
 
 
+def test_bench_serve_reports_the_replicas_steps_over_its_run(served):
+    """`manta bench serve --url` against `manta serve`: each replica's engine steps over the timed
+    run only (from /admin/replicas before and after, the warm-up left out), by mode: 6 streams of
+    9 tokens take at least 8 decode steps after their prompts, fewer than one step per token."""
+    from cluster.bench.serve import run_http
+
+    model = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+    prompts = [[11 + i, 40, 41, 42, 43] for i in range(6)]
+    res = asyncio.run(run_http(served.url, model, prompts, 9, rate=100.0, warmup=prompts[:2]))
+    assert res["errors"] == 0
+    steps = res["replica_steps"]["replica-0"]
+    assert 8 <= steps["DECODE"]["steps"] < 6 * 9
+    assert sum(m["steps"] for m in steps.values()) >= 9
+    for m in steps.values():
+        assert 0 < m["mean_ms"] <= m["max_ms"] and m["p50_ms_under"] <= m["p99_ms_under"]
+
+
 def test_idle_cluster_uses_no_cpu(served):
     """After the load above: every manta process (server, replica, rank, KV store) averages
     under 5% of one core over 30 s."""

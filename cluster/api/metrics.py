@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from cluster.api.kvstore_metrics import KVStoreCollector
 from cluster.api.monotonic import Monotonic
 from cluster.api.spec_metrics import SpecCollector
+from cluster.api.step_metrics import StepTimeCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # No `_created` series beside every counter and histogram (a third more series per scrape, and
@@ -259,6 +260,8 @@ class ServerMetrics:
         r.register(self._kvstore)
         self._spec = SpecCollector()  # manta:spec_* (cluster/api/spec_metrics.py)
         r.register(self._spec)
+        self._steps = StepTimeCollector()  # manta:engine_step_seconds (cluster/api/step_metrics.py)
+        r.register(self._steps)
         for code in ERROR_CODES:
             self.request_errors.labels(code)
         for reason in ABORT_REASONS:
@@ -376,6 +379,8 @@ class ServerMetrics:
             self._kvstore.set(replica, stats["kvstore"])
         if "spec_draft_tokens" in stats:
             self._spec.set(replica, stats)
+        if stats.get("steps"):
+            self._steps.set(replica, stats["steps"])
 
     def set_kv_capacity(self, replica: str, info: dict) -> None:
         """From a replica's `info()`: its KV pages (page 0 is reserved) x page size, by dtype."""
@@ -422,6 +427,7 @@ class ServerMetrics:
         self._messages.remove(replica)
         self._kvstore.remove(replica)
         self._spec.remove(replica)
+        self._steps.remove(replica)
 
     # ---------------- read ----------------
     def render(self) -> bytes:

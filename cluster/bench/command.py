@@ -264,10 +264,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         payload["result"] = res
         _print_table(f"serve: {args.num_prompts} x ({args.input_len} in, {args.output_len} out) at "
                      f"{args.request_rate} req/s ({'HTTP ' + args.url if args.url else 'in-process engine'})",
-                     [(k, v) for k, v in res.items() if k != "steps"]
+                     [(k, v) for k, v in res.items() if k not in ("steps", "replica_steps", "replica_step_budget")]
                      + [(f"{k}: steps / mean ms / p99 ms / s",
                           f"{v['steps']} / {v['mean_ms']:.2f} / {v['p99_ms']:.2f} / {v['total_s']:.2f}")
-                        for k, v in res.get("steps", {}).items()])
+                        for k, v in res.get("steps", {}).items()]
+                     + [(f"{name} {mode}: steps / mean ms / p50, p99 under ms / > 40 ms",
+                         f"{v['steps']} / {v['mean_ms']:.2f} / {v['p50_ms_under']:g}, {v['p99_ms_under']:g} / {v['over_40ms']}")
+                        for name, modes in res.get("replica_steps", {}).items() for mode, v in modes.items()]
+                     + [(f"{name} step budget: capped / relaxed steps", f"{b.get('capped_steps')} / {b.get('relaxed_steps')}")
+                        for name, b in res.get("replica_step_budget", {}).items()])
     elif args.mode == "latency":
         engine = Engine(config)
         res = bench_latency(engine, args.batch, args.input_len, args.steps)

@@ -15,6 +15,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from cluster.engine.step_times import step_summary
+
 
 @dataclass
 class RequestTiming:
@@ -198,6 +200,7 @@ async def run_http(url: str, model: str, prompts: list[list[int]], output_len: i
         if any(w.error for w in warm):
             raise BenchFailed(f"the warm-up requests to {url} failed ({', '.join(sorted({w.error for w in warm if w.error}))}): "
                               "is a server there, serving this model?")
+        replicas0 = await _replica_stats(session)  # (after the warm-up's steps were polled)
         t0, cpu0 = time.perf_counter(), process_cpu_s(server_pid) if server_pid else None
         tasks = [asyncio.create_task(one(i)) async for i in _arrivals(len(prompts), rate, seed)]
         timings = await asyncio.gather(*tasks)
@@ -206,7 +209,32 @@ async def run_http(url: str, model: str, prompts: list[list[int]], output_len: i
             cpu = process_cpu_s(server_pid) - cpu0
             res["server_cpu_s"] = cpu
             res["server_cpu_us_per_token"] = 1e6 * cpu / max(1, res["output_tokens"])
+        replicas1 = await _replica_stats(session) if replicas0 else {}
+        for name, st in replicas1.items():  # the replicas' steps over the timed run, by mode
+            res.setdefault("replica_steps", {})[name] = step_summary(
+                st.get("steps") or {}, (replicas0.get(name) or {}).get("steps"))
+            if st.get("step_budget"):
+                res.setdefault("replica_step_budget", {})[name] = st["step_budget"]
         return res
+
+
+# The router polls its replicas' stats every 0.5 s (RouterOptions.stats_interval_s) and
+# /admin/replicas answers its last poll: wait two polls for one taken after what came before.
+STATS_SETTLE_S = 1.0
+
+
+async def _replica_stats(session) -> dict[str, dict]:
+    """Each replica's stats from the server's GET /admin/replicas, once the router has polled
+    them afresh ({} from a server without it: another system, or one that refuses)."""
+    await asyncio.sleep(STATS_SETTLE_S)
+    try:
+        async with session.get("/admin/replicas") as resp:
+            if resp.status != 200:
+                return {}
+            body = await resp.json()
+    except Exception:  # noqa: BLE001 - optional: the benchmark's figures do not depend on it
+        return {}
+    return {r["name"]: r.get("stats") or {} for r in body.get("replicas", []) if "name" in r}
 
 
 def run_transformers_offline(model_dir: str, prompts: list[list[int]], output_len: int, device: str,

@@ -30,6 +30,7 @@ from cluster.engine.request import ADMITTED, Admitted, FinishReason, GenerationR
 from cluster.engine.scheduler import RequestRejected, TokenEvent
 from cluster.engine.spec_scheduler import scheduler_class
 from cluster.engine.step_budget import StepBudget
+from cluster.engine.step_times import StepTimes
 from workers import heap
 from workers.encoder_decoder import GenerationRules
 from workers.forward_batch import ForwardMode
@@ -118,6 +119,7 @@ class Engine:
         self._closed: str | None = None  # why admissions are refused (fail_all(close=True), shutdown)
         self._ids = itertools.count()
         self.step_listeners: list[Callable[[Engine, float], None]] = []
+        self.step_times = StepTimes()  # every completed plan's time, by mode (stats()["steps"])
         # Benchmarks: set to a list to record (step call start, completion time, mode, requests,
         # new tokens) of every completed plan (cluster/bench/serve.py's step summary).
         self.step_trace: list[tuple[float, float, str, int, int]] | None = None
@@ -205,6 +207,7 @@ class Engine:
             "prompt_token_cap": (sch.step_budget.last_cap if sch.step_budget else
                                  sch.mixed_prefill_tokens if sch.chunk_size else sch.max_batched_tokens),
             "step_budget": sch.step_budget.stats() if sch.step_budget else None,
+            "steps": self.step_times.stats(),
         }
 
     def kv_events(self, epoch: str | None, seq: int) -> dict:
@@ -259,6 +262,7 @@ class Engine:
         self._deliver(outputs)
         end = time.perf_counter()
         dt = end - t0
+        self.step_times.observe(done.mode.name, dt)
         if self.scheduler.step_budget is not None:  # the step's time as its streams saw it
             self.scheduler.step_budget.observe(done, dt)
         if self.step_trace is not None:

@@ -153,6 +153,12 @@ def build() -> dash_b.Dashboard:
         _quantiles("manta:inter_token_latency_seconds"), "s"))
     n.panel(timeseries(
         "End-to-end latency", "Arrival to last token.", _quantiles("manta:e2e_request_latency_seconds"), "s"))
+    n.panel(timeseries(
+        "Engine step time p99 by kind", "The steps that make the inter-token gaps: DECODE (running requests "
+        "only), MIXED (a prompt piece beside the decodes), EXTEND (prompts alone); p99 over the selected "
+        "replicas, read against the ITL goal.",
+        [(f"histogram_quantile(0.99, {_rate('manta:engine_step_seconds_bucket', by='le, mode')})", "{{mode}}")],
+        "s"))
 
     n.row("Batching and KV cache")
     n.panel(timeseries(

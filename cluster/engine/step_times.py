@@ -1,0 +1,84 @@
+"""How long the engine's steps take, by the kind of step: the replica-side view of the inter-token
+latency a stream sees.
+
+A stream's gap between two tokens is the step that computed the second one, so its tail is the
+tail of the steps: a MIXED step carrying a long prompt piece, a decode replica's step that
+admits a hand-off, a collector pause. The server sees only the gaps
+(`manta:inter_token_latency_seconds`); these counts say which steps made them. Each completed plan
+is observed once, by its mode, with the time the engine loop spent on it (under overlapped
+scheduling: from the launch of the next plan to this one's tokens, i.e. the step as the
+streams saw it). Cumulative, read by `Engine.stats` and exported as the histogram
+`manta:engine_step_seconds{replica, mode}` (cluster/api/step_metrics.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+# Upper bounds, seconds: 5 ms apart up to 50 (a decode step of an 8B model at batch 1 to 64, the
+# ITL goals), then the tail.
+STEP_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.045, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+                1.0, 2.5)
+
+
+class StepTimes:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # observed by the engine thread, read by the stats poll
+        # The kinds every engine runs, reported (at 0) from the start: a dashboard has its series.
+        self._modes: dict[str, _Mode] = {mode: _Mode() for mode in ("DECODE", "EXTEND", "MIXED")}
+
+    def observe(self, mode: str, seconds: float) -> None:
+        with self._lock:
+            m = self._modes.get(mode)
+            if m is None:
+                m = self._modes[mode] = _Mode()
+            m.counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
+            m.sum_s += seconds
+            m.max_s = max(m.max_s, seconds)
+
+    def stats(self) -> dict[str, dict]:
+        """Per mode: `count`, `sum_s`, `max_s` and `buckets`, the cumulative count of steps at or
+        under each bound of STEP_BUCKETS (the count is the +Inf bucket)."""
+        with self._lock:
+            out = {}
+            for mode, m in self._modes.items():
+                cum, buckets = 0, []
+                for c in m.counts[:-1]:
+                    cum += c
+                    buckets.append(cum)
+                out[mode] = {"count": sum(m.counts), "sum_s": m.sum_s, "max_s": m.max_s, "buckets": buckets}
+            return out
+
+
+class _Mode:
+    __slots__ = ("counts", "sum_s", "max_s")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(STEP_BUCKETS) + 1)
+        self.sum_s = 0.0
+        self.max_s = 0.0
+
+
+def step_summary(after: dict[str, dict], before: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Per mode, the steps between two `StepTimes.stats()` readings (all of `after` without
+    `before`): how many, their mean, the bucket bounds their p50 and p99 fell under, and how many
+    took longer than 40 ms (issue 26's ITL goal). `max_ms` is the largest since the engine
+    started, not only in between."""
+    out = {}
+    for mode, a in after.items():
+        b = (before or {}).get(mode) or {"count": 0, "sum_s": 0.0, "buckets": [0] * len(a["buckets"])}
+        n = a["count"] - b["count"]
+        if n <= 0:
+            continue
+        cum = [x - y for x, y in zip(a["buckets"], b["buckets"])]
+        out[mode] = {"steps": n, "mean_ms": 1e3 * (a["sum_s"] - b["sum_s"]) / n,
+                     "p50_ms_under": 1e3 * _bound_of(cum, 0.5 * n, a["max_s"]),
+                     "p99_ms_under": 1e3 * _bound_of(cum, 0.99 * n, a["max_s"]),
+                     "over_40ms": n - cum[STEP_BUCKETS.index(0.04)], "max_ms": 1e3 * a["max_s"]}
+    return out
+
+
+def _bound_of(cum: list[int], rank: float, max_s: float) -> float:
+    """The first bucket bound with `rank` steps at or under it (past the last bound: the max)."""
+    return next((bound for bound, c in zip(STEP_BUCKETS, cum) if c >= rank), max_s)
