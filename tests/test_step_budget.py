@@ -124,17 +124,26 @@ def test_prompts_waiting_longer_than_the_ttft_target_allows_raise_the_cap():
     b.ttft_target_s = 0.15  # what waits may take 150 ms
     fit = b.prompt_tokens(d, k)
     assert fit < 1024 and b.stats()["relaxed_steps"] == 0
-    assert b.prompt_tokens(d, k, backlog=fit) == fit  # one step's worth: nothing to relax
-    assert drain(fit, 2 * fit) < 0.15 and b.prompt_tokens(d, k, backlog=2 * fit) == fit
+    assert b.prompt_tokens(d, k, backlog=[(0.0, fit)]) == fit  # one step's worth: nothing to relax
+    assert drain(fit, 2 * fit) < 0.15 and b.prompt_tokens(d, k, backlog=[(0.0, fit), (0.0, fit)]) == fit
     backlog = 2600  # four capped steps, more than 150 ms; fewer at a larger size
     assert drain(fit, backlog) > 0.15
-    raised = b.prompt_tokens(d, k, backlog=backlog)
+    raised = b.prompt_tokens(d, k, backlog=[(0.0, 1300), (0.0, 1300)])
     assert fit < raised < 1024 and drain(raised, backlog) <= 0.15
     assert all(drain(s, backlog) > 0.15 for s in SIZES if fit < s < raised)
-    assert b.prompt_tokens(d, k, backlog=100_000) == 1024  # no size drains it in time: the ceiling
+    assert b.prompt_tokens(d, k, backlog=[(0.0, 100_000)]) == 1024  # no size drains it in time: the ceiling
     assert b.stats()["relaxed_steps"] == 2 and b.last_cap == 1024
+    # A prompt that has already waited: one capped step's worth behind it would still make it
+    # late, so the cap grows until its first token is predicted in time.
+    tokens = fit + 64  # two capped steps, one at a larger size
+    waited = 0.15 - 1.5 * drain(fit, fit)  # in time after one capped step, late after two
+    late = b.prompt_tokens(d, k, backlog=[(waited, tokens)])
+    assert fit < late < 1024 and waited + drain(late, tokens) <= 0.15
+    assert b.prompt_tokens(d, k, backlog=[(0.0, tokens)]) == fit  # the same prompt, fresh: no change
+    # Only a late one counts: a fresh prompt behind one that will be in time changes nothing.
+    assert b.prompt_tokens(d, k, backlog=[(0.01, fit), (0.0, fit)]) == fit
     lax = trained(0.04, ttft_target_s=10.0)  # a lax TTFT target: the ITL target alone decides
-    assert lax.prompt_tokens(d, k, backlog=10_000) == fit
+    assert lax.prompt_tokens(d, k, backlog=[(0.0, 10_000)]) == fit
 
 
 def test_the_scheduler_tells_the_budget_what_waits():
@@ -147,13 +156,16 @@ def test_the_scheduler_tells_the_budget_what_waits():
     run_step(s)  # a decodes from now on
     s.add_request(req("b", 40, max_tokens=4))
     s.add_request(req("c", 30, max_tokens=4))
-    assert prompt_backlog(s, 10_000) == 70
+    now = s.requests["c"].arrival_time + 0.5
+    waits = {rid: now - s.requests[rid].arrival_time for rid in ("b", "c")}
+    assert prompt_backlog(s, 10_000, now) == [(waits["b"], 40), (waits["c"], 30)]
+    assert waits["b"] >= waits["c"] == 0.5
     s.mixed_prefill_tokens = 16
     run_step(s)  # b's first 16 tokens beside a's decode
-    assert prompt_backlog(s, 10_000) == 54
-    assert prompt_backlog(s, 20) == 24  # counting stops past the limit
+    assert prompt_backlog(s, 10_000, now) == [(waits["b"], 24), (waits["c"], 30)]
+    assert prompt_backlog(s, 20, now) == [(waits["b"], 24)]  # counting stops past the limit
     s.max_running = len(s.running)  # no free slot: c waits for one, not for prompt room
-    assert prompt_backlog(s, 10_000) == 24
+    assert prompt_backlog(s, 10_000, now) == [(waits["b"], 24)]
 
 
 def test_before_it_has_seen_steps_the_cap_is_the_ceiling():

@@ -30,11 +30,14 @@ to fit: `EngineConfig` refuses the target without chunking).
 
 The cap trades prompt throughput for the gap: capped steps may compute prompt tokens more
 slowly than they arrive, and then the queue, and every first token, would grow without bound.
-So the scheduler also says how many prompt tokens wait (`backlog`: those of prompts being
-computed and of the queued requests it has running slots for); when the capped steps are
-predicted to take longer than the time-to-first-token target (`ttft_target_s`) to compute them
-all, the cap grows to the smallest size that would not, up to `ceiling` (`relaxed_steps` counts
-those plans). A burst thus costs some streams a longer gap for a few steps instead of costing
+So the scheduler also says which prompts wait (`backlog`: those being computed and the queued
+requests it has running slots for, each with how long it has waited and its tokens left); when
+one of them is predicted to get its first token later than the time-to-first-token target
+(`ttft_target_s`) allows, counting its wait so far and the capped steps that compute it and
+every prompt ahead of it, the cap grows to the smallest size under which none is, up to
+`ceiling` (`relaxed_steps` counts those plans). The wait so far matters: through `manta
+serve` (H200, 2026-11-28, a 36 ms target) a bound on the queue's length alone never raised the
+cap while TTFT p99 reached 325 ms against its 288 ms target. A burst thus costs some streams a longer gap for a few steps instead of costing
 the queue's first tokens many steps each.
 """
 
@@ -42,6 +45,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -126,9 +131,11 @@ class StepBudget:
         return p + r * self._size_of(size) / 1000.0
 
     # ---------------- the cap ----------------
-    def prompt_tokens(self, decodes: int, kv_tokens: int, backlog: int = 0) -> int:
+    def prompt_tokens(self, decodes: int, kv_tokens: int, backlog: Sequence[tuple[float, int]] = ()) -> int:
         """The prompt tokens the next step may compute beside `decodes` decoding requests that
-        read `kv_tokens` KV tokens, while `backlog` prompt tokens wait to be computed."""
+        read `kv_tokens` KV tokens, while the prompts of `backlog` wait to be computed (each as
+        the seconds it has waited and the tokens it has left, in the order they will be computed:
+        `prompt_backlog`)."""
         cap = self.ceiling
         if self._coef is not None and self._prompt is not None:
             decode_s = self.decode_s(decodes, kv_tokens)
@@ -141,18 +148,25 @@ class StepBudget:
                     cap = size
                     break
             limit = self.ttft_target_s
-            if cap < self.ceiling and backlog > cap and self.drain_s(cap, decode_s, backlog) > limit:
-                cap = next((s for s in reversed(self._sizes_down) if s > cap and self.drain_s(s, decode_s, backlog) <= limit),
-                           self.ceiling)
+            if cap < self.ceiling and backlog and self.first_token_s(cap, decode_s, backlog) > limit:
+                cap = next((s for s in reversed(self._sizes_down)
+                            if s > cap and self.first_token_s(s, decode_s, backlog) <= limit), self.ceiling)
                 self.relaxed_steps += 1
         self.last_cap = cap
         self.capped_steps += cap < self.ceiling
         return cap
 
-    def drain_s(self, size: int, decode_s: float, backlog: int) -> float:
-        """Predicted time for steps of `size` prompt tokens (and decodes costing `decode_s`) to
-        compute `backlog` prompt tokens."""
-        return -(-backlog // size) * (decode_s + self.prompt_s(size))
+    def first_token_s(self, size: int, decode_s: float, backlog: Sequence[tuple[float, int]]) -> float:
+        """The latest first token among `backlog`'s prompts, predicted for steps of `size` prompt
+        tokens (and decodes costing `decode_s`): each prompt's wait so far plus the steps that
+        compute it and every prompt ahead of it. A prompt that has waited long makes the cap
+        grow even when little waits behind it; a long queue, even when nothing in it is old."""
+        step = decode_s + self.prompt_s(size)
+        worst, ahead = 0.0, 0
+        for waited, tokens in backlog:
+            ahead += tokens
+            worst = max(worst, waited + -(-ahead // size) * step)
+        return worst
 
     def _size_of(self, tokens: int) -> int:
         """The size a prompt forward of `tokens` tokens runs at."""
@@ -169,20 +183,23 @@ class StepBudget:
                 "prompt_fit_ms": [] if self._prompt is None else [1e3 * c for c in self._prompt]}
 
 
-def prompt_backlog(scheduler, limit: int) -> int:
-    """Prompt tokens a scheduler's running requests and the waiting ones it has free running
-    slots for still have to compute (a decode's one token is not counted, nor is a waiting
-    prompt's cached prefix, not known yet: a queue held back by the slots is not one a bigger
-    cap would drain); counting stops past `limit`."""
-    n = 0
+def prompt_backlog(scheduler, limit: int, now: float | None = None) -> list[tuple[float, int]]:
+    """The prompts a scheduler's running requests and the waiting ones it has free running
+    slots for still have to compute, in the order it computes them: (seconds since the request
+    arrived, prompt tokens left). A decode's one token is not counted, nor is a waiting prompt's
+    cached prefix, not known yet; a queue held back by the slots is not one a bigger cap would
+    drain. Counting stops past `limit` tokens."""
+    now = time.monotonic() if now is None else now
+    out, n = [], 0
     slots = max(0, scheduler.max_running - len(scheduler.running))
     for req in itertools.chain(scheduler.running, itertools.islice(scheduler.waiting, slots)):
         left = req.num_tokens - req.num_computed
         if left > 1:
+            out.append((now - req.arrival_time, left))
             n += left
             if n > limit:
                 break
-    return n
+    return out
 
 
 class ForgettingFit:
