@@ -655,8 +655,10 @@ def test_bench_serve_counts_tokens_from_usage_not_text_events(stack):
     res = asyncio.run(run_http(stack["url"], MODEL, prompts, 9, rate=100.0, warmup=prompts[:2],
                                server_pid=os.getpid()))
     assert res["requests"] == 6 and res["errors"] == 0 and res["output_tokens"] == 6 * 9
-    for key in ("ttft_ms_p50", "tpot_ms_mean", "itl_ms_p99", "chunk_gap_ms_p99", "server_cpu_s"):
+    for key in ("ttft_ms_p50", "tpot_ms_mean", "itl_ms_p99", "chunk_gap_ms_p99", "server_cpu_s", "second_token_ms_p99",
+                "itl_after_second_ms_p99"):
         assert res[key] > 0, key
+    assert res["second_token_ms_p50"] <= res["second_token_ms_p99"]
     assert res["server_cpu_us_per_token"] == pytest.approx(1e6 * res["server_cpu_s"] / 54)
     bad = asyncio.run(run_http(stack["url"], "no-such-model", prompts[:2], 4, rate=100.0))
     assert bad["errors"] == 2 and bad["errors_by_kind"] == {"HTTP 404": 2}

@@ -73,6 +73,13 @@ def summarize(timings: list[RequestTiming], wall: float) -> dict:
         res[f"{name}_mean"] = 1e3 * statistics.mean(xs) if xs else float("nan")
         res[f"{name}_p50"] = 1e3 * percentile(xs, 0.5)
         res[f"{name}_p99"] = 1e3 * percentile(xs, 0.99)
+    # The first gap apart (first to second token: under prefill/decode disaggregation, the KV
+    # hand-off; otherwise a step like the rest) and the gaps after it.
+    second = [t.token_times[1] - t.token_times[0] for t in ok if len(t.token_times) > 1]
+    later = [b - a for t in ok for a, b in zip(t.token_times[1:], t.token_times[2:])]
+    res["second_token_ms_p50"] = 1e3 * percentile(second, 0.5)
+    res["second_token_ms_p99"] = 1e3 * percentile(second, 0.99)
+    res["itl_after_second_ms_p99"] = 1e3 * percentile(later, 0.99)
     return res
 
 
