@@ -95,6 +95,32 @@ def test_one_slow_step_does_not_hold_the_cap_down():
     assert b.prompt_tokens(d, k) == before
 
 
+def test_the_target_holds_the_tail_of_mixed_steps_not_their_mean():
+    """MIXED steps that scatter around their prediction (here up to 20% over it): the budget
+    learns the 95th percentile of time over prediction and caps so that a step that far over
+    still fits the target. One slow step among many changes nothing; steps as predicted leave
+    the margin at 1."""
+    from cluster.engine.step_budget import MIN_RATIOS, RATIOS
+
+    d, k = 190, 190 * 1500
+    rng = random.Random(5)
+    noisy, exact = trained(0.04), trained(0.04)
+    assert noisy.margin() == 1.0  # (too few MIXED steps seen yet)
+    for i in range(RATIOS):
+        size = SIZES[1 + i % 4]
+        cost = decode_cost(d, k) + prompt_cost(size)
+        noisy.observe(plan([1500] * d, size), cost * rng.uniform(0.9, 1.2))
+        exact.observe(plan([1500] * d, size), cost * (1.5 if i == RATIOS // 2 else 1.0))
+    assert exact.margin() == pytest.approx(1.0, abs=0.01)  # one slow step is not the tail
+    assert 1.12 < noisy.margin() <= 1.2
+    cap, m = noisy.prompt_tokens(d, k), noisy.margin()
+    assert (noisy.decode_s(d, k) + noisy.prompt_s(cap)) * m <= 0.04
+    bigger = [s for s in SIZES if s > cap]
+    assert not bigger or (noisy.decode_s(d, k) + noisy.prompt_s(bigger[0])) * m > 0.04
+    assert cap < exact.prompt_tokens(d, k)  # the mean alone would have allowed more
+    assert noisy.stats()["margin"] == m and MIN_RATIOS <= RATIOS
+
+
 @pytest.mark.parametrize("d,ctx", [(1, 100), (100, 1000), (190, 1500), (250, 2500), (400, 4000)])
 def test_the_cap_is_the_largest_size_predicted_to_fit(d, ctx):
     target = 0.04
