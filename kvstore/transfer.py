@@ -11,7 +11,7 @@ import threading
 import time
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -25,15 +25,26 @@ PARALLEL_CRC_BYTES = 4 << 20  # a batch at least this large is checksummed on se
 def checksums(views: Sequence[np.ndarray]) -> list[int]:
     """crc32 of each view; a large batch on a few threads at once (zlib releases the GIL for
     large buffers): one core's crc32 (~2 GB/s) was the client's largest cost."""
-    global _CRC_POOL
     if len(views) < 2 or sum(v.nbytes for v in views) < PARALLEL_CRC_BYTES:
         return [zlib.crc32(v) for v in views]
+    return list(_crc_pool().map(zlib.crc32, views))
+
+
+def checksums_started(views: Sequence[np.ndarray]) -> list[Future]:
+    """crc32 of each view, started on the checksum threads: the caller goes on (e.g. reads the
+    next pages) and takes each `result()` when it needs it."""
+    pool = _crc_pool()
+    return [pool.submit(zlib.crc32, v) for v in views]
+
+
+def _crc_pool() -> ThreadPoolExecutor:
+    global _CRC_POOL
     if _CRC_POOL is None:
         with _CRC_POOL_LOCK:
             if _CRC_POOL is None:
                 _CRC_POOL = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) // 2)),
                                                thread_name_prefix="kv-crc")
-    return list(_CRC_POOL.map(zlib.crc32, views))
+    return _CRC_POOL
 
 
 def agree_on_pages(tp_group, found: int) -> int:

@@ -1,8 +1,10 @@
 """NIXL READ bandwidth between two processes on this host, host memory to host memory: what a
 decode rank pulling a prompt's pages from a prefill rank gets here (workers/kv_peer.py).
 
-    python scripts/nixl_read_bench.py [--mib 256] [--page-kib 2048] [--repeat 5]
+    python scripts/nixl_read_bench.py [--mib 256] [--page-kib 2048] [--repeat 5] [--chunk-pages 8 16] [--out F]
 
+Times a hand-off both ways: one READ of every page and then their crc32s, and READs of a chunk
+of pages at a time with each chunk's crc32s running beside the next READ (workers/kv_peer.py).
 Run it under different UCX_TLS settings to see which transport UCX picks and what it moves.
 """
 
@@ -37,9 +39,20 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--page-kib", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--chunk-pages", type=int, nargs="*", default=[8, 16],
+                    help="also time a hand-off as workers/kv_peer.py reads it: READs of this many pages, "
+                         "each chunk's crc32s on the checksum threads beside the next READ")
+    ap.add_argument("--out", default=None, help="write the medians as JSON here")
     args = ap.parse_args()
-    import numpy as np
+    import json
+    import sys
+    import zlib
+    from pathlib import Path
+
     import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from kvstore.transfer import checksums, checksums_started, nixl_transfer
 
     nbytes, page = args.mib << 20, args.page_kib << 10
     parent, child = mp.get_context("spawn").Pipe()
@@ -51,23 +64,41 @@ def main() -> None:
     agent.register_memory(local)
     remote_name = agent.add_remote_agent(meta)
     n = nbytes // page
-    lo = np.array([(local.data_ptr() + i * page, page, 0) for i in range(n)], np.uint64)
-    re = np.array([(remote_base + i * page, page, 0) for i in range(n)], np.uint64)
-    times = []
-    for _ in range(args.repeat):
+    lo = [(local.data_ptr() + i * page, page, 0) for i in range(n)]
+    re = [(remote_base + i * page, page, 0) for i in range(n)]
+    views = [local[i * page : (i + 1) * page].numpy() for i in range(n)]
+
+    def whole() -> tuple[float, float]:  # one READ, then every checksum
         t0 = time.perf_counter()
-        h = agent.initialize_xfer("READ", agent.get_xfer_descs(lo, "DRAM"), agent.get_xfer_descs(re, "DRAM"),
-                                  remote_name)
-        state = agent.transfer(h)
-        while state == "PROC":
-            state = agent.check_xfer_state(h)
-        agent.release_xfer_handle(h)
-        times.append(time.perf_counter() - t0)
-        assert state == "DONE", state
+        assert nixl_transfer(agent, "READ", lo, re, remote_name, 30.0) == "done"
+        t1 = time.perf_counter()
+        checksums(views)
+        return t1 - t0, time.perf_counter() - t1
+
+    def chunked(k: int) -> tuple[float, float]:
+        t0, started = time.perf_counter(), []
+        for a in range(0, n, k):
+            assert nixl_transfer(agent, "READ", lo[a : a + k], re[a : a + k], remote_name, 30.0) == "done"
+            started += checksums_started(views[a : a + k])
+        t1 = time.perf_counter()
+        got = [f.result() for f in started]
+        assert got[0] == zlib.crc32(views[0])
+        return t1 - t0, time.perf_counter() - t1
+
+    rows = {"one READ, then the checksums": whole}
+    rows.update({f"{k}-page READs, checksums beside": (lambda k=k: chunked(k)) for k in args.chunk_pages})
+    results = {}
+    print(f"{args.mib} MiB in {n} pages of {args.page_kib} KiB, median of {args.repeat} (after one untimed run)")
+    for name, fn in rows.items():
+        fn()
+        runs = sorted((fn() for _ in range(args.repeat)), key=sum)
+        read_s, after_s = runs[len(runs) // 2]
+        results[name] = {"read_ms": 1e3 * read_s, "checksums_after_ms": 1e3 * after_s, "total_ms": 1e3 * (read_s + after_s)}
+        print(f"  {name:34s} READ {1e3 * read_s:7.1f} ms  checksums after {1e3 * after_s:6.1f} ms  "
+              f"total {1e3 * (read_s + after_s):7.1f} ms ({nbytes / (read_s + after_s) / 1e9:.2f} GB/s)")
     parent.send("stop")
-    best = min(times)
-    print(f"READ {args.mib} MiB in {n} descriptors: best {best * 1e3:.1f} ms = {nbytes / best / 1e9:.2f} GB/s "
-          f"(first {times[0] * 1e3:.1f} ms, incl. connection set-up)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"mib": args.mib, "page_kib": args.page_kib, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from cluster.router import RouterOptions
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import hf_greedy
 from tests.test_kvstore_serving import prompt_ids
+from workers.kv_peer import READ_CHUNK_PAGES
 
 pytestmark = pytest.mark.slow
 
@@ -249,6 +250,12 @@ def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
 
         pd.fault("corrupt")  # one page's checksum goes out wrong: the pages from it on are computed
         _check_pd_faulted(pd, range(10, 12), "pd_corrupt")
+        # A prompt of 30 pages is read in chunks of 8: the bad middle page is in the second,
+        # and the pages before it (the whole first chunk and part of the second) still come over.
+        pages = sum(r["pd_pages"] for r in pd.rank_stats(pd.decode))
+        _check_pd_faulted(pd, range(14, 15), "pd_corrupt", length=480)
+        got = sum(r["pd_pages"] for r in pd.rank_stats(pd.decode)) - pages
+        assert READ_CHUNK_PAGES < got < 30, got
         pd.fault(None)
 
         pd.fault("delay", 8.0)  # past the 4 s deadline: the decode side computes the prompt itself
@@ -324,9 +331,9 @@ def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
         pd.close()
 
 
-def _check_pd_faulted(pd: PD, seeds: range, counter: str) -> None:
+def _check_pd_faulted(pd: PD, seeds: range, counter: str, length: int = 64) -> None:
     before = sum(r[counter] for r in pd.rank_stats(pd.decode))
-    prompts = [prompt_ids(64 + s % 7, s) for s in seeds]
+    prompts = [prompt_ids(length + s % 7, s) for s in seeds]
     texts, want = pd.complete(prompts)
     assert texts == want
     assert sum(r[counter] for r in pd.rank_stats(pd.decode)) > before
