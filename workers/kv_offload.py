@@ -5,9 +5,10 @@ by chain key, least recently used first out. It sits between the rank's device p
 cluster's store actor (`kvstore.store`, reached through this rank's `kvstore.client`):
 
 - save (`KVSave`, at the start of a step, before the forward): on a GPU the pages are gathered
-  by kernels enqueued on the compute stream ahead of this step's forward (which may overwrite a
-  saved page: stream order keeps the gather first) and copied down into their pinned host rows
-  on a side stream, beside the forward; nothing on the step's thread waits or copies bytes. The
+  and copied down into their pinned host rows on a side stream, after the work already on the
+  compute stream (a PD hand-off's prompt pages at once: their steps have completed), and this
+  step's forward, which may overwrite a saved page, waits for the gather; nothing on the
+  step's thread waits or copies bytes. The
   I/O thread waits for the copy's event, publishes the rows and writes them on to the store.
   When the host tier has no free row (every row still on its way to a slow store) the page is
   dropped and counted, never written in the step.
@@ -92,8 +93,7 @@ class RankKVOffload(RankIOThreads):
         self.peer = PeerReader(self, pool, tp)  # pages read from prefill replicas
         self._copying: deque[tuple[object, list[int]]] = deque()  # (copy event, rows pinned until it)
         # On a GPU, pages move between the device pool and the pinned rows by DMA on side
-        # streams: saves down on one, loads up on another (a load must not queue behind a save
-        # that waits on the compute stream).
+        # streams: saves down on one, loads up on another (a load must not queue behind a save).
         self._device = pool_device(pool)
         self._gpu_rows = self.host.pinned and self._device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self._device) if self._gpu_rows else None
@@ -194,7 +194,8 @@ class RankKVOffload(RankIOThreads):
             self.leases.expect([k for _, k in todo])
         try:
             if self._gpu_rows:
-                write = _Write([k for _, k in todo], rows, None, self._copy_out(pages, rows), save.store, prompt)
+                write = _Write([k for _, k in todo], rows, None, self._copy_out(pages, rows, final=not save.store),
+                               save.store, prompt)
             else:  # on the CPU: gathered now, put into its rows by the I/O thread
                 stage = torch.empty((len(pages), self.page_bytes), dtype=torch.uint8)
                 gather_pages(self.pool, pages, stage)
@@ -213,24 +214,38 @@ class RankKVOffload(RankIOThreads):
             (self._writes if write.store else self._handoffs).append(write)
             self._cv.notify_all()
 
-    def _copy_out(self, page_ids: list[int], rows: list[int]):
+    def _copy_out(self, page_ids: list[int], rows: list[int], final: bool = False):
         """Device pages into pinned host rows with nothing on the step's thread but launches:
-        the pages are gathered on the compute stream (ahead of the forward that may overwrite
-        them), copied down to their rows on a side stream (beside the forward), and the
-        returned event completes when the bytes are in the rows."""
+        the pages are gathered into a device buffer and copied down to their rows on a side
+        stream, and this plan's forward (which may overwrite a saved page) waits on the compute
+        stream for the gather. The returned event completes when the bytes are in the rows.
+
+        Where the gather starts: a page the radix cache took on a release may hold the KV of
+        the last known token, which the step in flight is still writing (overlapped scheduling),
+        so by default the gather waits for everything enqueued on the compute stream. A `final`
+        save's pages were written by steps that have completed: a hand-off's full prompt pages
+        (`cluster/engine/kv_handoff.py`), saved once the prefill's result was read. Those are
+        gathered at once, beside the step in flight: waiting for it, a prefill replica sharing an
+        H200 made each hand-off's `locate` wait 42-47 ms (268 MB for a 2,048-token 8B prompt,
+        behind the next ~125 ms prefill step; 2026-11-28)."""
         from kvstore.pages import gather_pages
 
-        dev = torch.empty((len(page_ids), self.page_bytes), dtype=torch.uint8, device=self._device)
-        gather_pages(self.pool, page_ids, dev)
-        gathered = torch.cuda.Event()
-        gathered.record()
+        compute = torch.cuda.current_stream(self._device)
+        if not final:
+            queued = torch.cuda.Event()
+            queued.record(compute)
         with torch.cuda.stream(self._copy_stream):
-            self._copy_stream.wait_event(gathered)
+            if not final:
+                self._copy_stream.wait_event(queued)
+            dev = torch.empty((len(page_ids), self.page_bytes), dtype=torch.uint8, device=self._device)
+            gather_pages(self.pool, page_ids, dev)
+            gathered = torch.cuda.Event()
+            gathered.record(self._copy_stream)
             for i, j in runs(rows):
                 self.host.data[rows[i] : rows[i] + j - i].copy_(dev[i:j], non_blocking=True)
             done = torch.cuda.Event()
-            done.record()
-        dev.record_stream(self._copy_stream)  # not reused before the copy has read it
+            done.record(self._copy_stream)
+        compute.wait_event(gathered)  # the forward after this may reuse a saved page
         return done
 
     def _save_now(self, save: KVSave) -> None:
