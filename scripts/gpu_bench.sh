@@ -7,7 +7,8 @@
 # and FastAPI on PYTHONPATH: ../shared/gpu/README.md): l8http (store on: a cold run, then the server restarted and the
 # same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2 on two GPUs, store on) l8pd (two replicas sharing the GPU:
 # mixed against prefill + decode, 2048-token prompts) l8route (`manta bench routing`: round robin / tree / events,
-# two replicas sharing the GPU, KV store on).
+# two replicas sharing the GPU, KV store on), servetests (the GPU tests that need Ray and NIXL: PD on a GPU,
+# pages loaded into a GPU pool).
 # l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts) gemms (the 8B layer's four products alone, TFLOP/s).
 # FP8 (issue 25): l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
 # (`bench_gemv --fp8`) l8fp8serve (in-process serve workload) l8fp8http
@@ -108,6 +109,8 @@ for s in $stages; do
              tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py tests/test_moe_kernels.py tests/test_fp8_heads.py tests/test_fp8_gemm.py tests/test_gpu_fp8.py \
              tests/test_gpu_kv_fp8.py 2>&1 | grep -v "Warning\|warn" \
              | tee "$OUT/tests.log" ;;
+    servetests) python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_pd.py tests/test_kvstore_serving.py -k "gpu" \
+             2>&1 | grep -v "Warning\|warn" | tee "$OUT/servetests.log" ;;  # needs Ray, NIXL, FastAPI (../shared/gpu)
     compiles) python3 scripts/compiles_after_start.py llama; python3 scripts/compiles_after_start.py deepseek_v2 ;;
     sweep) python3 -m attention.bench_kernels --sweep 2>&1 | tee "$OUT/decode_sweep.txt" ;;
     gemv) python3 -m workers.layers.bench_gemv --out "$OUT/gemv_sweep.json" 2>&1 | grep -v Warning ;;
