@@ -39,10 +39,12 @@ requests it has running slots for, each with how long it has waited and its toke
 one of them is predicted to get its first token later than the time-to-first-token target
 (`ttft_target_s`) allows, counting its wait so far and the capped steps that compute it and
 every prompt ahead of it, the cap grows to the smallest size under which none is, up to
-`ceiling` (`relaxed_steps` counts those plans). The wait so far matters: through `manta
-serve` (H200, 2026-11-28, a 36 ms target) a bound on the queue's length alone never raised the
-cap while TTFT p99 reached 325 ms against its 288 ms target. A burst thus costs some streams a longer gap for a few steps instead of costing
-the queue's first tokens many steps each.
+`ceiling` (`relaxed_steps` counts those plans). The wait so far counts because a prompt that
+has already waited is late whatever waits behind it: through `manta serve` (H200, 2026-11-28,
+a 36 ms target) a bound on the queue's length alone never raised the cap while TTFT p99 reached
+325 ms against its 288 ms target (with the wait counted, one run on another H200: 325 ms again,
+5 plans relaxed; BENCHMARKS.md). A burst thus costs some streams a longer gap for a few steps
+instead of costing the queue's first tokens many steps each.
 """
 
 from __future__ import annotations
