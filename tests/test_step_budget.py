@@ -168,6 +168,12 @@ def test_prompts_waiting_longer_than_the_ttft_target_allows_raise_the_cap():
     assert b.prompt_tokens(d, k, backlog=[(0.0, tokens)]) == fit  # the same prompt, fresh: no change
     # Only a late one counts: a fresh prompt behind one that will be in time changes nothing.
     assert b.prompt_tokens(d, k, backlog=[(0.01, fit), (0.0, fit)]) == fit
+    # Overlapped, the next plan runs after the step in flight: one capped step's worth that
+    # would be in time on its own is late behind it.
+    in_time = [(0.15 - 1.5 * drain(fit, fit), fit)]
+    assert b.prompt_tokens(d, k, backlog=in_time) == fit
+    b.steps_ahead = 1
+    assert b.prompt_tokens(d, k, backlog=in_time) > fit
     lax = trained(0.04, ttft_target_s=10.0)  # a lax TTFT target: the ITL target alone decides
     assert lax.prompt_tokens(d, k, backlog=[(0.0, 10_000)]) == fit
 
@@ -245,6 +251,7 @@ def run_with_target(tmp_path_factory, ttft_target_ms: float):
     engine = Engine(config)
     budget = engine.scheduler.step_budget
     assert budget is not None and (budget.ceiling, budget.floor) == (64, 16)
+    assert budget.steps_ahead == int(engine.overlap)  # a plan waits for the one in flight
     plans = []
     schedule = engine.scheduler.schedule
 

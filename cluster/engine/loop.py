@@ -105,6 +105,8 @@ class Engine:
         self.overlap = (not config.disable_overlap_schedule and self.workers.supports_overlap
                         and not self.serving.is_embedding)
         self.scheduler.overlap = self.overlap
+        if self.scheduler.step_budget is not None:  # a plan starts after the one in flight
+            self.scheduler.step_budget.steps_ahead = int(self.overlap)
         self._inflight: collections.deque = collections.deque()  # launched plans, oldest first
         # fail_all() ended the requests of the launched plans: the engine thread forgets them
         # (and has the workers forget them) before its next step. Only that thread calls the

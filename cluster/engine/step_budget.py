@@ -97,6 +97,9 @@ class StepBudget:
         self.capped_steps = 0  # plans whose cap was below the ceiling
         self.relaxed_steps = 0  # plans whose cap the waiting prompts raised above what fits the target
         self._ratios: deque[float] = deque(maxlen=RATIOS)  # recent MIXED steps: time / predicted time
+        # Steps already launched that the next plan runs after (overlapped scheduling: 1, set by
+        # the engine): a waiting prompt's first token waits for them too.
+        self.steps_ahead = 0
 
     # ---------------- measurements ----------------
     def observe(self, plan, seconds: float) -> None:
@@ -184,13 +187,14 @@ class StepBudget:
     def first_token_s(self, size: int, decode_s: float, backlog: Sequence[tuple[float, int]]) -> float:
         """The latest first token among `backlog`'s prompts, predicted for steps of `size` prompt
         tokens (and decodes costing `decode_s`): each prompt's wait so far plus the steps that
-        compute it and every prompt ahead of it. A prompt that has waited long makes the cap
-        grow even when little waits behind it; a long queue, even when nothing in it is old."""
+        compute it and every prompt ahead of it, after `steps_ahead` already launched (priced
+        alike). A prompt that has waited long makes the cap grow even when little waits behind
+        it; a long queue, even when nothing in it is old."""
         step = decode_s + self.prompt_s(size)
         worst, ahead = 0.0, 0
         for waited, tokens in backlog:
             ahead += tokens
-            worst = max(worst, waited + -(-ahead // size) * step)
+            worst = max(worst, waited + (self.steps_ahead + -(-ahead // size)) * step)
         return worst
 
     def _size_of(self, tokens: int) -> int:
