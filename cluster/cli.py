@@ -16,7 +16,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from workers.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
-    require_checkpoint(config.model)
+    require_checkpoint(config.model, config.load_format)
     engine = Engine(config)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -15,10 +15,14 @@ from workers.kv_quant import KV_CACHE_DTYPES
 DEFAULT_MODEL_ARCH = "llama"
 
 
-def require_checkpoint(model: str) -> None:
-    """Refuse a model path that is not a checkpoint directory here (ConfigError, for the CLI)."""
+def require_checkpoint(model: str, load_format: str = "auto") -> None:
+    """Refuse a model path that is not a checkpoint directory here, or one without weights
+    unless they are to be random (`load_format` "dummy"): ConfigError, for the CLI."""
     if not (Path(model) / "config.json").is_file():
         raise ConfigError("model", f"{model} is not a checkpoint directory (it has no config.json)")
+    if load_format != "dummy" and not any(Path(model).glob("*.safetensors")):
+        raise ConfigError("model", f"{model} has no *.safetensors weights (--load-format dummy serves random "
+                                   "weights at its config's shapes)")
 
 
 def default_model_dir() -> Path:
@@ -44,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: quantize the linear weights of an unquantized checkpoint at load (one scale per "
                         "output channel); FP8 checkpoints (block-wise, compressed-tensors) load as they are")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights at the checkpoint's names and shapes (a directory with its "
+                        "config.json and tokenizer is enough: `manta make-model --no-weights`), for benchmarks; "
+                        "auto: the checkpoint's weights")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="fp8_e4m3 (or fp8): the KV cache in FP8, one byte per value with a scale per layer (the "
                         "checkpoint's kv_cache_scheme scales, else 1.0): twice the tokens in the same memory; "
@@ -99,7 +107,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_ARG_NAMES = (
-    "tokenizer", "served_model_name", "device", "dtype", "quantization", "kv_cache_dtype", "tp_size", "page_size",
+    "tokenizer", "served_model_name", "device", "dtype", "quantization", "load_format", "kv_cache_dtype", "tp_size",
+    "page_size",
     "kv_cache_tokens",
     "mem_fraction", "gpus_per_rank", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
     "mixed_prefill_tokens", "itl_target_ms", "ttft_target_ms", "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len",

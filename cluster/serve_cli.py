@@ -121,7 +121,7 @@ def _gated_server_class():
     return GatedServer
 
 
-def _check_checkpoint(model: str, quantization: str | None, local: bool) -> None:
+def _check_checkpoint(model: str, quantization: str | None, local: bool, load_format: str = "auto") -> None:
     """Refuse, before Ray and the replicas start, a checkpoint that cannot be served (an unknown
     architecture, a quantized format it cannot load) or, when the ranks run here (`local`), a
     directory that is not there (on a `ray up` cluster the ranks' nodes may hold it): ConfigError."""
@@ -134,7 +134,7 @@ def _check_checkpoint(model: str, quantization: str | None, local: bool) -> None
 
     if not local and not os.path.isfile(os.path.join(model, "config.json")):
         return
-    require_checkpoint(model)
+    require_checkpoint(model, load_format)
     try:
         check_quantization(ModelConfig.from_pretrained(model, quantization=quantization))
     except ValueError as exc:
@@ -172,7 +172,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ConfigError("request_timeout", "must be > 0 seconds")
     options = cluster_options_from_args(args)
-    _check_checkpoint(options.engine.model, options.engine.quantization, local=options.address is None)
+    _check_checkpoint(options.engine.model, options.engine.quantization, local=options.address is None,
+                      load_format=options.engine.load_format)
     sock = _listen_socket(args.host, args.port)
     gil_switch.apply()  # the event loop and Ray's thread that hands it the replicas' replies
     metrics = ServerMetrics()

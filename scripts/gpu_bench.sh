@@ -22,10 +22,13 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFL
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M="python3 -m cluster.cli"
 F=${F:-"--device cuda --page-size 16 --max-context-len 4096 --mem-fraction 0.6"}
+# DUMMY=1: models built without weight files and served on random weights drawn at load
+# (--load-format dummy): no 16 GB to write or read. Only for stages that load through `manta` with $F.
+F="$F${DUMMY:+ --load-format dummy}"
 stages=${*:-build tests profile l8 l8serve dsv2 spec}
 build() {  # build DIR ARGS...: a random-weight checkpoint, once
   local d=$1; shift
-  [ -f "$d/config.json" ] || $M make-model "$d" "$@" --dtype bfloat16 >/dev/null
+  [ -f "$d/config.json" ] || $M make-model "$d" "$@" --dtype bfloat16 ${DUMMY:+--no-weights} >/dev/null
 }
 # `manta serve` in its own process group, and the serve workload over HTTP (streamed, usage per chunk).
 SERVE_MODEL=${SERVE_MODEL:-/tmp/l8} PORT=${PORT:-8100} SPID=

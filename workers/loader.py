@@ -110,14 +110,21 @@ def check_quantization(model_config: ModelConfig) -> type:
 
 
 def load_model(
-    model_config: ModelConfig, tp: TPGroup, device: torch.device | str, dtype: torch.dtype
+    model_config: ModelConfig, tp: TPGroup, device: torch.device | str, dtype: torch.dtype,
+    load_format: str = "auto",
 ) -> nn.Module:
     """Build the model class registered for `model_config.architecture`, load this rank's
     shard of the weights and return it in eval mode. Raises ValueError naming every parameter
-    (or fused part) the checkpoint did not provide."""
+    (or fused part) the checkpoint did not provide. `load_format` "dummy": random weights of
+    the checkpoint's names and shapes instead of its files (`workers/dummy_weights.py`)."""
     cls = check_quantization(model_config)
     model = cls(model_config, tp, device, dtype)
-    reader = CheckpointReader(model_config.model_dir)
+    if load_format == "dummy":
+        from workers.dummy_weights import DummyReader
+
+        reader = DummyReader(model_config.model_dir, device)
+    else:
+        reader = CheckpointReader(model_config.model_dir)
     try:
         quant = model_config.quant
         reader.refuse_quantized_tensors(fp8=quant is not None and not quant.quantize_at_load)

@@ -168,10 +168,16 @@ def checkpoint_tensor_specs(config: Any, arch: str) -> dict[str, tuple[int, ...]
     `experts.gate_up_proj` [E, 2I, H] is written as `experts.{e}.gate_proj.weight` / `up_proj`),
     tied weights appear once.
     """
+    _, model_cls = ARCHS[arch].classes()
+    return tensor_specs_of(config, model_cls)
+
+
+def tensor_specs_of(config: Any, model_cls: type) -> dict[str, tuple[int, ...]]:
+    """`checkpoint_tensor_specs` for a transformers model class (e.g. the one a config's
+    `architectures` names)."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    _, model_cls = ARCHS[arch].classes()
     with torch.device("meta"):
         model = model_cls(config)
     sd = remove_tied_weights_from_state_dict(model.state_dict(), model)
@@ -278,6 +284,7 @@ def make_model(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     quantization: str | None = None,
     weight_block_size: tuple[int, int] = (128, 128),
+    weights: bool = True,
     **overrides: Any,
 ) -> Path:
     """Write a random `arch` checkpoint (config, weights, generation config, tokenizer) to out_dir.
@@ -290,11 +297,15 @@ def make_model(
     `legacy_config=True` writes config.json in the transformers 4.x layout (`_write_legacy_config`).
     `quantization` ("fp8-block", "fp8-channel", "fp8-tensor") rewrites the weights in that FP8
     checkpoint format (`workers/make_fp8.py`; fp8-block in `weight_block_size` blocks).
+    `weights=False` writes everything but the weights, for `--load-format dummy`
+    (`workers/dummy_weights.py`).
     """
     from transformers import GenerationConfig
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if not weights and quantization is not None:
+        raise ValueError("an FP8 checkpoint format is a format of its weights: it needs weights=True")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = build_config(
@@ -322,7 +333,7 @@ def make_model(
     gen_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID,
                                   **seq2seq)
 
-    if preset is None:
+    if preset is None and weights:
         torch.manual_seed(seed)
         model = model_cls(config)
         _reinit_(model, float(config.initializer_range), seed)
@@ -330,7 +341,8 @@ def make_model(
         model.generation_config = gen_config
         model.save_pretrained(str(out), safe_serialization=True)
     else:
-        write_random_checkpoint(out, config, arch, dtype=dtype, seed=seed, max_shard_bytes=max_shard_bytes)
+        if weights:
+            write_random_checkpoint(out, config, arch, dtype=dtype, seed=seed, max_shard_bytes=max_shard_bytes)
         config.architectures = [model_cls.__name__]
         config.dtype = dtype
         config.save_pretrained(str(out))
@@ -394,6 +406,8 @@ def add_make_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=["fp8-block", "fp8-channel", "fp8-tensor"], default=None,
                         help="write the linear weights in an FP8 checkpoint format: DeepSeek-V3 block-wise "
                              "(128x128 blocks) or compressed-tensors per-channel / per-tensor")
+    parser.add_argument("--no-weights", dest="weights", action="store_false",
+                        help="config, tokenizer and generation config only: serve it with --load-format dummy")
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists")
 
 
@@ -425,6 +439,7 @@ def run_make_model(args: argparse.Namespace) -> Path:
         tie_word_embeddings=args.tie_word_embeddings,
         legacy_config=args.legacy_config,
         quantization=args.quantization,
+        weights=args.weights,
         **extra,
     )
     print(path)

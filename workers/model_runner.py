@@ -78,6 +78,7 @@ class RunnerOptions:
     disable_radix_cache: bool = False
     disable_cuda_graph: bool = False
     seed: int = 0
+    load_format: str = "auto"  # "dummy": random weights at the checkpoint's shapes (workers/dummy_weights.py)
     # Speculative decoding (workers.spec_runner): a draft model with the target's tokenizer
     # proposes this many tokens a round; None: off.
     speculative_draft_model: str | None = None
@@ -124,7 +125,7 @@ class ModelRunner:
         self.dtype = self.model_config.dtype
         _check_kv_dtype(self.model_config, self.device)
         torch.manual_seed(opts.seed)
-        self.model = load_model(self.model_config, self.tp, self.device, self.dtype)
+        self.model = load_model(self.model_config, self.tp, self.device, self.dtype, opts.load_format)
         self.max_context_len = min(opts.max_context_len or self.model_config.max_context_len,
                                    self.model_config.max_context_len)
         # The draft model loads before the KV pool is sized: its weights and its K/V per token

@@ -94,7 +94,7 @@ class DraftRunner:
                 raise ValueError(f"speculative decoding needs attention-only models; {m.architecture} has "
                                  "linear-attention layers")
         self.model_config = mc
-        self.model = load_model(mc, self.tp, self.device, mc.dtype)
+        self.model = load_model(mc, self.tp, self.device, mc.dtype, opts.load_format)
         self.pipeline: ModelPipeline | None = None  # attach(), once the target's pools exist
         logger.info("draft model %s (%d layers), %d draft tokens per round",
                     opts.speculative_draft_model, mc.num_layers, self.num_tokens)

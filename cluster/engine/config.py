@@ -16,6 +16,7 @@ from attention.kernel_options import KernelOptions
 
 ATTENTION_BACKENDS = ("flash", "reference", "mla")  # mla: flash, checked to be an MLA model
 KV_WRITE_POLICIES = ("write_back_selective", "write_back", "write_through_selective", "write_through")  # cluster/engine/kv_saves.py
+LOAD_FORMATS = ("auto", "dummy")  # workers/loader.py: the checkpoint's weights, or random ones at its shapes
 KV_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
@@ -85,6 +86,9 @@ class EngineConfig:
     # Plan step k+1 while step k runs (cluster/engine/scheduler.py); on where the workers allow it.
     disable_overlap_schedule: bool = False
     seed: int = 0
+    # "dummy": random weights at the checkpoint's names and shapes, no weight files needed
+    # (workers/dummy_weights.py: benchmarks at a real model's shapes); "auto": the checkpoint's.
+    load_format: str = "auto"
     # Speculative decoding: a draft model (same tokenizer) proposes this many tokens per round;
     # the target verifies them in one forward (cluster/engine/spec_scheduler.py, workers/spec_runner.py).
     speculative_draft_model: str | None = None
@@ -120,6 +124,8 @@ class EngineConfig:
             bad("page_size", "must be >= 1")
         if self.device not in ("cpu", "cuda"):
             bad("device", f"must be cpu or cuda, not {self.device!r}")
+        if self.load_format not in LOAD_FORMATS:
+            bad("load_format", f"must be one of {LOAD_FORMATS}, not {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:

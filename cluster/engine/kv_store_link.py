@@ -13,6 +13,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.kv_offload import MIN_PAGE_TOKENS, SchedulerKVOffload
 from kvstore.actor import in_ray_cluster
 from kvstore.messages import STORE_NAME
+from workers.dummy_weights import DUMMY_WEIGHTS_ID
 from workers.kv_messages import KVOffloadOptions
 
 logger = logging.getLogger(__name__)
@@ -20,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=8)
 def _identity(model: str, dtype: str | None, device: str, page_size: int, tp_size: int,
-              quantization: str | None = None, kv_cache_dtype: str = "auto") -> tuple | None:
+              quantization: str | None = None, kv_cache_dtype: str = "auto", load_format: str = "auto") -> tuple | None:
     """(fingerprint, layout, bytes of one store key) of a replica, or None when its KV cannot
     be shared as pages (encoder models, encoder-decoder, hybrid linear attention). Computed
     once per process and replica shape (reads config.json, and the weight files the first time
@@ -36,9 +37,10 @@ def _identity(model: str, dtype: str | None, device: str, page_size: int, tp_siz
     layout = "mla" if mc.use_mla else "mha"
     # Weights quantized at load compute other K/V than the checkpoint's own: another fingerprint.
     weights = str(mc.dtype) + (f"+{quantization}" if quantization and mc.quant and mc.quant.quantize_at_load else "")
+    dummy = load_format == "dummy"  # random weights, the same on every start (workers/dummy_weights.py)
     if mc.kv_dtype != mc.dtype:  # an FP8 cache: other bytes per page, under the checkpoint's scales
-        weights += f"/kv:{str(mc.kv_dtype).removeprefix('torch.')}:{_kv_scales_id(model)}"
-    weights_id = weights_identity(model, cache=default_cache_dir() / "weights-ids.json")
+        weights += f"/kv:{str(mc.kv_dtype).removeprefix('torch.')}:{'' if dummy else _kv_scales_id(model)}"
+    weights_id = DUMMY_WEIGHTS_ID if dummy else weights_identity(model, cache=default_cache_dir() / "weights-ids.json")
     fingerprint = model_fingerprint(model, weights, page_size, tp_size, layout, weights_id)
     width = mc.kv_lora_rank + mc.qk_rope_head_dim if mc.use_mla else mc.per_rank_kv_heads(tp_size) * mc.head_dim
     key_bytes = page_size * len(mc.full_attn_layers) * width * mc.kv_dtype.itemsize
@@ -67,7 +69,7 @@ def replica_identity(config: EngineConfig) -> tuple | None:
         return None  # and a loaded prefix without the draft's K/V would starve its proposals
     try:
         return _identity(config.model, config.dtype, config.device, config.page_size, config.tp_size,
-                         config.quantization, config.kv_cache_dtype)
+                         config.quantization, config.kv_cache_dtype, config.load_format)
     except Exception as exc:  # the engine reports a checkpoint it cannot load; the store just stays off
         logger.warning("KV store off: cannot fingerprint %s (%s: %s)", config.model, type(exc).__name__, exc)
         return None

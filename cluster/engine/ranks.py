@@ -30,6 +30,7 @@ def runner_options(config: EngineConfig) -> RunnerOptions:
         disable_radix_cache=config.disable_radix_cache,
         disable_cuda_graph=config.disable_cuda_graph,
         seed=config.seed,
+        load_format=config.load_format,
         speculative_draft_model=config.speculative_draft_model,
         speculative_num_tokens=config.speculative_num_tokens,
         kv_offload=kv_offload_options(config),
