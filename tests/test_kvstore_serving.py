@@ -637,3 +637,53 @@ def test_dead_hung_or_full_store_never_stops_serving(engines, tmp_path, llama_di
         assert eng2.kv_offload.stats.hit_pages == 0 and eng2.kv_offload.probe.counters.errors >= 1
     finally:
         ray.kill(hung)
+
+
+# ------------------------------------------------------------------------------------------------
+# A PD hand-off's save may be copied beside the step in flight only when no plan still in flight
+# writes its pages (`KVSave.settled`, workers/kv_offload.py `_copy_out`).
+# ------------------------------------------------------------------------------------------------
+
+
+def handoff_saves(eng) -> list:
+    """Record every plan's hand-off saves (host only) as the engine schedules them."""
+    seen, schedule = [], eng.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        if plan is not None:
+            seen.extend(s for s in plan.kv_saves if not s.store)
+        return plan
+
+    eng.scheduler.schedule = recording
+    return seen
+
+
+def test_a_finished_prefill_is_settled_an_aborted_one_is_not(engines, tmp_path, llama_dir):
+    root = tmp_path / "kv"
+    start_store(root)
+    eng = engines(engine_config(llama_dir, root, chunked_prefill_size=2 * PAGE, max_num_batched_tokens=2 * PAGE))
+    assert eng.overlap  # (else nothing is ever in flight and every hand-off is settled)
+    saves = handoff_saves(eng)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    done = []
+    eng.add_request(prompt_ids(5 * PAGE + 3, seed=1), one, done.append, hand_off=True)
+    while eng.has_work():
+        eng.step()
+    assert done[-1].finished and len(saves) == 1 and saves[0].settled and len(saves[0].page_ids) == 5
+
+    rid = eng.add_request(prompt_ids(9 * PAGE + 3, seed=2), one, done.append, hand_off=True)
+    req = eng.scheduler.requests[rid]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # until a piece of it is in flight past one whose result was read
+        if not eng.step():
+            time.sleep(0.01)  # (its admission waits on the store's answer)
+        if req.last_step > eng.scheduler.done_step and req.num_computed >= 4 * PAGE:
+            break
+    assert req.last_step > eng.scheduler.done_step and eng._inflight
+    eng.abort(rid)
+    while eng.has_work():
+        eng.step()
+    assert len(saves) == 2 and not saves[1].settled  # a piece of it was in flight at the abort
+    eng.scheduler.check_integrity()

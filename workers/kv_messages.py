@@ -26,6 +26,10 @@ class KVSave:
     store: bool = True  # False: into the host tier only (a prefill replica's hand-off to decode)
     prompt: int = 0  # the leading pages that hold prompt tokens (a restarted replica warms those first)
     wait_s: float = 0.0  # `sync`: how long pages the store refuses for want of room are offered again
+    # Every plan that wrote these pages has completed (its result read): the copy need not wait
+    # for the step in flight (workers/kv_offload.py `_copy_out`). Set only where the scheduler
+    # knows it: a PD hand-off of a prefill that finished on its sampled token.
+    settled: bool = False
 
 
 @dataclass

@@ -6,7 +6,7 @@ cluster's store actor (`kvstore.store`, reached through this rank's `kvstore.cli
 
 - save (`KVSave`, at the start of a step, before the forward): on a GPU the pages are gathered
   and copied down into their pinned host rows on a side stream, after the work already on the
-  compute stream (a PD hand-off's prompt pages at once: their steps have completed), and this
+  compute stream (a settled PD hand-off's prompt pages at once: their steps have completed), and this
   step's forward, which may overwrite a saved page, waits for the gather; nothing on the
   step's thread waits or copies bytes. The
   I/O thread waits for the copy's event, publishes the rows and writes them on to the store.
@@ -142,7 +142,9 @@ class RankKVOffload(RankIOThreads):
         # The loads' host rows, pinned before this plan's saves take rows: a save evicts the
         # least recently used rows, often the very prefix a load brings back.
         held = [self.host.leading(ld.keys[: len(ld.page_ids)]) for ld in plan.kv_loads]
-        for save in plan.kv_saves:
+        # Settled saves first: on the in-order copy stream, one behind a save that waits for the
+        # step in flight would wait for it too.
+        for save in sorted(plan.kv_saves, key=lambda s: not s.settled):
             self._save(save)
         for pre in plan.kv_prefetch:
             self._start_prefetch(pre)
@@ -194,7 +196,7 @@ class RankKVOffload(RankIOThreads):
             self.leases.expect([k for _, k in todo])
         try:
             if self._gpu_rows:
-                write = _Write([k for _, k in todo], rows, None, self._copy_out(pages, rows, final=not save.store),
+                write = _Write([k for _, k in todo], rows, None, self._copy_out(pages, rows, final=save.settled),
                                save.store, prompt)
             else:  # on the CPU: gathered now, put into its rows by the I/O thread
                 stage = torch.empty((len(pages), self.page_bytes), dtype=torch.uint8)
@@ -220,14 +222,14 @@ class RankKVOffload(RankIOThreads):
         stream, and this plan's forward (which may overwrite a saved page) waits on the compute
         stream for the gather. The returned event completes when the bytes are in the rows.
 
-        Where the gather starts: a page the radix cache took on a release may hold the KV of
-        the last known token, which the step in flight is still writing (overlapped scheduling),
-        so by default the gather waits for everything enqueued on the compute stream. A `final`
-        save's pages were written by steps that have completed: a hand-off's full prompt pages
-        (`cluster/engine/kv_handoff.py`), saved once the prefill's result was read. Those are
-        gathered at once, beside the step in flight: waiting for it, a prefill replica sharing an
-        H200 made each hand-off's `locate` wait 42-47 ms (268 MB for a 2,048-token 8B prompt,
-        behind the next ~125 ms prefill step; 2026-11-28)."""
+        Where the gather starts: a page the radix cache took on a release may hold K/V that a
+        step in flight is still writing (the last known token's under overlapped scheduling; an
+        aborted prefill's piece), so by default the gather waits for everything enqueued on the
+        compute stream. A `final` save (`KVSave.settled`: a PD hand-off of a prefill that ended
+        on its sampled token, every plan that wrote its pages read back) is gathered at once,
+        beside the step in flight: waiting for it, a prefill replica sharing an H200 made each
+        hand-off's `locate` wait 42-47 ms (268 MB for a 2,048-token 8B prompt, behind the next
+        ~125 ms prefill step; 2026-11-28)."""
         from kvstore.pages import gather_pages
 
         compute = torch.cuda.current_stream(self._device)

@@ -79,14 +79,15 @@ def note_stop(off, e) -> None:
         off.handoff.fetch_timeouts += 1
 
 
-def hand_off_pages(off, req, pages: list[int], num_tokens: int, token_ids: list[int]) -> None:
-    """A finished prefill of a handed-off request: save its prompt's full pages (host only)."""
+def hand_off_pages(off, req, pages: list[int], num_tokens: int, token_ids: list[int], settled: bool = False) -> None:
+    """A finished prefill of a handed-off request: save its prompt's full pages (host only).
+    `settled`: every plan that wrote them has completed (`KVSave.settled`)."""
     P = off.P
     n = min(num_tokens, len(req.prompt_ids)) // P
     if n < 1:
         return
     chain = off.chain_of(req, n, token_ids=token_ids)
-    off.pending_handoff.append(KVSave(list(pages[:n]), chain[:n], store=False))
+    off.pending_handoff.append(KVSave(list(pages[:n]), chain[:n], store=False, settled=settled))
     off.handoff.handed_off += 1
     off.handoff.handed_off_pages += n
 

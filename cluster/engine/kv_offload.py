@@ -321,7 +321,10 @@ class SchedulerKVOffload:
         """`release` put req's full pages into the radix cache; it took pages[kept:n_full].
         token_ids: the request's known tokens (without one still being sampled)."""
         if req.hand_off and req.finish_reason is not None:  # a prefill for a decode replica, finished
-            kv_handoff.hand_off_pages(self, req, pages, num_tokens, token_ids)
+            # Settled: no plan still in flight writes its pages (an abort, or a request ended
+            # while its next piece runs, is not): the ranks may copy them beside that step.
+            settled = not self.sched.overlap or req.last_step <= self.sched.done_step
+            kv_handoff.hand_off_pages(self, req, pages, num_tokens, token_ids, settled)
         n_full = num_tokens // self.P
         loaded = self.from_store.intersection(pages)
         self.from_store -= loaded

@@ -65,6 +65,9 @@ class Request:
     # Overlapped scheduling (cluster/engine/scheduler.py): output tokens still being sampled by a step
     # in flight; they sit at the end of output_ids as PENDING_TOKEN until the result arrives.
     pending: int = 0
+    # The id of the latest plan that computes this request's tokens (its K/V written there):
+    # pages it wrote are settled once that plan's result is read (Scheduler.done_step).
+    last_step: int = 0
     # Prefill/decode disaggregation: a prefill replica saves the prompt's pages for a decode
     # replica to read (`hand_off`); a decode replica reads them from `kv_source` (a
     # workers.kv_messages.KVSource) and continues from the first token (in output_ids).

@@ -121,6 +121,7 @@ class Scheduler:
         # Requests the scheduler itself ended (no token event carried the news yet).
         self._finished_silently: list[Request] = []
         self._step_id = 0
+        self.done_step = 0  # the latest plan whose result has been read: its K/V writes are done
         self.stats = SchedulerStats()
         self.kv_offload = None  # cluster.engine.kv_offload.SchedulerKVOffload when a KV store is on
         # cluster.engine.step_budget.StepBudget with a step time target: it sets the cap above.
@@ -304,6 +305,7 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int, slots: list[int]) -> ScheduledReq:
         start = req.num_computed - n  # reserve() has already advanced num_tokens
+        req.last_step = self._step_id + 1  # the plan being built
         ids = req.ids_slice(start, start + n)
         sr = ScheduledReq(
             rid=req.rid,
@@ -396,6 +398,7 @@ class Scheduler:
 
     # ---------------- results back ----------------
     def process_result(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
+        self.done_step = max(self.done_step, plan.step_id)
         if self.kv_offload is not None:  # prefetch progress; a failed load fails its request
             self.kv_offload.on_result(plan, result)
         events: list[TokenEvent] = [TokenEvent(req, [], []) for req in self._finished_silently]
