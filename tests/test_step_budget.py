@@ -198,6 +198,9 @@ def test_the_scheduler_tells_the_budget_what_waits():
     assert prompt_backlog(s, 20, now) == [(waits["b"], 24)]  # counting stops past the limit
     s.max_running = len(s.running)  # no free slot: c waits for one, not for prompt room
     assert prompt_backlog(s, 10_000, now) == [(waits["b"], 24)]
+    s.max_running = 8
+    s.requests["c"].output_ids.append(9)  # its first token is out (resumed after a prefill replica's)
+    assert prompt_backlog(s, 10_000, now) == [(waits["b"], 24)]  # so no first token of it waits
 
 
 def test_before_it_has_seen_steps_the_cap_is_the_ceiling():

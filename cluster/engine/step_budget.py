@@ -216,13 +216,16 @@ class StepBudget:
 def prompt_backlog(scheduler, limit: int, now: float | None = None) -> list[tuple[float, int]]:
     """The prompts a scheduler's running requests and the waiting ones it has free running
     slots for still have to compute, in the order it computes them: (seconds since the request
-    arrived, prompt tokens left). A decode's one token is not counted, nor is a waiting prompt's
-    cached prefix, not known yet; a queue held back by the slots is not one a bigger cap would
-    drain. Counting stops past `limit` tokens."""
+    arrived, prompt tokens left). Only requests still to send their first token count (not a
+    preempted one recomputing, nor one resumed from a prefill replica's first token); a waiting
+    prompt's cached prefix is not known yet; a queue held back by the slots is not one a bigger
+    cap would drain. Counting stops past `limit` tokens."""
     now = time.monotonic() if now is None else now
     out, n = [], 0
     slots = max(0, scheduler.max_running - len(scheduler.running))
     for req in itertools.chain(scheduler.running, itertools.islice(scheduler.waiting, slots)):
+        if req.output_ids:  # its first token is out (preempted, resumed from a prefill replica)
+            continue
         left = req.num_tokens - req.num_computed
         if left > 1:
             out.append((now - req.arrival_time, left))
