@@ -94,3 +94,22 @@ def test_the_kv_store_shares_dummy_pages_like_a_checkpoints(no_weights, tmp_path
     seeded = make_model(tmp_path / "with-weights", "llama")  # files of other random values
     assert replica_identity(cfg.replace(model=str(seeded), load_format="auto"))[0] != ident[0]
 
+
+def test_dummy_values_have_make_models_spread(no_weights):
+    """Weights spread with the config's initializer_range, norm weights around 1, and no two
+    tensors alike (each is its own ordering of the hash, not a shifted copy of another's)."""
+    import torch
+
+    from workers.dummy_weights import DummyReader
+
+    _, d = no_weights
+    reader = DummyReader(str(d), "cpu")
+    norm = next(n for n in reader.names() if n.endswith("norm.weight"))
+    embed = reader.get_tensor("model.embed_tokens.weight").float()
+    assert abs(embed.mean().item()) < 0.01 * reader.std
+    assert embed.std().item() == pytest.approx(reader.std, rel=0.05)
+    assert reader.get_tensor(norm).float().mean().item() == pytest.approx(1.0, abs=0.05)
+    mats = [reader.get_tensor(n).float().reshape(-1)[:1024] for n in reader.names() if n.endswith("proj.weight")][:6]
+    corr = torch.corrcoef(torch.stack(mats)) - torch.eye(len(mats))
+    assert corr.abs().max().item() < 0.1
+

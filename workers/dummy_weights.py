@@ -6,11 +6,12 @@ and tests of the serving stack at a real model's shapes without writing or readi
 `DummyReader` stands in for `workers.loader.CheckpointReader`: the same tensor names and shapes
 a checkpoint of that config has (`workers.make_model.tensor_specs_of`, on the class the config's
 `architectures` names), so every model loads through its own `load_weights` (TP sharding, FP8
-quantized at load) exactly as from files. Each tensor's values are drawn whole on the load
-device from a generator seeded by its name, with `make_model`'s distribution (norm weights
-1 + N(0, 0.1), the rest N(0, initializer_range)), then sliced: every rank, every TP size and
-every restart gets the same model, so the KV store may share its pages like a checkpoint's
-(`DUMMY_WEIGHTS_ID`, the weights' identity in the store's fingerprint).
+quantized at load) exactly as from files. Each tensor's values are computed whole on the load
+device, element by element from an integer hash of the index and the tensor's name, with the
+variance of `make_model`'s draw (norm weights 1 + 0.1 u, the rest initializer_range u, u uniform
+with unit variance), then sliced: every rank, TP size, device and restart gets the same model,
+so the KV store may share its pages like a checkpoint's (`DUMMY_WEIGHTS_ID`, the weights'
+identity in the store's fingerprint).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 
 import torch
 
-DUMMY_WEIGHTS_ID = "dummy-v1"  # what `kvstore.keys.weights_identity` would hash files for
+DUMMY_WEIGHTS_ID = "dummy-v2"  # what `kvstore.keys.weights_identity` would hash files for
+BLOCK = 1 << 24  # elements drawn at once (the hash's int64 working set: 128 MiB)
+MASK = 0xFFFFFFFF
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -64,12 +67,19 @@ class DummyReader:
         pass
 
     def value(self, name: str) -> torch.Tensor:
-        """The whole tensor `name`, the same wherever and whenever it is drawn."""
-        from workers.make_model import _init_value
-
-        gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(name.encode()))
-        out = torch.empty(self.specs[name], dtype=self.dtype, device=self.device)
-        return _init_value(name, self.specs[name], self.std, gen, self.dtype, out=out)
+        """The whole tensor `name`, the same on any device and torch version: element i is a
+        hash of (i, the name) spread uniformly with the variance of `make_model`'s draw."""
+        shape = self.specs[name]
+        out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        flat = out.view(-1)
+        norm = len(shape) == 1 and "norm" in name and not name.endswith(".bias")  # as make_model's
+        scale = (0.1 if norm else self.std) * 3 ** 0.5  # uniform on [-a, a): variance a^2 / 3
+        key = zlib.crc32(name.encode())
+        for start in range(0, flat.numel(), BLOCK):
+            n = min(BLOCK, flat.numel() - start)
+            u = _hashed_uniform(start, n, key, self.device) * scale
+            flat[start : start + n] = u + 1.0 if norm else u
+        return out
 
 
 class DummySlice:
@@ -86,3 +96,22 @@ class DummySlice:
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         return self.reader.value(self.name)[index]
+
+
+def _hashed_uniform(start: int, n: int, key: int, device: torch.device) -> torch.Tensor:
+    """Uniform on [-1, 1) for elements start .. start + n of a tensor keyed `key`: an integer hash
+    of each index, offset by the key between two mixing passes, so two tensors are unrelated
+    orderings rather than shifted copies (every product stays under 2^63, so the values are exact
+    on every device; torch's generators are not: CUDA's spreads a draw over a grid the GPU's size
+    decides)."""
+    h = _mix(torch.arange(start, start + n, dtype=torch.int64, device=device) & MASK)
+    h = _mix((h + _mix(torch.tensor(key, dtype=torch.int64)).item()) & MASK)
+    return h.to(torch.float32) * (2.0 / 2**32) - 1.0
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit mixer (two multiply-xorshift rounds) on int64 values under 2^32."""
+    for _ in range(2):
+        h = h ^ (h >> 16)
+        h = (h * 0x45D9F3B) & MASK
+    return h ^ (h >> 16)
