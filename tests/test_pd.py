@@ -250,8 +250,9 @@ def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
 
         pd.fault("corrupt")  # one page's checksum goes out wrong: the pages from it on are computed
         _check_pd_faulted(pd, range(10, 12), "pd_corrupt")
-        # A prompt of 30 pages is read in chunks of 8: the bad middle page is in the second,
-        # and the pages before it (the whole first chunk and part of the second) still come over.
+        # A prompt of 30 pages is read in chunks of 8, the bad middle page in the second: the
+        # pages before it (the first chunk whole, part of the second) still come over. (What
+        # this checks is the chunked read's bookkeeping; one READ of every page gives the same.)
         pages = sum(r["pd_pages"] for r in pd.rank_stats(pd.decode))
         _check_pd_faulted(pd, range(14, 15), "pd_corrupt", length=480)
         got = sum(r["pd_pages"] for r in pd.rank_stats(pd.decode)) - pages

@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import wait
 
 import torch
 
@@ -260,6 +261,9 @@ class PeerReader:
                 stuck = True
                 self.stuck.append(rows)  # taken for good: a late write lands in rows nobody uses
                 raise
+            except Exception:
+                self.off.host.give(rows)  # (no READ is left in flight: nixl_transfer released it)
+                raise
             self.off.host.give(rows[good:])
             self._publish(job, keys[:good], rows[:good])
         finally:
@@ -368,17 +372,20 @@ class PeerReader:
 
         t0 = time.monotonic()
         state, started = "done", []
-        for lo in range(0, len(local), READ_CHUNK_PAGES):
-            hi = lo + READ_CHUNK_PAGES
-            left = deadline - time.monotonic()
-            state = nixl_transfer(self.off.client.agent, "READ", local[lo:hi], remote[lo:hi], remote_agent, left) \
-                if left > 0 else "failed"
-            if state != "done":
-                break
-            started += checksums_started([v.numpy() for v in views[lo:hi]])
-        t1 = time.monotonic()
-        self.counters["pd_read_s"] += t1 - t0
-        got = [f.result() for f in started]  # (rows stay untouched until their checksums have run)
+        try:
+            for lo in range(0, len(local), READ_CHUNK_PAGES):
+                hi = lo + READ_CHUNK_PAGES
+                left = deadline - time.monotonic()
+                state = nixl_transfer(self.off.client.agent, "READ", local[lo:hi], remote[lo:hi], remote_agent,
+                                      left) if left > 0 else "failed"
+                if state != "done":
+                    break
+                started += checksums_started([v.numpy() for v in views[lo:hi]])
+        finally:  # the caller gives the rows back (or keeps them, stuck): no checksum still reads them
+            t1 = time.monotonic()
+            self.counters["pd_read_s"] += t1 - t0
+            wait([f for f in started if not f.done()])
+        got = [f.result() for f in started]
         self.counters["pd_verify_s"] += time.monotonic() - t1  # what the reads did not hide
         if state == "stuck":
             raise StuckRead(f"a READ from {source.replica} could not be cancelled")

@@ -220,8 +220,11 @@ async def run_http(url: str, model: str, prompts: list[list[int]], output_len: i
         for name, st in replicas1.items():  # the replicas' steps over the timed run, by mode
             res.setdefault("replica_steps", {})[name] = step_summary(
                 st.get("steps") or {}, (replicas0.get(name) or {}).get("steps"))
-            if st.get("step_budget"):
-                res.setdefault("replica_step_budget", {})[name] = st["step_budget"]
+            if st.get("step_budget"):  # its plan counters over the run, the rest as it ends
+                before = (replicas0.get(name) or {}).get("step_budget") or {}
+                res.setdefault("replica_step_budget", {})[name] = {
+                    **st["step_budget"], **{k: st["step_budget"][k] - before.get(k, 0)
+                                            for k in ("capped_steps", "relaxed_steps") if k in st["step_budget"]}}
         return res
 
 
