@@ -648,14 +648,24 @@ def test_streamed_tokens_arrive_as_they_come_on_a_reused_connection(stack):
     algorithm on the server's socket, the second response waited for the client's delayed ACK and
     came in one piece about 40 ms later."""
     body = {"prompt": PROMPT, "max_tokens": 8, "stream": True, "ignore_eos": True, "temperature": 0}
-    with httpx.Client(timeout=60) as client:
-        for _ in range(3):
-            t0, arrivals = time.perf_counter(), []
-            with client.stream("POST", stack["url"] + "/v1/completions", json=body) as r:
-                for _chunk in r.iter_raw():
-                    arrivals.append(time.perf_counter() - t0)
-            # 8 tokens are 8 engine steps (a millisecond or more each): their chunks cannot all come at once.
-            assert len(arrivals) >= 2 and arrivals[-1] - arrivals[0] > 0.002, arrivals
+
+    def paced(engine, dt):  # runs on the engine thread after each step: 8 tokens take >= 35 ms
+        time.sleep(0.005)
+
+    # A tiny model's step on CI takes ~0.2 ms: unpaced, 8 tokens can all be written before the
+    # client thread runs, and would arrive together with Nagle's algorithm off as well.
+    stack["engine"].step_listeners.append(paced)
+    try:
+        with httpx.Client(timeout=60) as client:
+            for _ in range(3):
+                t0, arrivals = time.perf_counter(), []
+                with client.stream("POST", stack["url"] + "/v1/completions", json=body) as r:
+                    for _chunk in r.iter_raw():
+                        arrivals.append(time.perf_counter() - t0)
+                # With Nagle's algorithm the 2nd and 3rd responses come in one piece.
+                assert len(arrivals) >= 4 and arrivals[-1] - arrivals[0] > 0.02, arrivals
+    finally:
+        stack["engine"].step_listeners.remove(paced)
 
 
 def test_bench_serve_counts_tokens_from_usage_not_text_events(stack):
