@@ -194,8 +194,9 @@ for s in $stages; do
         fi
         rm -rf "$KV" ;;
     l8pd) serve_model  # one GPU, two replicas on half of it each: mixed (--replicas 2) against 1 prefill + 1 decode
+        # (PD_GPR=1 on two GPUs: a GPU each, so neither side's kernels wait for the other's time slice)
         KV=${KV_DIR:-/tmp/kvstore}; PDWORK=${PD_WORK:-"--num-prompts 160 --input-len 2048 --output-len 256 --request-rate 8"}
-        G="$F --gpus-per-rank 0.5 --mem-fraction ${PD_MEM:-0.8} --kv-store $KV --kv-store-disk-gb 8"
+        G="$F --gpus-per-rank ${PD_GPR:-0.5} --mem-fraction ${PD_MEM:-0.8} --kv-store $KV --kv-store-disk-gb 8"
         for mode in ${PD_MODES:-mixed pd}; do rm -rf "$KV"
           if [ "$mode" = mixed ]; then sides="--replicas 2"; else sides="--prefill-replicas 1 --decode-replicas 1"; fi
           serve_start "$mode" $G $sides && { WORK="$PDWORK" http_bench "l8_pd_$mode"; serve_stop; }
