@@ -75,6 +75,10 @@ def add_kv_store_args(p) -> None:
     g.add_argument("--pd-transfer-timeout", type=float, default=10.0, dest="pd_transfer_timeout_s",
                    help="disaggregated serving: seconds a decode replica waits for a prompt's pages from its "
                         "prefill replica before it computes the rest itself")
+    g.add_argument("--pd-buffer-gb", type=float, default=1.0, dest="pd_buffer_gb",
+                   help="disaggregated serving: each rank's hand-off rows, on its GPU (beside the KV pool, out of "
+                        "what --mem-fraction leaves): pages lent to decode replicas, or read from prefill replicas, "
+                        "on their way (a 2,048-token prompt of an 8B model is 256 MiB)")
 
 
 def kv_store_config_from_args(args) -> dict:
@@ -91,6 +95,7 @@ def kv_store_config_from_args(args) -> dict:
             "kv_host_cache_gb": args.kv_host_cache_gb, "kv_host_warm": args.kv_host_warm, "kv_write_policy": args.kv_write_policy,
             "kv_prefetch_policy": args.kv_prefetch_policy, "kv_prefetch_timeout_s": args.kv_prefetch_timeout_s,
             "kv_drain_timeout_s": args.kv_drain_timeout_s, "pd_transfer_timeout_s": args.pd_transfer_timeout_s,
+            "pd_buffer_gb": args.pd_buffer_gb,
             "kv_prefetch_timeout_per_page_s": args.kv_prefetch_timeout_per_page_s}
 
 

@@ -188,10 +188,11 @@ class KVStoreClient:
 
     # ---------------- pages in registered host rows ----------------
     def register_rows(self, rows: torch.Tensor) -> bool:
-        """Register a host buffer of page rows (a rank's host tier: [n, >= page_bytes] uint8,
+        """Register a buffer of page rows (a rank's host tier: [n, >= page_bytes] uint8,
         contiguous, pinned on a GPU host) with this client's NIXL agent, so that `read_rows` and
         `write_rows` move pages between its rows and the store with no staging copy. False when
-        the agent cannot (the caller keeps to batch_get/batch_set)."""
+        the agent cannot (the caller keeps to batch_get/batch_set). The rank's PD hand-off rows
+        are registered here too, in GPU memory on a GPU (`workers/kv_peer.py` reads them)."""
         if self.agent is None or not rows.is_contiguous() or rows.dtype != torch.uint8 or rows.dim() != 2 \
                 or rows.shape[1] < self.page_bytes:
             return False

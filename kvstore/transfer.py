@@ -47,6 +47,39 @@ def _crc_pool() -> ThreadPoolExecutor:
     return _CRC_POOL
 
 
+_SUM_WEIGHTS: dict[tuple[int, str], object] = {}
+_SUM_LOCK = threading.Lock()
+SUM_SEED = 0x6D616E7461  # every process draws the same weights: a page's sum is the same anywhere
+SUM_CHUNK_WORDS = 16 << 20  # words multiplied at once (a 64 MiB temporary)
+
+
+def page_sums(rows):
+    """A checksum of each row of `rows` ([n, bytes] uint8, on any device), as int64 [n] on that
+    device, computed there without a copy: the rows' 32-bit words (bytes when the width is not
+    a multiple of 4), each times its own fixed odd random weight, mod 2^32 (int32 products
+    wrap), summed exactly in int64. Changing any one word changes its product (an odd weight
+    is invertible mod 2^32), so the sum; a page overwritten by another request's K/V differs
+    everywhere. Integer sums do not depend on the order they are added in, so a GPU and a CPU
+    agree on every page. The prefill/decode hand-off (`workers/kv_peer.py`) checks pages in
+    GPU memory with it, where a crc32 would first copy them to the host."""
+    import torch
+
+    words = rows.view(torch.int32) if rows.shape[1] % 4 == 0 else rows.to(torch.int32)
+    key = (words.shape[1], str(rows.device))
+    w = _SUM_WEIGHTS.get(key)
+    if w is None:
+        gen = torch.Generator().manual_seed(SUM_SEED)
+        w = (torch.randint(0, 2**31, (words.shape[1],), generator=gen, dtype=torch.int64) * 2 + 1)
+        w = w.remainder(2**32).sub(2**32 * (w.remainder(2**32) >= 2**31).long()).to(torch.int32).to(rows.device)
+        with _SUM_LOCK:
+            w = _SUM_WEIGHTS.setdefault(key, w)
+    step = max(1, SUM_CHUNK_WORDS // max(1, words.shape[1]))  # bounded temporaries
+    out = torch.empty(words.shape[0], dtype=torch.int64, device=rows.device)
+    for lo in range(0, words.shape[0], step):
+        torch.sum(words[lo : lo + step] * w, dim=1, dtype=torch.int64, out=out[lo : lo + step])
+    return out
+
+
 def agree_on_pages(tp_group, found: int) -> int:
     """The pages every TP rank of a replica loaded: min over ranks (`TPGroup.all_min_int`).
 
@@ -58,16 +91,17 @@ def agree_on_pages(tp_group, found: int) -> int:
 
 
 def nixl_transfer(agent, op: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]],
-                  remote_agent: str, timeout_s: float) -> str:
-    """One NIXL transfer between registered host memory here (`local`: (address, bytes, 0))
-    and `remote_agent`'s (`remote`), READ or WRITE: "done" when it completed within `timeout_s`,
+                  remote_agent: str, timeout_s: float, mem: str = "DRAM") -> str:
+    """One NIXL transfer between registered memory here (`local`: (address, bytes, device))
+    and `remote_agent`'s (`remote`), READ or WRITE, both in host memory ("DRAM") or both in GPU
+    memory ("VRAM", device: the GPU's index in its process): "done" when it completed within `timeout_s`,
     else "failed" — or "stuck" when its handle could not be released (the backend could not
     cancel it: its bytes may still land, so the caller must not reuse the memory yet)."""
     deadline = time.monotonic() + timeout_s
     handle, state = None, "ERR"
     try:
-        handle = agent.initialize_xfer(op, agent.get_xfer_descs(np.array(local, np.uint64), "DRAM"),
-                                       agent.get_xfer_descs(np.array(remote, np.uint64), "DRAM"), remote_agent)
+        handle = agent.initialize_xfer(op, agent.get_xfer_descs(np.array(local, np.uint64), mem),
+                                       agent.get_xfer_descs(np.array(remote, np.uint64), mem), remote_agent)
         state = agent.transfer(handle)
         spins = 0
         while state == "PROC" and time.monotonic() < deadline:

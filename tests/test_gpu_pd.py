@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation on a GPU: two replicas sharing one GPU (`gpus_per_rank` 0.5),
-the hand-off's prompt pages gathered on the prefill rank beside the step in flight, read over
-NIXL in chunks and loaded on the decode rank's load stream. Greedy text through the HTTP server
+the hand-off's prompt pages gathered on the prefill rank beside the step in flight into its
+hand-off rows in GPU memory, read over NIXL from GPU memory to GPU memory in chunks, checked
+on the decode rank's GPU and scattered into its pool. Greedy text through the HTTP server
 equals one in-process engine on the same GPU (float32, as the other GPU tests compare). Skipped
 without a GPU; on the CPU `tests/test_pd.py` checks the same path against transformers."""
 
@@ -50,6 +51,17 @@ def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path):
         ranks = pd.rank_stats(pd.decode)
         assert sum(r["pd_pages"] for r in ranks) >= 3 + 3 + 3 + 18 - 4  # (a page each may be recomputed)
         assert sum(r["pd_corrupt"] for r in ranks) == 0
+        for r in ranks + pd.rank_stats(pd.prefill):  # the pages moved between GPU memories
+            assert r["handoff"]["device"].startswith("cuda") and r["handoff"]["pages"] > 0, r["handoff"]
         pd.wait_idle()
     finally:
         pd.close()
+
+
+@pytest.mark.parametrize("width", [4096, 4098, 1 << 21])
+def test_page_sums_on_the_gpu_equal_the_cpus(width):
+    """A prefill rank's checksums and a decode rank's must agree wherever they are computed."""
+    from kvstore.transfer import page_sums
+
+    rows = torch.randint(0, 256, (11, width), dtype=torch.uint8, generator=torch.Generator().manual_seed(width))
+    assert page_sums(rows.cuda()).cpu().tolist() == page_sums(rows).tolist()

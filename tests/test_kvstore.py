@@ -205,6 +205,28 @@ def test_agree_on_pages_is_the_min_over_ranks():
 # round trips
 
 
+@pytest.mark.parametrize("width", [64, 66, 4096])
+def test_page_sums_are_a_weighted_word_sum_that_sees_any_changed_byte(width):
+    """The hand-off's checksum (kvstore.transfer.page_sums) against numpy on the same words and
+    weights: each row's 32-bit words (bytes at widths not a multiple of 4) times their odd
+    weights mod 2^32, summed; every single-byte change changes it."""
+    from kvstore.transfer import SUM_SEED, page_sums
+
+    rows = torch.randint(0, 256, (5, width), dtype=torch.uint8, generator=torch.Generator().manual_seed(width))
+    words = rows.numpy().view(np.int32) if width % 4 == 0 else rows.numpy().astype(np.int32)
+    w = (torch.randint(0, 2**31, (words.shape[1],), generator=torch.Generator().manual_seed(SUM_SEED),
+                       dtype=torch.int64) * 2 + 1).numpy().astype(np.uint32).view(np.int32)
+    with np.errstate(over="ignore"):
+        want = [int(np.sum((r * w).astype(np.int64))) for r in words]  # int32 products wrap mod 2^32
+    got = page_sums(rows)
+    assert got.tolist() == want
+    for i in range(width):
+        changed = rows.clone()
+        changed[2, i] ^= 1 << (i % 8)
+        assert page_sums(changed)[2] != got[2], i
+    assert page_sums(rows[[1, 0]]).tolist() == got[[1, 0]].tolist()  # a row's sum is its own
+
+
 @pytest.mark.parametrize("layout", ["mha", "mla"])
 def test_pool_pages_round_trip_bytes_identical(store, layout):
     handle, name = store

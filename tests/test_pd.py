@@ -265,9 +265,12 @@ def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
         assert time.monotonic() - t0 < 30
         pd.fault(None)
         deadline = time.monotonic() + 30  # the lent rows come back when the lease expires
-        while any(r["host"]["pinned_rows"] for r in pd.rank_stats(pd.prefill)) and time.monotonic() < deadline:
+        while any(r["handoff"]["pinned_rows"] for r in pd.rank_stats(pd.prefill)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(r["host"]["pinned_rows"] for r in pd.rank_stats(pd.prefill))
+        assert not any(r["handoff"]["pinned_rows"] or r["host"]["pinned_rows"]
+                       for r in pd.rank_stats(pd.prefill) + pd.rank_stats(pd.decode))
+        # The pages lent and read went through the hand-off rows, not the host tier.
+        assert all(r["handoff"]["pages"] for r in pd.rank_stats(pd.prefill) + pd.rank_stats(pd.decode))
 
         # The prefill rank dies while the decode rank waits on its answer.
         pd.fault("delay", 3.0)  # the kill (0.3 s after the first token) lands inside it

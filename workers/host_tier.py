@@ -2,6 +2,8 @@
 the pages' chain keys, least recently used first out. It sits between the rank's device pool
 and the cluster's KV store; `workers.kv_offload` moves pages through it (and registers its
 memory with the store client's NIXL agent, so the store reads and writes the rows themselves).
+The same structure on the pool's own device holds the pages of prefill/decode hand-offs
+(`RankKVOffload.lend`: GPU memory on a GPU, read over NIXL GPU to GPU).
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ class HostTier:
     pinned: eviction skips them. Every method takes `lock`; the bytes of a row are read or
     written outside it only while the row is taken or pinned."""
 
-    def __init__(self, capacity_pages: int, page_bytes: int, pin: bool, log_changes: bool = False):
+    def __init__(self, capacity_pages: int, page_bytes: int, pin: bool, log_changes: bool = False,
+                 device: torch.device | None = None):
         self.page_bytes = page_bytes
         # key -> whether it is ready now, for the keys published or evicted since the last
         # `take_changes` (`log_changes`: the rank that tells the scheduler what its tier holds).
         self.changes: dict[str, bool] | None = {} if log_changes else None
-        self.pinned = pin
-        self.data = torch.empty((capacity_pages, page_bytes), dtype=torch.uint8, pin_memory=pin)
+        on_gpu = device is not None and device.type == "cuda"
+        self.pinned = pin and not on_gpu
+        self.data = torch.empty((capacity_pages, page_bytes), dtype=torch.uint8, device=device,
+                                pin_memory=self.pinned)
         self.ready: OrderedDict[str, int] = OrderedDict()
         self.pins: dict[int, int] = {}
         self.free = list(range(capacity_pages - 1, -1, -1))

@@ -106,3 +106,4 @@ class KVOffloadOptions:
     idle_wait_s: float = 0.01
     io_threads: int = 3  # requests whose pages move to or from the store at once
     warm: bool = True  # fill the host tier at start with the store's recent pages (workers/host_warm.py)
+    handoff_bytes: int = 256 << 20  # the rank's hand-off rows (PD), on its pool's device (workers/kv_peer.py)

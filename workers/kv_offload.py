@@ -87,14 +87,31 @@ class RankKVOffload(RankIOThreads):
         if not self.client.register_rows(self.host.data):
             self.client.close()
             raise RuntimeError("the KV store client could not register the host tier with NIXL")
-        from workers.kv_peer import PeerLeases, PeerReader
+        self._device = pool_device(pool)
+        # Prefill/decode hand-offs: rows on the pool's own device (GPU memory on a GPU), read by
+        # decode ranks over NIXL from GPU to GPU (workers/kv_peer.py).
+        from workers.kv_peer import READ_CHUNK_PAGES, PeerLeases, PeerReader
+
+        lend_pages = max(opts.handoff_bytes // self.page_bytes, READ_CHUNK_PAGES)
+        self.lend = HostTier(lend_pages, self.page_bytes, pin=False, device=self._device)
+        registered = self.client.register_rows(self.lend.data)
+        if not registered and self._device.type == "cuda":
+            # NIXL without GPU memory (a UCX built without CUDA): hand-offs go through the host
+            # (pinned rows, copied down and up), and only with decode ranks that do the same.
+            logger.warning("rank %d: NIXL cannot register GPU memory; PD hand-offs go through host memory",
+                           tp.rank)
+            self.lend = HostTier(lend_pages, self.page_bytes, pin=True)
+            registered = self.client.register_rows(self.lend.data)
+        if not registered:
+            self.client.close()
+            raise RuntimeError("the KV store client could not register the hand-off rows with NIXL")
 
         self.leases = PeerLeases(self)  # pages lent to decode replicas (prefill/decode disaggregation)
         self.peer = PeerReader(self, pool, tp)  # pages read from prefill replicas
-        self._copying: deque[tuple[object, list[int]]] = deque()  # (copy event, rows pinned until it)
+        # (copy event, rows pinned until it, their tier)
+        self._copying: deque[tuple[object, list[int], HostTier]] = deque()
         # On a GPU, pages move between the device pool and the pinned rows by DMA on side
         # streams: saves down on one, loads up on another (a load must not queue behind a save).
-        self._device = pool_device(pool)
         self._gpu_rows = self.host.pinned and self._device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self._device) if self._gpu_rows else None
         self._load_stream = torch.cuda.Stream(self._device) if self._gpu_rows else None
@@ -138,10 +155,12 @@ class RankKVOffload(RankIOThreads):
         for rid in plan.finished_rids:
             job = self.jobs.pop(rid, None)
             if job is not None:
-                job.cancel(self.host)
-        # The loads' host rows, pinned before this plan's saves take rows: a save evicts the
-        # least recently used rows, often the very prefix a load brings back.
-        held = [self.host.leading(ld.keys[: len(ld.page_ids)]) for ld in plan.kv_loads]
+                job.cancel()
+        # The loads' rows, pinned before this plan's saves take rows: a save evicts the least
+        # recently used rows, often the very prefix a load brings back. A load of pages read
+        # from a prefill replica takes them from the hand-off rows.
+        tiers = [self._tier_of(ld.rid) for ld in plan.kv_loads]
+        held = [t.leading(ld.keys[: len(ld.page_ids)]) for t, ld in zip(tiers, plan.kv_loads)]
         # Settled saves first: on the in-order copy stream, one behind a save that waits for the
         # step in flight would wait for it too.
         for save in sorted(plan.kv_saves, key=lambda s: not s.settled):
@@ -150,8 +169,8 @@ class RankKVOffload(RankIOThreads):
             self._start_prefetch(pre)
         if plan.kv_loads:
             t0 = time.monotonic()
-            for load, rows in zip(plan.kv_loads, held):
-                result.kv_loaded[load.rid] = self._load(load, rows)
+            for load, rows, tier in zip(plan.kv_loads, held, tiers):
+                result.kv_loaded[load.rid] = self._load(load, rows, tier)
             spent = time.monotonic() - t0
             self.counters["load_s"] += spent  # on the step's thread: launches only, never a wait
             self.counters["load_max_s"] = max(self.counters["load_max_s"], spent)
@@ -173,16 +192,21 @@ class RankKVOffload(RankIOThreads):
             ready, result.kv_host_evicted = self.host.take_changes()
             result.kv_host_ready = ready + [k for k in agreed if self.host.has(k)]
 
+    def _tier_of(self, rid: str) -> HostTier:
+        job = self.jobs.get(rid)
+        return job.tier if job is not None else self.host
+
     def _save(self, save: KVSave) -> None:
         from kvstore.pages import gather_pages
 
         if save.sync:
             self._save_now(save)
             return
-        ahead = [not self.host.has(k) for k in save.keys]
+        tier = self.host if save.store else self.lend  # a hand-off: the rows decode ranks read
+        ahead = [not tier.has(k) for k in save.keys]
         todo = [(p, k) for p, k, a in zip(save.page_ids, save.keys, ahead) if a]
         prompt = sum(ahead[: save.prompt])  # the leading pages that hold prompt tokens
-        rows = self.host.take(len(todo))
+        rows = tier.take(len(todo))
         if len(rows) < len(todo):
             # Every host row is still on its way to the store (it is slow or down): drop the
             # rest rather than make the step wait for it.
@@ -196,16 +220,17 @@ class RankKVOffload(RankIOThreads):
             self.leases.expect([k for _, k in todo])
         try:
             if self._gpu_rows:
-                write = _Write([k for _, k in todo], rows, None, self._copy_out(pages, rows, final=save.settled),
-                               save.store, prompt)
+                done, sums = self._copy_out(pages, rows, tier, final=save.settled,
+                                            sums=not save.store and tier.data.is_cuda)
+                write = _Write([k for _, k in todo], rows, None, done, save.store, prompt, tier, sums)
             else:  # on the CPU: gathered now, put into its rows by the I/O thread
                 stage = torch.empty((len(pages), self.page_bytes), dtype=torch.uint8)
                 gather_pages(self.pool, pages, stage)
-                write = _Write([k for _, k in todo], rows, stage, store=save.store, prompt=prompt)
+                write = _Write([k for _, k in todo], rows, stage, store=save.store, prompt=prompt, tier=tier)
         except Exception:
             logger.exception("kv offload: copying %d pages out of the device pool failed", len(todo))
             self.counters["errors"] += 1
-            self.host.give(rows)
+            tier.give(rows)
             if not save.store:
                 self.leases.arrived([k for _, k in todo])
             return
@@ -216,11 +241,14 @@ class RankKVOffload(RankIOThreads):
             (self._writes if write.store else self._handoffs).append(write)
             self._cv.notify_all()
 
-    def _copy_out(self, page_ids: list[int], rows: list[int], final: bool = False):
-        """Device pages into pinned host rows with nothing on the step's thread but launches:
-        the pages are gathered into a device buffer and copied down to their rows on a side
-        stream, and this plan's forward (which may overwrite a saved page) waits on the compute
-        stream for the gather. The returned event completes when the bytes are in the rows.
+    def _copy_out(self, page_ids: list[int], rows: list[int], tier: HostTier, final: bool = False,
+                  sums: bool = False):
+        """Device pages into rows of `tier` (the pinned host tier, or the hand-off rows in
+        device memory) with nothing on the step's thread but launches: the pages are gathered
+        into a device buffer and copied to their rows on a side stream, and this plan's forward
+        (which may overwrite a saved page) waits on the compute stream for the gather. Returns
+        an event that completes when the bytes are in the rows, and (`sums`: a hand-off) the
+        gathered pages' checksums (`kvstore.transfer.page_sums`), copied to the host beside them.
 
         Where the gather starts: a page the radix cache took on a release may hold K/V that a
         step in flight is still writing (the last known token's under overlapped scheduling; an
@@ -231,11 +259,13 @@ class RankKVOffload(RankIOThreads):
         hand-off's `locate` wait 42-47 ms (268 MB for a 2,048-token 8B prompt, behind the next
         ~125 ms prefill step; 2026-11-28)."""
         from kvstore.pages import gather_pages
+        from kvstore.transfer import page_sums
 
         compute = torch.cuda.current_stream(self._device)
         if not final:
             queued = torch.cuda.Event()
             queued.record(compute)
+        host_sums = None
         with torch.cuda.stream(self._copy_stream):
             if not final:
                 self._copy_stream.wait_event(queued)
@@ -244,11 +274,15 @@ class RankKVOffload(RankIOThreads):
             gathered = torch.cuda.Event()
             gathered.record(self._copy_stream)
             for i, j in runs(rows):
-                self.host.data[rows[i] : rows[i] + j - i].copy_(dev[i:j], non_blocking=True)
+                tier.data[rows[i] : rows[i] + j - i].copy_(dev[i:j], non_blocking=True)
+            if sums:
+                used = sum(self.key_bytes)
+                host_sums = torch.empty(len(page_ids), dtype=torch.int64, pin_memory=True)
+                host_sums.copy_(page_sums(dev[:, :used]), non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._copy_stream)
         compute.wait_event(gathered)  # the forward after this may reuse a saved page
-        return done
+        return done, host_sums
 
     def _save_now(self, save: KVSave) -> None:
         """Write pages straight from the device pool to the store (the drain: no step runs)."""
@@ -261,17 +295,16 @@ class RankKVOffload(RankIOThreads):
     def _start_prefetch(self, pre: KVPrefetch) -> None:
         old = self.jobs.pop(pre.rid, None)
         if old is not None:
-            old.cancel(self.host)
-        job = _Prefetch(pre.rid, list(pre.keys), pre.source)
+            old.cancel()
+        job = _Prefetch(pre.rid, list(pre.keys), self.lend if pre.source is not None else self.host, pre.source)
         self.jobs[pre.rid] = job
         with self._cv:
             self._reads.append(job)
             self._cv.notify_all()
 
-    def _load(self, load: KVLoad, rows: list[int]) -> int:
-        """Copy `load`'s pages from their host rows (`rows`: the leading ones the tier holds,
-        pinned by `run`; unpinned here once copied) into its device pages; the count every
-        rank loaded."""
+    def _load(self, load: KVLoad, rows: list[int], tier: HostTier) -> int:
+        """Copy `load`'s pages from their rows (`rows`: the leading ones `tier` holds, pinned
+        by `run`; unpinned here once copied) into its device pages; the count every rank loaded."""
         from kvstore.pages import scatter_pages
         from kvstore.transfer import agree_on_pages
 
@@ -279,21 +312,21 @@ class RankKVOffload(RankIOThreads):
         try:
             n_local = len(rows)
             if rows and self._gpu_rows:
-                self._copy_in(load.page_ids[:n_local], rows)
+                self._copy_in(load.page_ids[:n_local], rows, tier)
                 rows = []  # pinned until their copy has run (`_unpin_copied`)
             elif rows:
                 scatter_pages(self.pool, load.page_ids[:n_local],
-                              torch.index_select(self.host.data, 0, torch.tensor(rows)))
+                              torch.index_select(tier.data, 0, torch.tensor(rows)))
         except Exception:
             logger.exception("kv offload: loading %d pages failed", len(load.page_ids))
             self.counters["errors"] += 1
             n_local = 0
         finally:
-            self.host.unpin(rows)
+            tier.unpin(rows)
         n = agree_on_pages(self.tp, n_local)  # every rank reaches this, whatever happened above
         job = self.jobs.pop(load.rid, None)
         if job is not None:
-            job.cancel(self.host)  # the I/O thread stops after its current chunk
+            job.cancel()  # the I/O thread stops after its current chunk
         else:  # admitted on what the host tier holds (no prefetch): every page a host hit
             self.counters["host_hit_pages"] += n
         if load.page_ids:
@@ -301,18 +334,26 @@ class RankKVOffload(RankIOThreads):
             self.counters["pages_loaded"] += n
         return n
 
-    def _copy_in(self, page_ids: list[int], rows: list[int]) -> None:
+    def _copy_in(self, page_ids: list[int], rows: list[int], tier: HostTier) -> None:
         """Enqueue the copy of pinned host rows into a device buffer on the load stream (DMA
         straight from the rows, each run of adjacent rows in one copy), and the buffer's scatter
         into device pages on the current stream once it has landed; the rows stay pinned until
-        the scatter's event completes."""
+        the scatter's event completes. Rows in device memory (the hand-off rows) are scattered
+        from where they are."""
         from kvstore.pages import scatter_pages
 
         compute = torch.cuda.current_stream(self._device)
+        if tier.data.is_cuda:
+            scatter_pages(self.pool, page_ids,
+                          tier.data.index_select(0, torch.tensor(rows, device=self._device)))
+            done = torch.cuda.Event()
+            done.record(compute)
+            self._copying.append((done, rows, tier))
+            return
         with torch.cuda.stream(self._load_stream):
             dev = torch.empty((len(rows), self.page_bytes), dtype=torch.uint8, device=self._device)
             for i, j in runs(rows):
-                dev[i:j].copy_(self.host.data[rows[i] : rows[i] + j - i], non_blocking=True)
+                dev[i:j].copy_(tier.data[rows[i] : rows[i] + j - i], non_blocking=True)
             landed = torch.cuda.Event()
             landed.record(self._load_stream)
         compute.wait_event(landed)
@@ -320,15 +361,15 @@ class RankKVOffload(RankIOThreads):
         scatter_pages(self.pool, page_ids, dev)
         done = torch.cuda.Event()
         done.record(compute)
-        self._copying.append((done, rows))
+        self._copying.append((done, rows, tier))
 
     def _unpin_copied(self, wait: bool = False) -> None:
-        """Unpin the host rows whose copies into the device have run (all of them: `wait`)."""
+        """Unpin the rows whose copies into the device have run (all of them: `wait`)."""
         while self._copying and (wait or self._copying[0][0].query()):
-            done, rows = self._copying.popleft()
+            done, rows, tier = self._copying.popleft()
             if wait:
                 done.synchronize()
-            self.host.unpin(rows)
+            tier.unpin(rows)
 
     # ---------------- metrics, shutdown ----------------
     def stats(self) -> dict:
@@ -339,16 +380,17 @@ class RankKVOffload(RankIOThreads):
         st.update(self.peer.counters, **self.leases.counters)
         if self.warm is not None:
             st.update(self.warm.stats())
-        st["host"] = {"used_bytes": self.host.used_bytes, "capacity_bytes": self.host.capacity * self.page_bytes,
-                      "pages": len(self.host.ready), "evictions": self.host.evictions,
-                      "pinned_rows": len(self.host.pins)}
+        for name, tier in (("host", self.host), ("handoff", self.lend)):
+            st[name] = {"used_bytes": tier.used_bytes, "capacity_bytes": tier.capacity * self.page_bytes,
+                        "pages": len(tier.ready), "evictions": tier.evictions, "pinned_rows": len(tier.pins),
+                        "device": str(tier.data.device)}
         return st
 
     def close(self) -> None:
         """Stop the I/O thread (after the store call it may be in: bounded by the client's
         timeouts) and release the client's NIXL agent. Idempotent."""
         for job in list(self.jobs.values()):
-            job.cancel(self.host)
+            job.cancel()
         self._unpin_copied(wait=True)
         with self._cv:
             self._stop = True

@@ -24,50 +24,56 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class _Write:
-    """Pages on their way to the store: on the CPU their bytes in `stage`, put into host rows
-    `rows` (taken, invisible until published) by the I/O thread; on a GPU copied into the rows
-    themselves, landed once `event` completes. Then written."""
+    """Pages on their way to the store: on the CPU their bytes in `stage`, put into rows `rows`
+    of `tier` (taken, invisible until published) by the I/O thread; on a GPU copied into the
+    rows themselves, landed once `event` completes. Then written (or, a hand-off to a decode
+    replica, published in the rank's hand-off rows with their checksums: `sums`, taken on the
+    GPU beside the copy, or computed by the I/O thread)."""
 
     keys: list[str]
     rows: list[int]
     stage: torch.Tensor | None
     event: object = None
-    store: bool = True  # False: the host tier only (a hand-off to a decode replica)
+    store: bool = True  # False: a hand-off to a decode replica (`tier` is the hand-off rows)
     prompt: int = 0  # the leading keys that hold prompt tokens
+    tier: HostTier | None = None
+    sums: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
 class _Prefetch:
-    """One request's prefetch. The rows of keys[:ready] stay pinned in the host tier until the
-    load has copied them (or the prefetch is cancelled): the next chunk's reads never evict
-    the chunks before it, so a prefix longer than the host tier stops at its capacity."""
+    """One request's prefetch. The rows of keys[:ready] stay pinned in `tier` (the host tier; a
+    read from a prefill replica: the hand-off rows) until the load has copied them (or the
+    prefetch is cancelled): the next chunk's reads never evict the chunks before it, so a
+    prefix longer than the tier stops at its capacity."""
 
     rid: str
     keys: list[str]
+    tier: HostTier
     source: object = None  # a KVSource: read from a prefill replica's ranks (workers/kv_peer.py)
-    ready: int = 0  # leading keys in the host tier so far
+    ready: int = 0  # leading keys in the tier so far
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     rows: list[int] = field(default_factory=list)  # pinned rows of keys[:ready]
     lock: threading.Lock = field(default_factory=threading.Lock)
     queued_at: float = field(default_factory=time.monotonic)
 
-    def add(self, host: HostTier, rows: list[int]) -> bool:
+    def add(self, rows: list[int]) -> bool:
         """Record pinned rows of the next keys; False (rows unpinned) once cancelled."""
         with self.lock:
             if not self.cancelled:
                 self.rows += rows
                 self.ready += len(rows)
                 return True
-        host.unpin(rows)
+        self.tier.unpin(rows)
         return False
 
-    def cancel(self, host: HostTier) -> None:
+    def cancel(self) -> None:
         """Stop the I/O thread after its current chunk and unpin what it fetched."""
         with self.lock:
             self.cancelled = True
             rows, self.rows = self.rows, []
-        host.unpin(rows)
+        self.tier.unpin(rows)
 
 
 
@@ -117,7 +123,7 @@ class RankIOThreads:
             if job is not None:
                 job.cancelled = True  # ends at once (done is still set below)
             if write is not None:
-                self.host.give(write.rows)
+                write.tier.give(write.rows)
                 write = None
         try:
             if job is not None:
@@ -138,19 +144,19 @@ class RankIOThreads:
         return True
 
     def _write(self, w: _Write) -> None:
-        """Land a save's bytes in its host rows, publish them, write them to the store."""
+        """Land a save's bytes in its rows, publish them, write them to the store."""
         try:
             if w.event is not None:
                 w.event.synchronize()
             if w.stage is not None:  # on a GPU the bytes were copied into the rows themselves
-                self.host.data[torch.tensor(w.rows)] = w.stage
+                w.tier.data[torch.tensor(w.rows)] = w.stage
         except Exception:
-            self.host.give(w.rows)
+            w.tier.give(w.rows)
             if not w.store:
                 self.leases.arrived(w.keys)
             raise
-        if not w.store:  # checksummed now, off the path of the decode rank that will ask for them
-            self.leases.publish_checksummed(w.keys, w.rows)
+        if not w.store:  # checksummed (now, or on the GPU beside the copy): off the decode rank's path
+            self.leases.publish_checksummed(w.keys, w.rows, None if w.sums is None else w.sums.tolist())
             return
         held = self.host.publish(w.keys, w.rows, pin=True)  # pinned until the store write is done
         try:
@@ -170,11 +176,11 @@ class RankIOThreads:
                 self.counters["errors"] += 1  # (a refusal is counted as a dropped page, not an error)
 
     def _take_rows(self, n: int, job: _Prefetch, wait_s: float = 1.0) -> list[int]:
-        """Rows for a prefetch chunk; while none is free but saves are being written (their
-        rows come free when done), wait for them rather than give up, a bounded while."""
+        """Rows of the job's tier for a prefetch chunk; while none is free but saves are being
+        written (their rows come free when done), wait for them rather than give up, a bounded while."""
         deadline = time.monotonic() + wait_s
         while True:
-            rows = self.host.take(n)
+            rows = job.tier.take(n)
             if rows or job.cancelled:
                 return rows
             with self._cv:
@@ -202,7 +208,7 @@ class RankIOThreads:
             row = self.host.pin_ready(keys[job.ready])
             if row is not None:
                 self.counters["host_hit_pages"] += 1
-                if not job.add(self.host, [row]):
+                if not job.add([row]):
                     return
                 continue
             chunk = keys[job.ready : job.ready + self.opts.chunk_pages]
@@ -214,7 +220,7 @@ class RankIOThreads:
             n = self.client.read_rows(chunk, [self.host.data[r] for r in rows], self.key_bytes)
             self.host.give(rows[n:])
             self.counters["prefetched_pages"] += n
-            if not job.add(self.host, self.host.publish(chunk[:n], rows[:n], pin=True)):
+            if not job.add(self.host.publish(chunk[:n], rows[:n], pin=True)):
                 return
             self._note_progress()
             if n < len(chunk):

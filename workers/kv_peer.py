@@ -1,22 +1,29 @@
 """Rank-to-rank KV page transfer for prefill/decode disaggregation, over NIXL.
 
-Pull, not push: the decode rank reads the prompt's pages from the prefill rank's host tier
-when it has room for them (its own host rows, taken for the read), so a decode replica that is
-full never has pages pushed at it, and every failure is seen and handled on the one side that
-must act on it (the decode side computes what it could not read).
+Pull, not push: the decode rank reads the prompt's pages from the prefill rank's hand-off rows
+when it has room for them (its own hand-off rows, taken for the read), so a decode replica that
+is full never has pages pushed at it, and every failure is seen and handled on the one side
+that must act on it (the decode side computes what it could not read).
 
-The prefill side (`PeerLeases`, beside a rank's `RankKVOffload`): the replica saves a handed-off
-request's prompt pages into its host tier (host only, `KVSave.store=False`). A decode rank
-asks for them by chain key (`locate`, a Ray call to the rank actor, off the step's thread):
-the rows of the leading keys present are pinned under a lease, checksummed, and their
-addresses returned with the rank's NIXL agent metadata. `release` (or the lease's expiry)
-unpins them. A lease outlives the reader's deadline, so no read ever races a reuse of a row.
+Both sides keep the pages in their ranks' hand-off rows (`RankKVOffload.lend`: a `HostTier` on
+the KV pool's device), registered with the rank's NIXL agent: on GPUs a READ moves them from
+GPU memory to GPU memory (NIXL "VRAM": CUDA IPC on one host, GPUDirect RDMA between hosts),
+never through host memory; on CPUs, host memory to host memory.
+
+The prefill side (`PeerLeases`, beside a rank's `RankKVOffload`): the replica copies a
+handed-off request's prompt pages into its hand-off rows (`KVSave.store=False`), their
+checksums taken beside the copy (`row_sums`: on a GPU `kvstore.transfer.page_sums`, on the
+device; crc32s on CPUs). A decode rank asks for them by chain key (`locate`, a Ray call to the
+rank actor, off the step's thread): the rows of the leading keys present are pinned under a
+lease and their addresses returned with their checksums and the rank's NIXL agent metadata.
+`release` (or the lease's expiry) unpins them. A lease outlives the reader's deadline, so no
+read ever races a reuse of a row.
 
 The decode side (`PeerReader`, on a rank's read I/O thread): locate, NIXL READs from the
-prefill rank's rows into this rank's host rows (a chunk of pages at a time, each chunk's crc32s
-computed beside the next READ), verify every page's crc32, publish the
-leading good pages under this replica's own chain keys (the normal `KVLoad` then copies them
-into device pages), release the lease. Which prefill ranks a decode rank reads from:
+prefill rank's rows into this rank's hand-off rows (a chunk of pages at a time, each chunk's
+checksums computed beside the next READ), verify every page's checksum, publish
+the leading good pages under this replica's own chain keys (the normal `KVLoad` then scatters
+them into device pages), release the lease. Which prefill ranks a decode rank reads from:
 - MLA: the latent is the same on every rank, so all decode ranks read from prefill rank 0
   (contract 5: one copy of a page, one key, written by rank 0 alone);
 - MHA, same TP size: rank r from rank r, bytes as they are;
@@ -31,12 +38,12 @@ removed when the new one is added.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from concurrent.futures import wait
 
 import torch
 
@@ -68,7 +75,7 @@ class PeerLeases:
                          "pd_lend_wait_s": 0.0, "pd_lend_crc_s": 0.0}  # waiting for the save; checksums
         self._progress: threading.Thread | None = None
         self._last_lease = 0.0
-        self._crcs: OrderedDict[tuple[str, int], int] = OrderedDict()  # (key, row) -> crc32, taken at the save
+        self._crcs: OrderedDict[tuple[str, int], int] = OrderedDict()  # (key, row) -> checksum, taken at the save
         self._pending: dict[str, int] = {}  # hand-off keys whose save is on its way to the host tier
 
     def expect(self, keys: list[str]) -> None:
@@ -85,15 +92,13 @@ class PeerLeases:
                 if left > 0:
                     self._pending[k] = left
 
-    def publish_checksummed(self, keys: list[str], rows: list[int]) -> None:
-        """Publish a hand-off's pages in the host tier with their crc32s, taken now (on its I/O
-        thread: off the path of the decode rank that will ask for them). A key the tier held
-        already keeps its own row, whose checksum `locate` takes itself."""
-        from kvstore.transfer import checksums
-
-        host = self.off.host
-        used = sum(self.off.key_bytes)
-        crcs = checksums([host.data[r, :used].numpy() for r in rows])
+    def publish_checksummed(self, keys: list[str], rows: list[int], sums: list[int] | None = None) -> None:
+        """Publish a hand-off's pages in the hand-off rows with their checksums (`sums`, taken
+        beside the copy on a GPU; else taken now, on its I/O thread: either way off the path of
+        the decode rank that will ask for them). A key the rows held already keeps its own
+        row, whose checksum `locate` takes itself."""
+        host = self.off.lend
+        crcs = sums if sums is not None else self._sums(rows)
         held = host.publish(keys, rows)
         self.arrived(keys)
         with self.lock:
@@ -101,13 +106,16 @@ class PeerLeases:
             while len(self._crcs) > host.capacity:
                 self._crcs.popitem(last=False)
 
+    def _sums(self, rows: list[int]) -> list[int]:
+        return _results([row_sums(self.off.lend.data, rows, sum(self.off.key_bytes))]) if rows else []
+
     def locate(self, keys: list[str], ttl_s: float, wait_s: float = LOCATE_WAIT_S) -> dict | None:
         """Pin the rows of the leading `keys` in the host tier (waiting up to wait_s for pages
         whose save is still on its way: the caller waits a little longer, then gives up) for
         ttl_s; None without a NIXL agent. Lends nothing once wait_s has passed (its caller has
         stopped waiting: a lease it never hears of would only pin rows until it expires)."""
         self.sweep()
-        client, host = self.off.client, self.off.host
+        client, host = self.off.client, self.off.lend
         if client.agent is None:
             return None
         fault = self.fault
@@ -127,14 +135,11 @@ class PeerLeases:
                 break
             host.unpin(rows)
             time.sleep(0.002)
-        from kvstore.transfer import checksums
-
-        used = sum(self.off.key_bytes)
         t1 = time.monotonic()
-        with self.lock:  # taken at the save; a page saved another way (a store save) is checksummed now
+        with self.lock:  # taken at the save; a page whose checksum was dropped is checksummed now
             known = [self._crcs.get((k, r)) for k, r in zip(keys, rows)]
         todo = [i for i, c in enumerate(known) if c is None]
-        for i, c in zip(todo, checksums([host.data[rows[i], :used].numpy() for i in todo])):
+        for i, c in zip(todo, self._sums([rows[i] for i in todo])):
             known[i] = c
         crcs = known
         self.counters["pd_lend_wait_s"] += t1 - t0
@@ -154,7 +159,7 @@ class PeerLeases:
                 self._progress.start()
         return {"agent": client.name, "meta": client.agent.get_agent_metadata(), "lease": lease,
                 "addrs": [host.data[r].data_ptr() for r in rows], "crcs": crcs,
-                "key_bytes": list(self.off.key_bytes)}
+                "key_bytes": list(self.off.key_bytes), "mem": _mem(host.data), "dev": _dev(host.data)}
 
     def _drive(self) -> None:
         """Progress this rank's UCX worker while pages are lent: the reader's connection set-up
@@ -181,7 +186,7 @@ class PeerLeases:
         with self.lock:
             held = self.leases.pop(lease, None)
         if held is not None:
-            self.off.host.unpin(held[0])
+            self.off.lend.unpin(held[0])
 
     def sweep(self) -> None:
         """Unpin the rows of expired leases (a reader that died or gave up)."""
@@ -193,7 +198,7 @@ class PeerLeases:
             held = [self.leases.pop(k)[0] for k in old]
             self.counters["pd_leases_expired"] += len(old)
         for rows in held:
-            self.off.host.unpin(rows)
+            self.off.lend.unpin(rows)
 
 
 class PeerReader:
@@ -204,6 +209,7 @@ class PeerReader:
         self.actors: dict[str, object] = {}  # rank actor name -> handle
         self.stuck: list = []  # memory of READs NIXL could not cancel: never reused
         self.agents: dict[str, str] = {}  # rank actor name -> its NIXL agent, added as a remote
+        self._cuda_stream = None
         if pool.use_mla:
             self.heads, self.head_bytes = 1, []
         else:  # per key (K, V): this rank's kv heads and the bytes of one head's row
@@ -242,29 +248,32 @@ class PeerReader:
     def _direct(self, job, source, src_rank: int, keys: list[str], deadline: float) -> None:
         """The source rank's pages are this rank's pages byte for byte: read into the rows."""
         used = sum(self.off.key_bytes)
+        lend = self.off.lend
         reply, actor = self._locate(source, src_rank, list(source.keys[: len(keys)]), deadline)
         stuck = False
         try:
             if reply["key_bytes"] != list(self.off.key_bytes):
                 raise ValueError(f"page layout {reply['key_bytes']} != this rank's {self.off.key_bytes}")
+            _same_memory(reply, lend.data)
             n = len(reply["addrs"])
             rows = self.off._take_rows(n, job) if n else []
             n = len(rows)
             if not n:
                 return
-            local = [(self.off.host.data[r].data_ptr(), used, 0) for r in rows]
-            remote = [(a, used, 0) for a in reply["addrs"][:n]]
+            dev = _dev(lend.data)
+            local = [(lend.data[r].data_ptr(), used, dev) for r in rows]
+            remote = [(a, used, reply["dev"]) for a in reply["addrs"][:n]]
             try:
                 good = self._read(source, reply["agent"], local, remote, deadline, reply["crcs"][:n],
-                                  [self.off.host.data[r, :used] for r in rows])
+                                  lend.data, rows, used)
             except StuckRead:
                 stuck = True
                 self.stuck.append(rows)  # taken for good: a late write lands in rows nobody uses
                 raise
             except Exception:
-                self.off.host.give(rows)  # (no READ is left in flight: nixl_transfer released it)
+                lend.give(rows)  # (no READ is left in flight: nixl_transfer released it)
                 raise
-            self.off.host.give(rows[good:])
+            lend.give(rows[good:])
             self._publish(job, keys[:good], rows[:good])
         finally:
             if not stuck:  # (else the lease expires: the prefill side's rows stay lent until then)
@@ -274,26 +283,29 @@ class PeerReader:
         """MHA across TP sizes: this rank's kv heads from every prefill rank that holds some."""
         if self.heads * self.tp.size % source.tp_size:
             raise ValueError(f"{self.heads * self.tp.size} kv heads do not split over prefill TP {source.tp_size}")
+        lend = self.off.lend
+        device = lend.data.device
         total = self.heads * self.tp.size
         src_heads = total // source.tp_size
         lo, hi = self.tp.rank * self.heads, (self.tp.rank + 1) * self.heads
         n = len(keys)
-        out = torch.zeros((n, sum(self.off.key_bytes)), dtype=torch.uint8)
+        out = torch.zeros((n, sum(self.off.key_bytes)), dtype=torch.uint8, device=device)
         for p in range(lo // src_heads, (hi - 1) // src_heads + 1):
             reply, actor = self._locate(source, p, list(source.keys[:n]), deadline)
             stuck = False
             try:
+                _same_memory(reply, lend.data)
                 n = min(n, len(reply["addrs"]))
                 if not n:
                     return
                 src_bytes = sum(reply["key_bytes"])
-                scratch = torch.empty((n, src_bytes), dtype=torch.uint8)
+                scratch = torch.empty((n, src_bytes), dtype=torch.uint8, device=device)
                 handle = self.off.client.agent.register_memory(scratch)
                 try:
-                    local = [(scratch[i].data_ptr(), src_bytes, 0) for i in range(n)]
-                    remote = [(a, src_bytes, 0) for a in reply["addrs"][:n]]
+                    local = [(scratch[i].data_ptr(), src_bytes, _dev(scratch)) for i in range(n)]
+                    remote = [(a, src_bytes, reply["dev"]) for a in reply["addrs"][:n]]
                     n = min(n, self._read(source, reply["agent"], local, remote, deadline, reply["crcs"][:n],
-                                          [scratch[i] for i in range(n)]))
+                                          scratch, list(range(n)), src_bytes))
                 except StuckRead:
                     stuck = True
                     self.stuck.append((scratch, handle))  # kept registered and alive: a late write lands here
@@ -316,7 +328,9 @@ class PeerReader:
         rows = self.off._take_rows(n, job) if n else []
         n = len(rows)
         for i, r in enumerate(rows):
-            self.off.host.data[r, : out.shape[1]].copy_(out[i])
+            lend.data[r, : out.shape[1]].copy_(out[i])
+        if n and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # in the rows before they are published
         self._publish(job, keys[:n], rows)
 
     # ---------------- pieces ----------------
@@ -363,29 +377,35 @@ class PeerReader:
         agent.add_remote_agent(reply["meta"])
         self.agents[name] = reply["agent"]
 
-    def _read(self, source, remote_agent: str, local, remote, deadline: float, crcs: list[int], views) -> int:
-        """READ every page, READ_CHUNK_PAGES at a time, each chunk's checksums running on the
-        checksum threads while the next one is read (one READ, then every checksum, took one
-        after the other: 78 + 37 ms for a 2,048-token 8B prompt on an H200's host); returns the
-        leading pages whose crc32 matches, 0 if any READ failed."""
-        from kvstore.transfer import checksums_started, nixl_transfer
+    def _read(self, source, remote_agent: str, local, remote, deadline: float, crcs: list[int],
+              data: torch.Tensor, rows: list[int], width: int) -> int:
+        """READ every page into `data`'s `rows` (their first `width` bytes), READ_CHUNK_PAGES at
+        a time, each chunk's checksums computed while the next one is read (`row_sums`: on a GPU
+        enqueued on this reader's stream, on a CPU on the checksum threads; one READ, then every
+        crc32, took one after the other: 78 + 37 ms for a 2,048-token 8B prompt through an
+        H200's host); returns the leading pages whose checksum matches, 0 if any READ failed."""
+        from kvstore.transfer import nixl_transfer
 
         t0 = time.monotonic()
-        state, started = "done", []
+        mem = _mem(data)
+        stream = self._stream(data.device)
+        state, sums = "done", []
         try:
             for lo in range(0, len(local), READ_CHUNK_PAGES):
                 hi = lo + READ_CHUNK_PAGES
                 left = deadline - time.monotonic()
                 state = nixl_transfer(self.off.client.agent, "READ", local[lo:hi], remote[lo:hi], remote_agent,
-                                      left) if left > 0 else "failed"
+                                      left, mem) if left > 0 else "failed"
                 if state != "done":
                     break
-                started += checksums_started([v.numpy() for v in views[lo:hi]])
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    sums.append(row_sums(data, rows[lo:hi], width))
         finally:  # the caller gives the rows back (or keeps them, stuck): no checksum still reads them
             t1 = time.monotonic()
             self.counters["pd_read_s"] += t1 - t0
-            wait([f for f in started if not f.done()])
-        got = [f.result() for f in started]
+            if stream is not None:
+                stream.synchronize()  # (the sums are read on this thread's current stream)
+            got = _results(sums)  # (waits for the checksums still running)
         self.counters["pd_verify_s"] += time.monotonic() - t1  # what the reads did not hide
         if state == "stuck":
             raise StuckRead(f"a READ from {source.replica} could not be cancelled")
@@ -401,8 +421,53 @@ class PeerReader:
         self.counters["pd_bytes"] += sum(n for _, n, _ in local[:good])
         return good
 
+    def _stream(self, device: torch.device):
+        """This reader's CUDA stream (checksums of what it read), None on the CPU."""
+        if device.type != "cuda":
+            return None
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(device)
+        return self._cuda_stream
+
     def _publish(self, job, keys: list[str], rows: list[int]) -> None:
         self.counters["pd_pages"] += len(rows)
         if rows:
-            job.add(self.off.host, self.off.host.publish(keys, rows, pin=True))
+            job.add(self.off.lend.publish(keys, rows, pin=True))
             self.off._note_progress()
+
+
+def row_sums(data: torch.Tensor, rows: list[int], width: int):
+    """Start the checksums of `rows` of `data` (their first `width` bytes), by where they live:
+    in GPU memory `kvstore.transfer.page_sums`, enqueued on the current stream (an int64
+    tensor); in host memory their crc32s, running on the checksum threads (futures: zlib's
+    crc32 is ~3x torch's weighted sum on a CPU). Both sides of a hand-off keep its pages in
+    one kind of memory (`_same_memory`), so they agree on the kind of checksum."""
+    from kvstore.transfer import checksums_started, page_sums
+
+    if data.is_cuda:
+        return page_sums(data[torch.tensor(rows, device=data.device), :width])
+    return checksums_started([data[r, :width].numpy() for r in rows])
+
+
+def _results(started: list) -> list[int]:
+    """The checksums `row_sums` started, in order."""
+    out: list[int] = []
+    for s in started:
+        out += s.tolist() if isinstance(s, torch.Tensor) else [f.result() for f in s]
+    return out
+
+
+def _mem(t: torch.Tensor) -> str:
+    """The NIXL memory type of a tensor's memory."""
+    return "VRAM" if t.is_cuda else "DRAM"
+
+
+def _dev(t: torch.Tensor) -> int:
+    """The device id of a NIXL descriptor of a tensor's memory (0 for host memory)."""
+    return t.device.index if t.is_cuda else 0
+
+
+def _same_memory(reply: dict, data: torch.Tensor) -> None:
+    """A READ moves pages between memories of one kind: a CPU replica and a GPU one do not mix."""
+    if reply.get("mem", "DRAM") != _mem(data):
+        raise ValueError(f"the prefill rank's pages are in {reply.get('mem')}, this rank's in {_mem(data)}")

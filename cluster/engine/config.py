@@ -110,6 +110,10 @@ class EngineConfig:
     # Prefill/decode disaggregation (cluster/engine/kv_handoff.py): how long a decode replica
     # waits for a prompt's pages from its prefill replica before it computes the rest itself.
     pd_transfer_timeout_s: float = 10.0
+    # Each rank's hand-off rows, on its KV pool's device (GPU memory on a GPU, beside the pool:
+    # out of what --mem-fraction leaves): a prefill rank's pages lent to decode replicas, a
+    # decode rank's pages read from prefill replicas until they are loaded.
+    pd_buffer_gb: float = 1.0
     # The kernels' options (attention/kernel_options.py): read from this process's environment
     # once, when the config is made, and installed on every rank.
     kernels: KernelOptions = dataclasses.field(default_factory=KernelOptions.from_env)
@@ -161,7 +165,7 @@ class EngineConfig:
             bad("kv_write_policy", f"must be one of {KV_WRITE_POLICIES}")
         if self.kv_prefetch_policy not in KV_PREFETCH_POLICIES:
             bad("kv_prefetch_policy", f"must be one of {KV_PREFETCH_POLICIES}")
-        for name in ("kv_store_host_gb", "kv_store_disk_gb", "kv_host_cache_gb"):
+        for name in ("kv_store_host_gb", "kv_store_disk_gb", "kv_host_cache_gb", "pd_buffer_gb"):
             if getattr(self, name) <= 0:
                 bad(name, "must be > 0")
         if self.pd_transfer_timeout_s <= 0:
