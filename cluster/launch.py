@@ -65,7 +65,9 @@ class ClusterOptions:
     def engine_for(self, role: str) -> EngineConfig:
         """The engine config of a replica of `role` ("mixed", "prefill", "decode")."""
         tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
-        return dataclasses.replace(self.engine, tp_size=tp) if tp else self.engine
+        config = dataclasses.replace(self.engine, tp_size=tp) if tp else self.engine
+        # A mixed replica hands nothing off: no hand-off rows (1 GiB of its GPU by default).
+        return dataclasses.replace(config, pd_buffer_gb=0.0) if role == "mixed" else config
 
     def check_reshard(self) -> None:
         """Prefill and decode TP sizes that differ: an MHA page is resharded by kv head on the

@@ -91,12 +91,10 @@ class KVStoreClient:
         self._regions: list[tuple[int, int, object]] = []  # registered row buffers: (address, bytes, handle)
         self.agent = None
         try:
-            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+            from kvstore.transfer import make_agent
 
-            # No progress thread (it busy-polls a core): `_xfer` progresses while it waits.
-            # STRICT: several I/O threads share the agent.
-            self.agent = nixl_agent(self.name, nixl_agent_config(
-                enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+            # `_xfer` progresses it while it waits; several I/O threads share it.
+            self.agent = make_agent(self.name)
             self._reg = self.agent.register_memory(self._buffer)
         except Exception:
             logger.exception("kv store client %s: no NIXL agent; the store is disabled", self.name)
@@ -191,8 +189,7 @@ class KVStoreClient:
         """Register a buffer of page rows (a rank's host tier: [n, >= page_bytes] uint8,
         contiguous, pinned on a GPU host) with this client's NIXL agent, so that `read_rows` and
         `write_rows` move pages between its rows and the store with no staging copy. False when
-        the agent cannot (the caller keeps to batch_get/batch_set). The rank's PD hand-off rows
-        are registered here too, in GPU memory on a GPU (`workers/kv_peer.py` reads them)."""
+        the agent cannot (the caller keeps to batch_get/batch_set)."""
         if self.agent is None or not rows.is_contiguous() or rows.dtype != torch.uint8 or rows.dim() != 2 \
                 or rows.shape[1] < self.page_bytes:
             return False

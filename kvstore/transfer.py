@@ -64,7 +64,8 @@ def page_sums(rows):
     GPU memory with it, where a crc32 would first copy them to the host."""
     import torch
 
-    words = rows.view(torch.int32) if rows.shape[1] % 4 == 0 else rows.to(torch.int32)
+    whole = rows.shape[1] % 4 == 0
+    words = rows.view(torch.int32) if whole else rows  # (bytes: widened a chunk at a time below)
     key = (words.shape[1], str(rows.device))
     w = _SUM_WEIGHTS.get(key)
     if w is None:
@@ -76,7 +77,8 @@ def page_sums(rows):
     step = max(1, SUM_CHUNK_WORDS // max(1, words.shape[1]))  # bounded temporaries
     out = torch.empty(words.shape[0], dtype=torch.int64, device=rows.device)
     for lo in range(0, words.shape[0], step):
-        torch.sum(words[lo : lo + step] * w, dim=1, dtype=torch.int64, out=out[lo : lo + step])
+        chunk = words[lo : lo + step] if whole else words[lo : lo + step].to(torch.int32)
+        torch.sum(chunk * w, dim=1, dtype=torch.int64, out=out[lo : lo + step])
     return out
 
 
@@ -88,6 +90,15 @@ def agree_on_pages(tp_group, found: int) -> int:
     rank holds, so all ranks call this with their `batch_get`/`load_pages` count and use the
     result; pages past it are ignored (their slots are overwritten by the prefill)."""
     return tp_group.all_min_int(found)
+
+
+def make_agent(name: str):
+    """A NIXL agent over UCX for transfers that the caller progresses itself (no progress thread:
+    it busy-polls a core), safe for several threads at once (STRICT)."""
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                              sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
 
 
 def nixl_transfer(agent, op: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]],

@@ -65,3 +65,11 @@ def test_page_sums_on_the_gpu_equal_the_cpus(width):
 
     rows = torch.randint(0, 256, (11, width), dtype=torch.uint8, generator=torch.Generator().manual_seed(width))
     assert page_sums(rows.cuda()).cpu().tolist() == page_sums(rows).tolist()
+    # What a prefill rank sums: the used bytes of wider rows (a strided view), on a side stream.
+    wide = torch.zeros((11, width + 64), dtype=torch.uint8, device="cuda")
+    wide[:, :width] = rows.cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = page_sums(wide[:, :width]).tolist()
+    assert got == page_sums(rows).tolist()

@@ -183,6 +183,9 @@ def test_admin_api_turns_a_mixed_deployment_into_prefill_and_decode(ray_local, t
             assert {r["name"]: r["role"] for r in added.json()["replicas"]}[added.json()["name"]] == role
         pd.find_sides()
         _check_pd(pd, range(3))  # through both sides, over NIXL
+        mixed = next(h for h in pd.router.replicas.values() if h.role == "mixed")
+        assert "handoff" not in pd.rank_stats(mixed)[0]  # a mixed replica keeps no hand-off rows
+        assert all(pd.rank_stats(h)[0]["handoff"]["pages"] for h in (pd.prefill, pd.decode))
         removed = httpx.delete(f"{url}/{pd.decode.name}", timeout=300)
         assert removed.status_code == 200, removed.text
         before = pd.handoff(pd.prefill)["handed_off"]

@@ -88,24 +88,15 @@ class RankKVOffload(RankIOThreads):
             self.client.close()
             raise RuntimeError("the KV store client could not register the host tier with NIXL")
         self._device = pool_device(pool)
-        # Prefill/decode hand-offs: rows on the pool's own device (GPU memory on a GPU), read by
-        # decode ranks over NIXL from GPU to GPU (workers/kv_peer.py).
+        # Prefill/decode hand-offs: rows on the pool's own device (GPU memory on a GPU) under a
+        # NIXL agent of their own, read by decode ranks from GPU to GPU (workers/kv_peer.py);
+        # none on a mixed replica.
+        from workers.handoff_rows import make_handoff_rows
         from workers.kv_peer import READ_CHUNK_PAGES, PeerLeases, PeerReader
 
-        lend_pages = max(opts.handoff_bytes // self.page_bytes, READ_CHUNK_PAGES)
-        self.lend = HostTier(lend_pages, self.page_bytes, pin=False, device=self._device)
-        registered = self.client.register_rows(self.lend.data)
-        if not registered and self._device.type == "cuda":
-            # NIXL without GPU memory (a UCX built without CUDA): hand-offs go through the host
-            # (pinned rows, copied down and up), and only with decode ranks that do the same.
-            logger.warning("rank %d: NIXL cannot register GPU memory; PD hand-offs go through host memory",
-                           tp.rank)
-            self.lend = HostTier(lend_pages, self.page_bytes, pin=True)
-            registered = self.client.register_rows(self.lend.data)
-        if not registered:
-            self.client.close()
-            raise RuntimeError("the KV store client could not register the hand-off rows with NIXL")
-
+        self.handoff = make_handoff_rows(opts.handoff_bytes, self.page_bytes, self._device, opts.handoff_memory,
+                                         tp.rank, READ_CHUNK_PAGES, sum(self.key_bytes))
+        self.lend = self.handoff.tier if self.handoff is not None else None
         self.leases = PeerLeases(self)  # pages lent to decode replicas (prefill/decode disaggregation)
         self.peer = PeerReader(self, pool, tp)  # pages read from prefill replicas
         # (copy event, rows pinned until it, their tier)
@@ -203,6 +194,9 @@ class RankKVOffload(RankIOThreads):
             self._save_now(save)
             return
         tier = self.host if save.store else self.lend  # a hand-off: the rows decode ranks read
+        if tier is None:  # (no hand-off rows: the decode replica computes the prompt)
+            self.counters["dropped_pages"] += len(save.page_ids)
+            return
         ahead = [not tier.has(k) for k in save.keys]
         todo = [(p, k) for p, k, a in zip(save.page_ids, save.keys, ahead) if a]
         prompt = sum(ahead[: save.prompt])  # the leading pages that hold prompt tokens
@@ -296,7 +290,9 @@ class RankKVOffload(RankIOThreads):
         old = self.jobs.pop(pre.rid, None)
         if old is not None:
             old.cancel()
-        job = _Prefetch(pre.rid, list(pre.keys), self.lend if pre.source is not None else self.host, pre.source)
+        # (a read from a prefill replica without hand-off rows here reads nothing: `PeerReader.fetch`)
+        tier = self.lend if pre.source is not None and self.lend is not None else self.host
+        job = _Prefetch(pre.rid, list(pre.keys), tier, pre.source)
         self.jobs[pre.rid] = job
         with self._cv:
             self._reads.append(job)
@@ -343,9 +339,9 @@ class RankKVOffload(RankIOThreads):
         from kvstore.pages import scatter_pages
 
         compute = torch.cuda.current_stream(self._device)
-        if tier.data.is_cuda:
-            scatter_pages(self.pool, page_ids,
-                          tier.data.index_select(0, torch.tensor(rows, device=self._device)))
+        if tier.data.is_cuda:  # (a pinned index: a pageable copy would wait for the step in flight)
+            idx = torch.tensor(rows).pin_memory().to(self._device, non_blocking=True)
+            scatter_pages(self.pool, page_ids, tier.data.index_select(0, idx))
             done = torch.cuda.Event()
             done.record(compute)
             self._copying.append((done, rows, tier))
@@ -381,6 +377,8 @@ class RankKVOffload(RankIOThreads):
         if self.warm is not None:
             st.update(self.warm.stats())
         for name, tier in (("host", self.host), ("handoff", self.lend)):
+            if tier is None:
+                continue
             st[name] = {"used_bytes": tier.used_bytes, "capacity_bytes": tier.capacity * self.page_bytes,
                         "pages": len(tier.ready), "evictions": tier.evictions, "pinned_rows": len(tier.pins),
                         "device": str(tier.data.device)}
@@ -398,6 +396,8 @@ class RankKVOffload(RankIOThreads):
         for t in self._threads:
             t.join(timeout=30)
         self.client.close()
+        if self.handoff is not None:
+            self.handoff.close()
 
 
 class NullKVOffload:

@@ -177,14 +177,16 @@ class RankIOThreads:
 
     def _take_rows(self, n: int, job: _Prefetch, wait_s: float = 1.0) -> list[int]:
         """Rows of the job's tier for a prefetch chunk; while none is free but saves are being
-        written (their rows come free when done), wait for them rather than give up, a bounded while."""
+        written (their rows come free when done), wait for them rather than give up, a bounded
+        while. Hand-off rows come free as the step thread's loads complete: those are waited for
+        the same bounded while."""
         deadline = time.monotonic() + wait_s
         while True:
             rows = job.tier.take(n)
             if rows or job.cancelled:
                 return rows
             with self._cv:
-                if not self._writing or time.monotonic() > deadline:
+                if (job.tier is self.host and not self._writing) or time.monotonic() > deadline:
                     return []
                 self._cv.wait(0.01)
 

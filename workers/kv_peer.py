@@ -5,15 +5,15 @@ when it has room for them (its own hand-off rows, taken for the read), so a deco
 is full never has pages pushed at it, and every failure is seen and handled on the one side
 that must act on it (the decode side computes what it could not read).
 
-Both sides keep the pages in their ranks' hand-off rows (`RankKVOffload.lend`: a `HostTier` on
-the KV pool's device), registered with the rank's NIXL agent: on GPUs a READ moves them from
-GPU memory to GPU memory (NIXL "VRAM": CUDA IPC on one host, GPUDirect RDMA between hosts),
-never through host memory; on CPUs, host memory to host memory.
+Both sides keep the pages in their ranks' hand-off rows (`workers/handoff_rows.py`: on the KV
+pool's GPU, under a NIXL agent of their own), so on GPUs a READ moves them from GPU memory to
+GPU memory (NIXL "VRAM": CUDA IPC on one host, GPUDirect RDMA between hosts), never through
+host memory; on CPUs (or `--pd-memory host`), host memory to host memory.
 
 The prefill side (`PeerLeases`, beside a rank's `RankKVOffload`): the replica copies a
 handed-off request's prompt pages into its hand-off rows (`KVSave.store=False`), their
-checksums taken beside the copy (`row_sums`: on a GPU `kvstore.transfer.page_sums`, on the
-device; crc32s on CPUs). A decode rank asks for them by chain key (`locate`, a Ray call to the
+checksums taken beside the copy (on a GPU `kvstore.transfer.page_sums`, on the device; crc32s
+in host memory). A decode rank asks for them by chain key (`locate`, a Ray call to the
 rank actor, off the step's thread): the rows of the leading keys present are pinned under a
 lease and their addresses returned with their checksums and the rank's NIXL agent metadata.
 `release` (or the lease's expiry) unpins them. A lease outlives the reader's deadline, so no
@@ -38,7 +38,6 @@ removed when the new one is added.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -46,6 +45,8 @@ import uuid
 from collections import OrderedDict
 
 import torch
+
+from workers.handoff_rows import dev_of, mem_of, same_memory
 
 logger = logging.getLogger(__name__)
 
@@ -107,17 +108,18 @@ class PeerLeases:
                 self._crcs.popitem(last=False)
 
     def _sums(self, rows: list[int]) -> list[int]:
-        return _results([row_sums(self.off.lend.data, rows, sum(self.off.key_bytes))]) if rows else []
+        return self.off.handoff.sums_now(rows, sum(self.off.key_bytes))
 
     def locate(self, keys: list[str], ttl_s: float, wait_s: float = LOCATE_WAIT_S) -> dict | None:
-        """Pin the rows of the leading `keys` in the host tier (waiting up to wait_s for pages
+        """Pin the rows of the leading `keys` in the hand-off rows (waiting up to wait_s for pages
         whose save is still on its way: the caller waits a little longer, then gives up) for
-        ttl_s; None without a NIXL agent. Lends nothing once wait_s has passed (its caller has
+        ttl_s; None without hand-off rows. Lends nothing once wait_s has passed (its caller has
         stopped waiting: a lease it never hears of would only pin rows until it expires)."""
         self.sweep()
-        client, host = self.off.client, self.off.lend
-        if client.agent is None:
+        rows_of = self.off.handoff
+        if rows_of is None:
             return None
+        host = rows_of.tier
         fault = self.fault
         if fault is not None and fault[0] == "delay":
             time.sleep(fault[1])
@@ -136,11 +138,17 @@ class PeerLeases:
             host.unpin(rows)
             time.sleep(0.002)
         t1 = time.monotonic()
-        with self.lock:  # taken at the save; a page whose checksum was dropped is checksummed now
+        with self.lock:  # taken at the save (kept while lent: a shared prefix's rows stay known)
             known = [self._crcs.get((k, r)) for k, r in zip(keys, rows)]
+            for k, r, c in zip(keys, rows, known):
+                if c is not None:
+                    self._crcs.move_to_end((k, r))
         todo = [i for i, c in enumerate(known) if c is None]
-        for i, c in zip(todo, self._sums([rows[i] for i in todo])):
+        for i, c in zip(todo, self._sums([rows[i] for i in todo])):  # (dropped: computed now)
             known[i] = c
+        if todo:
+            with self.lock:
+                self._crcs.update(((keys[i], rows[i]), known[i]) for i in todo)
         crcs = known
         self.counters["pd_lend_wait_s"] += t1 - t0
         self.counters["pd_lend_crc_s"] += time.monotonic() - t1
@@ -157,19 +165,19 @@ class PeerLeases:
             if self._progress is None or not self._progress.is_alive():
                 self._progress = threading.Thread(target=self._drive, name="kv-peer-progress", daemon=True)
                 self._progress.start()
-        return {"agent": client.name, "meta": client.agent.get_agent_metadata(), "lease": lease,
+        return {"agent": rows_of.name, "meta": rows_of.agent.get_agent_metadata(), "lease": lease,
                 "addrs": [host.data[r].data_ptr() for r in rows], "crcs": crcs,
-                "key_bytes": list(self.off.key_bytes), "mem": _mem(host.data), "dev": _dev(host.data)}
+                "key_bytes": list(self.off.key_bytes), "mem": rows_of.mem, "dev": rows_of.dev}
 
     def _drive(self) -> None:
         """Progress this rank's UCX worker while pages are lent: the reader's connection set-up
         and its READs over a transport that is not one-sided need the target to progress (the
         store does the same). Ends a moment after the last lease: an idle rank uses no CPU."""
-        agent = self.off.client.agent
+        rows_of = self.off.handoff
         polls = 0
-        while agent is not None and self.off.client.agent is not None:
+        while rows_of is not None and not rows_of.closed:
             try:
-                agent.get_new_notifs()
+                rows_of.agent.get_new_notifs()
             except Exception:
                 logger.exception("kv peer: NIXL progress")
                 return
@@ -209,7 +217,6 @@ class PeerReader:
         self.actors: dict[str, object] = {}  # rank actor name -> handle
         self.stuck: list = []  # memory of READs NIXL could not cancel: never reused
         self.agents: dict[str, str] = {}  # rank actor name -> its NIXL agent, added as a remote
-        self._cuda_stream = None
         if pool.use_mla:
             self.heads, self.head_bytes = 1, []
         else:  # per key (K, V): this rank's kv heads and the bytes of one head's row
@@ -224,12 +231,15 @@ class PeerReader:
 
     # ---------------- one prefetch ----------------
     def fetch(self, job, source) -> None:
-        """Read job.keys' pages (source.keys on the prefill side) into this rank's host tier,
-        publishing each good page to the job; stops at the first page it cannot vouch for."""
+        """Read job.keys' pages (source.keys on the prefill side) into this rank's hand-off
+        rows, publishing each good page to the job; stops at the first page it cannot vouch for."""
         start = time.monotonic()
         deadline = job.queued_at + source.timeout_s  # the scheduler's clock started when it set it aside
         keys = list(job.keys)
         if job.cancelled or start >= deadline:  # given up (or stale in the queue): read nothing
+            return
+        if self.off.handoff is None:  # (a replica of no disaggregated role: computes the prompt)
+            self.counters["pd_failures"] += 1
             return
         try:
             if source.layout == "mla" or source.tp_size == self.tp.size:
@@ -254,15 +264,15 @@ class PeerReader:
         try:
             if reply["key_bytes"] != list(self.off.key_bytes):
                 raise ValueError(f"page layout {reply['key_bytes']} != this rank's {self.off.key_bytes}")
-            _same_memory(reply, lend.data)
+            same_memory(reply, lend.data)
             n = len(reply["addrs"])
             rows = self.off._take_rows(n, job) if n else []
             n = len(rows)
             if not n:
                 return
-            dev = _dev(lend.data)
+            dev = dev_of(lend.data)
             local = [(lend.data[r].data_ptr(), used, dev) for r in rows]
-            remote = [(a, used, reply["dev"]) for a in reply["addrs"][:n]]
+            remote = [(a, used, reply.get("dev", 0)) for a in reply["addrs"][:n]]
             try:
                 good = self._read(source, reply["agent"], local, remote, deadline, reply["crcs"][:n],
                                   lend.data, rows, used)
@@ -280,57 +290,64 @@ class PeerReader:
                 actor.pd_release.remote(reply["lease"])
 
     def _resharded(self, job, source, keys: list[str], deadline: float) -> None:
-        """MHA across TP sizes: this rank's kv heads from every prefill rank that holds some."""
+        """MHA across TP sizes: this rank's kv heads from every prefill rank that holds some.
+        On a GPU everything here runs on this thread's stream: the scratch a READ lands in comes
+        from that stream's memory, idle before the READ (memory the step's stream just freed may
+        still be read by its kernels in flight, and a READ is in no stream's order)."""
         if self.heads * self.tp.size % source.tp_size:
             raise ValueError(f"{self.heads * self.tp.size} kv heads do not split over prefill TP {source.tp_size}")
-        lend = self.off.lend
+        rows_of = self.off.handoff
+        lend, stream = rows_of.tier, rows_of.stream()
         device = lend.data.device
         total = self.heads * self.tp.size
         src_heads = total // source.tp_size
         lo, hi = self.tp.rank * self.heads, (self.tp.rank + 1) * self.heads
         n = len(keys)
-        out = torch.zeros((n, sum(self.off.key_bytes)), dtype=torch.uint8, device=device)
-        for p in range(lo // src_heads, (hi - 1) // src_heads + 1):
-            reply, actor = self._locate(source, p, list(source.keys[:n]), deadline)
-            stuck = False
-            try:
-                _same_memory(reply, lend.data)
-                n = min(n, len(reply["addrs"]))
-                if not n:
-                    return
-                src_bytes = sum(reply["key_bytes"])
-                scratch = torch.empty((n, src_bytes), dtype=torch.uint8, device=device)
-                handle = self.off.client.agent.register_memory(scratch)
+        with rows_of.on_stream():
+            out = torch.zeros((n, sum(self.off.key_bytes)), dtype=torch.uint8, device=device)
+            for p in range(lo // src_heads, (hi - 1) // src_heads + 1):
+                reply, actor = self._locate(source, p, list(source.keys[:n]), deadline)
+                stuck = False
                 try:
-                    local = [(scratch[i].data_ptr(), src_bytes, _dev(scratch)) for i in range(n)]
-                    remote = [(a, src_bytes, reply["dev"]) for a in reply["addrs"][:n]]
-                    n = min(n, self._read(source, reply["agent"], local, remote, deadline, reply["crcs"][:n],
-                                          scratch, list(range(n)), src_bytes))
-                except StuckRead:
-                    stuck = True
-                    self.stuck.append((scratch, handle))  # kept registered and alive: a late write lands here
-                    raise
+                    same_memory(reply, lend.data)
+                    n = min(n, len(reply["addrs"]))
+                    if not n:
+                        return
+                    src_bytes = sum(reply["key_bytes"])
+                    scratch = torch.empty((n, src_bytes), dtype=torch.uint8, device=device)
+                    if stream is not None:
+                        stream.synchronize()
+                    handle = rows_of.agent.register_memory(scratch)
+                    try:
+                        local = [(scratch[i].data_ptr(), src_bytes, dev_of(scratch)) for i in range(n)]
+                        remote = [(a, src_bytes, reply.get("dev", 0)) for a in reply["addrs"][:n]]
+                        n = min(n, self._read(source, reply["agent"], local, remote, deadline, reply["crcs"][:n],
+                                              scratch, list(range(n)), src_bytes))
+                    except StuckRead:
+                        stuck = True
+                        self.stuck.append((scratch, handle))  # kept registered and alive: a late write lands here
+                        raise
+                    finally:
+                        if not stuck:
+                            rows_of.agent.deregister_memory(handle)
+                    # this rank's heads [lo, hi) within prefill rank p's [p * src_heads, ...)
+                    a, b = max(lo, p * src_heads), min(hi, (p + 1) * src_heads)
+                    src_off = dst_off = 0
+                    for kb, sb, hb in zip(self.off.key_bytes, reply["key_bytes"], self.head_bytes):
+                        rows = kb // (self.heads * hb)  # layers x P
+                        src = scratch[:n, src_off : src_off + sb].view(n, rows, src_heads, hb)
+                        dst = out[:n, dst_off : dst_off + kb].view(n, rows, self.heads, hb)
+                        dst[:, :, a - lo : b - lo] = src[:, :, a - p * src_heads : b - p * src_heads]
+                        src_off, dst_off = src_off + sb, dst_off + kb
                 finally:
                     if not stuck:
-                        self.off.client.agent.deregister_memory(handle)
-                # this rank's heads [lo, hi) within prefill rank p's [p * src_heads, ...)
-                a, b = max(lo, p * src_heads), min(hi, (p + 1) * src_heads)
-                src_off = dst_off = 0
-                for kb, sb, hb in zip(self.off.key_bytes, reply["key_bytes"], self.head_bytes):
-                    rows = kb // (self.heads * hb)  # layers x P
-                    src = scratch[:n, src_off : src_off + sb].view(n, rows, src_heads, hb)
-                    dst = out[:n, dst_off : dst_off + kb].view(n, rows, self.heads, hb)
-                    dst[:, :, a - lo : b - lo] = src[:, :, a - p * src_heads : b - p * src_heads]
-                    src_off, dst_off = src_off + sb, dst_off + kb
-            finally:
-                if not stuck:
-                    actor.pd_release.remote(reply["lease"])
-        rows = self.off._take_rows(n, job) if n else []
-        n = len(rows)
-        for i, r in enumerate(rows):
-            lend.data[r, : out.shape[1]].copy_(out[i])
-        if n and device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # in the rows before they are published
+                        actor.pd_release.remote(reply["lease"])
+            rows = self.off._take_rows(n, job) if n else []
+            n = len(rows)
+            for i, r in enumerate(rows):
+                lend.data[r, : out.shape[1]].copy_(out[i])
+            if stream is not None:
+                stream.synchronize()  # in the rows before they are published
         self._publish(job, keys[:n], rows)
 
     # ---------------- pieces ----------------
@@ -365,7 +382,7 @@ class PeerReader:
 
     def _connect(self, name: str, reply: dict) -> None:
         """Know the prefill rank's agent; a new one (the rank restarted) replaces the old."""
-        agent = self.off.client.agent
+        agent = self.off.handoff.agent
         old = self.agents.get(name)
         if old == reply["agent"]:
             return
@@ -385,27 +402,25 @@ class PeerReader:
         crc32, took one after the other: 78 + 37 ms for a 2,048-token 8B prompt through an
         H200's host); returns the leading pages whose checksum matches, 0 if any READ failed."""
         from kvstore.transfer import nixl_transfer
+        from workers.handoff_rows import results, row_sums
 
         t0 = time.monotonic()
-        mem = _mem(data)
-        stream = self._stream(data.device)
+        rows_of = self.off.handoff
         state, sums = "done", []
-        try:
-            for lo in range(0, len(local), READ_CHUNK_PAGES):
-                hi = lo + READ_CHUNK_PAGES
-                left = deadline - time.monotonic()
-                state = nixl_transfer(self.off.client.agent, "READ", local[lo:hi], remote[lo:hi], remote_agent,
-                                      left, mem) if left > 0 else "failed"
-                if state != "done":
-                    break
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with rows_of.on_stream():  # the sums on this thread's stream, read back on it
+            try:
+                for lo in range(0, len(local), READ_CHUNK_PAGES):
+                    hi = lo + READ_CHUNK_PAGES
+                    left = deadline - time.monotonic()
+                    state = nixl_transfer(rows_of.agent, "READ", local[lo:hi], remote[lo:hi], remote_agent,
+                                          left, mem_of(data)) if left > 0 else "failed"
+                    if state != "done":
+                        break
                     sums.append(row_sums(data, rows[lo:hi], width))
-        finally:  # the caller gives the rows back (or keeps them, stuck): no checksum still reads them
-            t1 = time.monotonic()
-            self.counters["pd_read_s"] += t1 - t0
-            if stream is not None:
-                stream.synchronize()  # (the sums are read on this thread's current stream)
-            got = _results(sums)  # (waits for the checksums still running)
+            finally:  # the caller gives the rows back (or keeps them, stuck): no checksum still reads them
+                t1 = time.monotonic()
+                self.counters["pd_read_s"] += t1 - t0
+                got = results(sums)  # (waits for the checksums still running)
         self.counters["pd_verify_s"] += time.monotonic() - t1  # what the reads did not hide
         if state == "stuck":
             raise StuckRead(f"a READ from {source.replica} could not be cancelled")
@@ -421,53 +436,9 @@ class PeerReader:
         self.counters["pd_bytes"] += sum(n for _, n, _ in local[:good])
         return good
 
-    def _stream(self, device: torch.device):
-        """This reader's CUDA stream (checksums of what it read), None on the CPU."""
-        if device.type != "cuda":
-            return None
-        if self._cuda_stream is None:
-            self._cuda_stream = torch.cuda.Stream(device)
-        return self._cuda_stream
-
     def _publish(self, job, keys: list[str], rows: list[int]) -> None:
         self.counters["pd_pages"] += len(rows)
         if rows:
             job.add(self.off.lend.publish(keys, rows, pin=True))
             self.off._note_progress()
 
-
-def row_sums(data: torch.Tensor, rows: list[int], width: int):
-    """Start the checksums of `rows` of `data` (their first `width` bytes), by where they live:
-    in GPU memory `kvstore.transfer.page_sums`, enqueued on the current stream (an int64
-    tensor); in host memory their crc32s, running on the checksum threads (futures: zlib's
-    crc32 is ~3x torch's weighted sum on a CPU). Both sides of a hand-off keep its pages in
-    one kind of memory (`_same_memory`), so they agree on the kind of checksum."""
-    from kvstore.transfer import checksums_started, page_sums
-
-    if data.is_cuda:
-        return page_sums(data[torch.tensor(rows, device=data.device), :width])
-    return checksums_started([data[r, :width].numpy() for r in rows])
-
-
-def _results(started: list) -> list[int]:
-    """The checksums `row_sums` started, in order."""
-    out: list[int] = []
-    for s in started:
-        out += s.tolist() if isinstance(s, torch.Tensor) else [f.result() for f in s]
-    return out
-
-
-def _mem(t: torch.Tensor) -> str:
-    """The NIXL memory type of a tensor's memory."""
-    return "VRAM" if t.is_cuda else "DRAM"
-
-
-def _dev(t: torch.Tensor) -> int:
-    """The device id of a NIXL descriptor of a tensor's memory (0 for host memory)."""
-    return t.device.index if t.is_cuda else 0
-
-
-def _same_memory(reply: dict, data: torch.Tensor) -> None:
-    """A READ moves pages between memories of one kind: a CPU replica and a GPU one do not mix."""
-    if reply.get("mem", "DRAM") != _mem(data):
-        raise ValueError(f"the prefill rank's pages are in {reply.get('mem')}, this rank's in {_mem(data)}")

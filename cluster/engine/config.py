@@ -18,6 +18,7 @@ ATTENTION_BACKENDS = ("flash", "reference", "mla")  # mla: flash, checked to be 
 KV_WRITE_POLICIES = ("write_back_selective", "write_back", "write_through_selective", "write_through")  # cluster/engine/kv_saves.py
 LOAD_FORMATS = ("auto", "dummy")  # workers/loader.py: the checkpoint's weights, or random ones at its shapes
 KV_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+PD_MEMORIES = ("gpu", "host")  # where a rank keeps PD hand-off pages (workers/handoff_rows.py)
 
 
 class ConfigError(ValueError):
@@ -110,10 +111,12 @@ class EngineConfig:
     # Prefill/decode disaggregation (cluster/engine/kv_handoff.py): how long a decode replica
     # waits for a prompt's pages from its prefill replica before it computes the rest itself.
     pd_transfer_timeout_s: float = 10.0
-    # Each rank's hand-off rows, on its KV pool's device (GPU memory on a GPU, beside the pool:
-    # out of what --mem-fraction leaves): a prefill rank's pages lent to decode replicas, a
-    # decode rank's pages read from prefill replicas until they are loaded.
+    # Each rank's hand-off rows (workers/handoff_rows.py), on its GPU ("gpu", beside the pool:
+    # out of what --mem-fraction leaves) or in pinned host memory ("host"): a prefill rank's pages
+    # lent to decode replicas, a decode rank's pages read from prefill replicas until loaded.
+    # Mixed replicas have none (`cluster.launch.ClusterOptions.engine_for`).
     pd_buffer_gb: float = 1.0
+    pd_memory: str = "gpu"
     # The kernels' options (attention/kernel_options.py): read from this process's environment
     # once, when the config is made, and installed on every rank.
     kernels: KernelOptions = dataclasses.field(default_factory=KernelOptions.from_env)
@@ -165,9 +168,13 @@ class EngineConfig:
             bad("kv_write_policy", f"must be one of {KV_WRITE_POLICIES}")
         if self.kv_prefetch_policy not in KV_PREFETCH_POLICIES:
             bad("kv_prefetch_policy", f"must be one of {KV_PREFETCH_POLICIES}")
-        for name in ("kv_store_host_gb", "kv_store_disk_gb", "kv_host_cache_gb", "pd_buffer_gb"):
+        for name in ("kv_store_host_gb", "kv_store_disk_gb", "kv_host_cache_gb"):
             if getattr(self, name) <= 0:
                 bad(name, "must be > 0")
+        if self.pd_buffer_gb < 0:
+            bad("pd_buffer_gb", "must be >= 0")
+        if self.pd_memory not in PD_MEMORIES:
+            bad("pd_memory", f"must be one of {PD_MEMORIES}")
         if self.pd_transfer_timeout_s <= 0:
             bad("pd_transfer_timeout_s", "must be > 0")
         if self.kv_prefetch_timeout_s < 0 or self.kv_prefetch_timeout_per_page_s < 0:

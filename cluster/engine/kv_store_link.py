@@ -95,7 +95,8 @@ def kv_offload_options(config: EngineConfig) -> KVOffloadOptions | None:
         return None
     return KVOffloadOptions(fingerprint=ident[0], layout=ident[1],
                             host_cache_bytes=int(config.kv_host_cache_gb * 2**30), store_name=STORE_NAME,
-                            warm=config.kv_host_warm, handoff_bytes=int(config.pd_buffer_gb * 2**30))
+                            warm=config.kv_host_warm, handoff_bytes=int(config.pd_buffer_gb * 2**30),
+                            handoff_memory=config.pd_memory)
 
 
 def kv_host_pages(config: EngineConfig) -> int:
