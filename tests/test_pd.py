@@ -186,6 +186,12 @@ def test_admin_api_turns_a_mixed_deployment_into_prefill_and_decode(ray_local, t
         mixed = next(h for h in pd.router.replicas.values() if h.role == "mixed")
         assert "handoff" not in pd.rank_stats(mixed)[0]  # a mixed replica keeps no hand-off rows
         assert all(pd.rank_stats(h)[0]["handoff"]["pages"] for h in (pd.prefill, pd.decode))
+        handoff_bytes = lambda: pd.metrics.registry.get_sample_value("manta:kvstore_usage_bytes",  # noqa: E731
+                                                                     {"tier": "handoff"}) or 0
+        deadline = time.monotonic() + 30  # (the replicas' rank stats are polled)
+        while not handoff_bytes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert handoff_bytes() > 0
         removed = httpx.delete(f"{url}/{pd.decode.name}", timeout=300)
         assert removed.status_code == 200, removed.text
         before = pd.handoff(pd.prefill)["handed_off"]

@@ -18,7 +18,8 @@ they were (`cluster.api.monotonic`), so they only go down when the server restar
     manta:kvstore_dropped_pages_total{replica} saves dropped: a rank's host tier was full, or the
                                                store refused them (its RAM full of pages not yet
                                                written to files: the store is slower than the saves)
-    manta:kvstore_usage_bytes{tier}            "ram" and "file" (the store), "host" (ranks' host tiers)
+    manta:kvstore_usage_bytes{tier}            "ram" and "file" (the store), "host" (ranks' host tiers),
+                                               "handoff" (prefill/decode ranks' hand-off rows)
     manta:kvstore_host_admissions_total{replica}  requests admitted at once on pages their replica's
                                                host tier held (no store lookup; their pages count in hit_pages)
     manta:kvstore_warm_pages_total{replica}    pages the ranks read from the store into their host tiers
@@ -97,7 +98,8 @@ class KVStoreCollector(Collector):
                                       "store refused them (the store is slower than the saves).", labels=["replica"])
         usage = GaugeMetricFamily("manta:kvstore_usage_bytes",
                                   "Bytes of KV pages held, by tier: ram and file (the shared store's RAM and "
-                                  "files), host (the replicas' ranks' own host tiers, beside the store).",
+                                  "files), host (the replicas' ranks' own host tiers, beside the store), handoff "
+                                  "(prefill and decode ranks' hand-off rows: pages on their way between them).",
                                   labels=["tier"])
         host_adm = CounterMetricFamily("manta:kvstore_host_admissions",
                                        "Requests admitted at once on prompt pages their replica's host tier held.",
@@ -120,7 +122,7 @@ class KVStoreCollector(Collector):
             family.add_metric(labels, self._count.total((family.name, tuple(labels)), value))
 
         with self._lock:
-            host = 0
+            host = handoff = 0
             for replica, rep in self._replicas.items():
                 count(hits, [replica], rep.get("hit_pages", 0))
                 count(queries, [replica], rep.get("query_pages", 0))
@@ -139,6 +141,7 @@ class KVStoreCollector(Collector):
                     wbytes += r.get("bytes_written", 0)
                     rbytes += r.get("bytes_read", 0)
                     host += r.get("host", {}).get("used_bytes", 0)
+                    handoff += r.get("handoff", {}).get("used_bytes", 0)
                 count(warm, [replica], sum(r.get("offload_warm_pages", 0) for r in ranks))
                 warming.add_metric([replica], sum(r.get("offload_warming", 0) for r in ranks))
                 count(nbytes, [replica, "write"], wbytes)
@@ -159,6 +162,7 @@ class KVStoreCollector(Collector):
                 count(errors, ["store", "file_write"], store.get("file_write_errors", 0))
             if self._replicas:
                 usage.add_metric(["host"], host)
+                usage.add_metric(["handoff"], handoff)
         yield from (written, read, hits, queries, nbytes, errors, dropped, usage, host_adm, warm, warming,
                     *pd.values(), pd_fail)
 
