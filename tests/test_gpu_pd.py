@@ -29,7 +29,10 @@ def ray_gpu():
     ray.shutdown()
 
 
-def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path):
+@pytest.mark.parametrize("memory", ["gpu", "host"])
+def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path, memory):
+    """memory: where the hand-off rows are (--pd-memory): GPU memory (read GPU to GPU), or
+    pinned host memory (copied down, read host to host, copied up)."""
     from transformers import AutoTokenizer
 
     from workers.sampling_params import SamplingParams
@@ -44,15 +47,17 @@ def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path):
         ref.shutdown()
     tok = AutoTokenizer.from_pretrained(model)
     want = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
-    pd = PD(model, tmp_path / "kv", 1, 1, gpus_per_rank=0.5, **{k: v for k, v in gpu.items() if k != "page_size"})
+    pd = PD(model, tmp_path / "kv", 1, 1, gpus_per_rank=0.5, pd_memory=memory,
+            **{k: v for k, v in gpu.items() if k != "page_size"})
     try:
         texts, _ = pd.complete(prompts)
         assert texts == want
         ranks = pd.rank_stats(pd.decode)
         assert sum(r["pd_pages"] for r in ranks) >= 3 + 3 + 3 + 18 - 4  # (a page each may be recomputed)
         assert sum(r["pd_corrupt"] for r in ranks) == 0
-        for r in ranks + pd.rank_stats(pd.prefill):  # the pages moved between GPU memories
-            assert r["handoff"]["device"].startswith("cuda") and r["handoff"]["pages"] > 0, r["handoff"]
+        for r in ranks + pd.rank_stats(pd.prefill):  # the pages moved between GPU memories (or host ones)
+            assert r["handoff"]["device"].startswith("cuda" if memory == "gpu" else "cpu"), r["handoff"]
+            assert r["handoff"]["pages"] > 0, r["handoff"]
         pd.wait_idle()
     finally:
         pd.close()

@@ -51,7 +51,7 @@ class PD:
         sides: the replica counts (default one prefill and one decode replica)."""
         cfg = EngineConfig(**{**dict(model=model, page_size=16, kv_cache_tokens=2048, max_running_requests=8,
                                      kv_store=str(root), kv_store_host_gb=0.01, kv_store_disk_gb=0.05,
-                                     kv_host_cache_gb=0.004), **engine})
+                                     kv_host_cache_gb=0.004, pd_buffer_gb=0.004), **engine})
         self.model, self.oracle = model, oracle or model
         self.metrics = ServerMetrics()
         self.cluster = ServingCluster(ClusterOptions(
