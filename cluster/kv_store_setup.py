@@ -84,7 +84,7 @@ def add_kv_store_args(p) -> None:
     g.add_argument("--pd-buffer-gb", type=float, default=1.0, dest="pd_buffer_gb",
                    help="disaggregated serving: each prefill and decode rank's hand-off rows: pages lent to decode "
                         "replicas, or read from prefill replicas, on their way (a 2,048-token prompt of an 8B model "
-                        "is 256 MiB); on the GPU they come out of what --mem-fraction leaves")
+                        "is 256 MiB); on the GPU they come out of --mem-fraction, before the KV pool")
     g.add_argument("--pd-memory", default="gpu", choices=PD_MEMORIES, dest="pd_memory",
                    help="disaggregated serving: where hand-off pages wait and move: gpu (default: NIXL reads GPU "
                         "memory to GPU memory, CUDA IPC on one host, GPUDirect RDMA between hosts) or host (pinned "

@@ -213,12 +213,15 @@ class ModelRunner:
         if self.device.type == "cpu":
             return 65536
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(free * self.opts.mem_fraction) - (1 << 30)  # keep 1 GiB for activations
+        # Keep 1 GiB for activations, and the PD hand-off rows' share (made after the pool).
+        off = self.opts.kv_offload
+        keep = (1 << 30) + (off.handoff_bytes if off is not None and off.handoff_memory == "gpu" else 0)
+        budget = int(free * self.opts.mem_fraction) - keep
         if self.opts.gpu_share < 1.0:
             # A GPU shared with other ranks (which may still be loading): this rank's part of
             # it, less what it holds already (weights), whatever the others have taken so far.
             mine = int(total * self.opts.mem_fraction * self.opts.gpu_share) - torch.cuda.memory_reserved(self.device)
-            budget = min(budget, mine - (1 << 30))
+            budget = min(budget, mine - keep)
         # More than every running request at full context can never be used.
         most = self.opts.max_running_requests * self.max_context_len
         tokens = max(min(budget // bytes_per_token, most), 2 * self.opts.page_size)

@@ -112,7 +112,7 @@ class EngineConfig:
     # waits for a prompt's pages from its prefill replica before it computes the rest itself.
     pd_transfer_timeout_s: float = 10.0
     # Each rank's hand-off rows (workers/handoff_rows.py), on its GPU ("gpu", beside the pool:
-    # out of what --mem-fraction leaves) or in pinned host memory ("host"): a prefill rank's pages
+    # out of --mem-fraction, before the pool) or in pinned host memory ("host"): a prefill rank's pages
     # lent to decode replicas, a decode rank's pages read from prefill replicas until loaded.
     # Mixed replicas have none (`cluster.launch.ClusterOptions.engine_for`).
     pd_buffer_gb: float = 1.0
