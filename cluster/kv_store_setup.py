@@ -9,13 +9,7 @@ import logging
 import threading
 import time
 
-from cluster.engine.config import (
-    KV_PREFETCH_POLICIES,
-    KV_WRITE_POLICIES,
-    PD_MEMORIES,
-    EngineConfig,
-    default_cache_dir,
-)
+from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES, EngineConfig, default_cache_dir
 from cluster.engine.kv_store_link import replica_identity, why_no_store
 
 logger = logging.getLogger(__name__)
@@ -81,14 +75,6 @@ def add_kv_store_args(p) -> None:
     g.add_argument("--pd-transfer-timeout", type=float, default=10.0, dest="pd_transfer_timeout_s",
                    help="disaggregated serving: seconds a decode replica waits for a prompt's pages from its "
                         "prefill replica before it computes the rest itself")
-    g.add_argument("--pd-buffer-gb", type=float, default=1.0, dest="pd_buffer_gb",
-                   help="disaggregated serving: each prefill and decode rank's hand-off rows: pages lent to decode "
-                        "replicas, or read from prefill replicas, on their way (a 2,048-token prompt of an 8B model "
-                        "is 256 MiB); on the GPU they come out of --mem-fraction, before the KV pool")
-    g.add_argument("--pd-memory", default="gpu", choices=PD_MEMORIES, dest="pd_memory",
-                   help="disaggregated serving: where hand-off pages wait and move: gpu (default: NIXL reads GPU "
-                        "memory to GPU memory, CUDA IPC on one host, GPUDirect RDMA between hosts) or host (pinned "
-                        "host memory: for hosts joined by a network without GPUDirect RDMA)")
 
 
 def kv_store_config_from_args(args) -> dict:
@@ -105,7 +91,6 @@ def kv_store_config_from_args(args) -> dict:
             "kv_host_cache_gb": args.kv_host_cache_gb, "kv_host_warm": args.kv_host_warm, "kv_write_policy": args.kv_write_policy,
             "kv_prefetch_policy": args.kv_prefetch_policy, "kv_prefetch_timeout_s": args.kv_prefetch_timeout_s,
             "kv_drain_timeout_s": args.kv_drain_timeout_s, "pd_transfer_timeout_s": args.pd_transfer_timeout_s,
-            "pd_buffer_gb": args.pd_buffer_gb, "pd_memory": args.pd_memory,
             "kv_prefetch_timeout_per_page_s": args.kv_prefetch_timeout_per_page_s}
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from cluster.engine.config import ConfigError, EngineConfig
+from cluster.engine.config import PD_MEMORIES, ConfigError, EngineConfig
 from cluster.kv_store_setup import ensure_kv_store
 from cluster.replica import REPLICA_THREADS, Replica
 from cluster.router import Router, RouterOptions
@@ -37,6 +37,9 @@ class ClusterOptions:
     decode_replicas: int = 0
     prefill_tp: int | None = None  # None: engine.tp_size
     decode_tp: int | None = None
+    # Each prefill and decode rank's hand-off rows (workers/handoff_rows.py), and where they live.
+    pd_buffer_gb: float = 1.0
+    pd_memory: str = "gpu"
     router: RouterOptions = field(default_factory=RouterOptions)
     address: str | None = None  # None: start a local Ray instance (the embedded default)
     placement_strategy: str = "PACK"
@@ -53,6 +56,11 @@ class ClusterOptions:
         if bool(self.prefill_replicas) != bool(self.decode_replicas):
             raise ConfigError("prefill_replicas" if not self.prefill_replicas else "decode_replicas",
                               "--prefill-replicas and --decode-replicas go together (both >= 1)")
+        if self.pd_memory not in PD_MEMORIES:
+            raise ConfigError("pd_memory", f"must be one of {PD_MEMORIES}")
+        if self.pd_buffer_gb < 0 or (self.prefill_replicas and self.pd_buffer_gb == 0):
+            raise ConfigError("pd_buffer_gb", "must be > 0: the hand-off rows hold the pages prefill replicas "
+                              "hand to decode replicas")
         if self.prefill_replicas:
             from cluster.engine.kv_offload import MIN_PAGE_TOKENS
 
@@ -66,8 +74,10 @@ class ClusterOptions:
         """The engine config of a replica of `role` ("mixed", "prefill", "decode")."""
         tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
         config = dataclasses.replace(self.engine, tp_size=tp) if tp else self.engine
-        # A mixed replica hands nothing off: no hand-off rows (1 GiB of its GPU by default).
-        return dataclasses.replace(config, pd_buffer_gb=0.0) if role == "mixed" else config
+        # Hand-off rows for the replicas that take part: prefill and decode ones, and mixed ones
+        # beside prefill replicas (they continue a request when every decode replica is full).
+        rows = self.pd_buffer_gb if role != "mixed" or self.prefill_replicas else 0.0
+        return dataclasses.replace(config, pd_buffer_gb=rows, pd_memory=self.pd_memory)
 
     def check_reshard(self) -> None:
         """Prefill and decode TP sizes that differ: an MHA page is resharded by kv head on the

@@ -12,6 +12,7 @@ logger = logging.getLogger(__name__)
 def add_serve_parser(sub) -> None:
     from cluster.api.reasoning import PARSERS as REASONING_PARSERS
     from cluster.api.tools import PARSERS
+    from cluster.engine.config import PD_MEMORIES
     from cluster.engine_args import add_engine_args
 
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API from a Ray cluster")
@@ -25,6 +26,14 @@ def add_serve_parser(sub) -> None:
                    help="... replicas that read them over NIXL and decode (docs/deploy.md, section 12)")
     p.add_argument("--prefill-tp", type=int, default=None, help="TP size of prefill replicas (default --tp)")
     p.add_argument("--decode-tp", type=int, default=None, help="TP size of decode replicas (default --tp)")
+    p.add_argument("--pd-buffer-gb", type=float, default=1.0,
+                   help="disaggregated serving: each prefill and decode rank's hand-off rows, pages on their way "
+                        "between them (a 2,048-token prompt of an 8B model is 256 MiB); on the GPU they come out "
+                        "of --mem-fraction, before the KV pool")
+    p.add_argument("--pd-memory", default="gpu", choices=PD_MEMORIES,
+                   help="disaggregated serving: where hand-off pages wait and move: gpu (default: NIXL reads GPU "
+                        "memory to GPU memory, CUDA IPC on one host, GPUDirect RDMA between hosts) or host (pinned "
+                        "host memory: for hosts joined by a network without GPUDirect RDMA)")
     p.add_argument("--router-policy", default="cache_aware", choices=["round_robin", "least_load", "cache_aware"])
     p.add_argument("--cache-threshold", type=float, default=0.5)
     p.add_argument("--balance-abs-threshold", type=int, default=16)
@@ -90,6 +99,8 @@ def cluster_options_from_args(args: argparse.Namespace):
         decode_replicas=args.decode_replicas,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        pd_buffer_gb=args.pd_buffer_gb,
+        pd_memory=args.pd_memory,
         router=RouterOptions(policy=args.router_policy, cache_threshold=args.cache_threshold,
                              balance_abs_threshold=args.balance_abs_threshold,
                              balance_rel_threshold=args.balance_rel_threshold,

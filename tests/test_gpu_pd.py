@@ -29,10 +29,12 @@ def ray_gpu():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("memory", ["gpu", "host"])
-def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path, memory):
+@pytest.mark.parametrize("memory,decode_tp", [("gpu", 1), ("host", 1), ("gpu", 2)])
+def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path, memory, decode_tp):
     """memory: where the hand-off rows are (--pd-memory): GPU memory (read GPU to GPU), or
-    pinned host memory (copied down, read host to host, copied up)."""
+    pinned host memory (copied down, read host to host, copied up). decode_tp 2: each decode
+    rank cuts its kv head out of the prefill rank's pages (a scratch READ on its own stream).
+    Fails, not skips, where NIXL cannot read GPU memory: that is what it is here to find."""
     from transformers import AutoTokenizer
 
     from workers.sampling_params import SamplingParams
@@ -47,7 +49,7 @@ def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path, memory):
         ref.shutdown()
     tok = AutoTokenizer.from_pretrained(model)
     want = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
-    pd = PD(model, tmp_path / "kv", 1, 1, gpus_per_rank=0.5, pd_memory=memory,
+    pd = PD(model, tmp_path / "kv", 1, decode_tp, gpus_per_rank=0.3, pd_memory=memory,
             **{k: v for k, v in gpu.items() if k != "page_size"})
     try:
         texts, _ = pd.complete(prompts)

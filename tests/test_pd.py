@@ -46,16 +46,18 @@ class PD:
     """A disaggregated cluster behind the HTTP server."""
 
     def __init__(self, model: str, root, prefill_tp: int, decode_tp: int, oracle: str | None = None,
-                 sides: dict | None = None, **engine):
+                 sides: dict | None = None, pd_memory: str = "gpu", **engine):
         """oracle: the checkpoint transformers runs for the expected tokens (default: model);
-        sides: the replica counts (default one prefill and one decode replica)."""
+        sides: the replica counts (default one prefill and one decode replica); pd_memory: where
+        the hand-off rows live (`--pd-memory`; the same on a CPU)."""
         cfg = EngineConfig(**{**dict(model=model, page_size=16, kv_cache_tokens=2048, max_running_requests=8,
                                      kv_store=str(root), kv_store_host_gb=0.01, kv_store_disk_gb=0.05,
-                                     kv_host_cache_gb=0.004, pd_buffer_gb=0.004), **engine})
+                                     kv_host_cache_gb=0.004), **engine})
         self.model, self.oracle = model, oracle or model
         self.metrics = ServerMetrics()
         self.cluster = ServingCluster(ClusterOptions(
             engine=cfg, **(sides or dict(replicas=0, prefill_replicas=1, decode_replicas=1)), prefill_tp=prefill_tp,
+            pd_buffer_gb=0.004, pd_memory=pd_memory,
             decode_tp=decode_tp, router=RouterOptions(stats_interval_s=0.2)), self.metrics)
         self.router = self.cluster.start()
         self.server = BackgroundServer(build_app(self.router, self.metrics, admin=self.cluster))
@@ -184,7 +186,7 @@ def test_admin_api_turns_a_mixed_deployment_into_prefill_and_decode(ray_local, t
         pd.find_sides()
         _check_pd(pd, range(3))  # through both sides, over NIXL
         mixed = next(h for h in pd.router.replicas.values() if h.role == "mixed")
-        assert "handoff" not in pd.rank_stats(mixed)[0]  # a mixed replica keeps no hand-off rows
+        assert "handoff" not in pd.rank_stats(mixed)[0]  # (started with no prefill replica beside it)
         assert all(pd.rank_stats(h)[0]["handoff"]["pages"] for h in (pd.prefill, pd.decode))
         handoff_bytes = lambda: pd.metrics.registry.get_sample_value("manta:kvstore_usage_bytes",  # noqa: E731
                                                                      {"tier": "handoff"}) or 0
@@ -199,6 +201,25 @@ def test_admin_api_turns_a_mixed_deployment_into_prefill_and_decode(ray_local, t
         assert texts == want and pd.handoff(pd.prefill)["handed_off"] == before  # served whole, by the mixed one
     finally:
         pd.close()
+
+
+def test_hand_off_rows_go_to_the_replicas_that_hand_off():
+    """Prefill and decode replicas get --pd-buffer-gb of hand-off rows, and so do mixed ones
+    beside prefill replicas (they continue requests when the decode side is full); a deployment
+    of mixed replicas alone keeps none, and one with prefill replicas cannot do without."""
+    from cluster.engine.config import ConfigError
+    from cluster.launch import ClusterOptions
+
+    cfg = EngineConfig(model="m", page_size=16, kv_store="/tmp/kv")
+    pd = ClusterOptions(engine=cfg, replicas=1, prefill_replicas=1, decode_replicas=1, pd_buffer_gb=0.5,
+                        pd_memory="host")
+    assert [pd.engine_for(r).pd_buffer_gb for r in ("prefill", "decode", "mixed")] == [0.5, 0.5, 0.5]
+    assert pd.engine_for("decode").pd_memory == "host"
+    assert ClusterOptions(engine=cfg, replicas=2).engine_for("mixed").pd_buffer_gb == 0
+    for bad, field in ((dict(pd_buffer_gb=0.0), "pd_buffer_gb"), (dict(pd_memory="disk"), "pd_memory")):
+        with pytest.raises(ConfigError) as err:
+            ClusterOptions(engine=cfg, prefill_replicas=1, decode_replicas=1, **bad)
+        assert err.value.field == field
 
 
 def test_admin_roles_need_the_kv_store():

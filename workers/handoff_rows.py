@@ -15,7 +15,8 @@ runs on the default stream); in host memory zlib's crc32 on the checksum threads
 sum on a CPU: BENCHMARKS.md). Both sides of a hand-off must keep its pages in one kind of
 memory (`same_memory`), so they agree on the kind of checksum.
 
-Replicas of no disaggregated role have none (`KVOffloadOptions.handoff_bytes` 0).
+Only prefill and decode replicas have them, and mixed ones beside prefill replicas
+(`cluster.launch.ClusterOptions.engine_for`; elsewhere `KVOffloadOptions.handoff_bytes` is 0).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import torch
 from workers.host_tier import HostTier
 
 logger = logging.getLogger(__name__)
+
+SUM_ROWS = 8  # rows checksummed at once
 
 
 class HandoffRows:
@@ -76,7 +79,9 @@ class HandoffRows:
         s = getattr(self._tls, "stream", None)
         if s is None:
             torch.cuda.set_device(data.device)  # (a thread's first CUDA call: the rows' device)
-            s = self._tls.stream = torch.cuda.Stream(data.device)
+            # High priority: from another pool than the copy and load streams (a save's copy
+            # stream waits for the step in flight), and ahead of the step's kernels.
+            s = self._tls.stream = torch.cuda.Stream(data.device, priority=-1)
         return s
 
     def on_stream(self):
@@ -88,8 +93,9 @@ class HandoffRows:
         """Checksums of `rows` (their first `width` bytes), computed and read back now."""
         if not rows:
             return []
-        with self.on_stream():
-            return results([row_sums(self.tier.data, rows, width)])
+        with self.on_stream():  # (a chunk at a time: bounded temporaries)
+            return results([row_sums(self.tier.data, rows[i : i + SUM_ROWS], width)
+                            for i in range(0, len(rows), SUM_ROWS)])
 
     def close(self) -> None:
         self.closed = True

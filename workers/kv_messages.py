@@ -106,5 +106,5 @@ class KVOffloadOptions:
     idle_wait_s: float = 0.01
     io_threads: int = 3  # requests whose pages move to or from the store at once
     warm: bool = True  # fill the host tier at start with the store's recent pages (workers/host_warm.py)
-    handoff_bytes: int = 256 << 20  # the rank's PD hand-off rows (0: none), workers/handoff_rows.py
+    handoff_bytes: int = 0  # the rank's PD hand-off rows (0: none), workers/handoff_rows.py
     handoff_memory: str = "gpu"  # ... on the rank's GPU where it has one, or in pinned host memory ("host")

@@ -339,9 +339,14 @@ class RankKVOffload(RankIOThreads):
         from kvstore.pages import scatter_pages
 
         compute = torch.cuda.current_stream(self._device)
-        if tier.data.is_cuda:  # (a pinned index: a pageable copy would wait for the step in flight)
-            idx = torch.tensor(rows).pin_memory().to(self._device, non_blocking=True)
-            scatter_pages(self.pool, page_ids, tier.data.index_select(0, idx))
+        if tier.data.is_cuda:
+            spans = list(runs(rows))
+            if len(spans) <= 4:  # straight from runs of adjacent rows: no copy of them all
+                for i, j in spans:
+                    scatter_pages(self.pool, page_ids[i:j], tier.data[rows[i] : rows[i] + j - i])
+            else:  # (a pinned index: a pageable copy would wait for the step in flight)
+                idx = torch.tensor(rows).pin_memory().to(self._device, non_blocking=True)
+                scatter_pages(self.pool, page_ids, tier.data.index_select(0, idx))
             done = torch.cuda.Event()
             done.record(compute)
             self._copying.append((done, rows, tier))

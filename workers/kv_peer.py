@@ -102,10 +102,18 @@ class PeerLeases:
         crcs = sums if sums is not None else self._sums(rows)
         held = host.publish(keys, rows)
         self.arrived(keys)
+        self.forget(rows)
         with self.lock:
             self._crcs.update(((k, r), c) for k, r, h, c in zip(keys, rows, held, crcs) if r == h)
             while len(self._crcs) > host.capacity:
                 self._crcs.popitem(last=False)
+
+    def forget(self, rows: list[int]) -> None:
+        """Rows filled anew (a save, or a read from another prefill replica): their old checksums go."""
+        gone = set(rows)
+        with self.lock:
+            for k in [k for k in self._crcs if k[1] in gone]:
+                del self._crcs[k]
 
     def _sums(self, rows: list[int]) -> list[int]:
         return self.off.handoff.sums_now(rows, sum(self.off.key_bytes))
@@ -174,6 +182,8 @@ class PeerLeases:
         and its READs over a transport that is not one-sided need the target to progress (the
         store does the same). Ends a moment after the last lease: an idle rank uses no CPU."""
         rows_of = self.off.handoff
+        if rows_of is not None:
+            rows_of.stream()  # (this thread's CUDA device: UCX may move GPU memory from here)
         polls = 0
         while rows_of is not None and not rows_of.closed:
             try:
@@ -224,7 +234,7 @@ class PeerReader:
             self.head_bytes = [pool.k_buffer[0].shape[2] * pool.k_buffer[0].element_size(),
                                pool.v_buffer[0].shape[2] * pool.v_buffer[0].element_size()]
         self.counters = {"pd_pages": 0, "pd_bytes": 0, "pd_transfer_s": 0.0, "pd_failures": 0, "pd_corrupt": 0,
-                         "pd_timeouts": 0,
+                         "pd_timeouts": 0, "pd_no_rows": 0,
                          # where the time goes: the prefill rank's answer, the NIXL reads, and the
                          # checksums' time after the last read (the rest runs beside the reads)
                          "pd_locate_s": 0.0, "pd_read_s": 0.0, "pd_verify_s": 0.0}
@@ -238,9 +248,10 @@ class PeerReader:
         keys = list(job.keys)
         if job.cancelled or start >= deadline:  # given up (or stale in the queue): read nothing
             return
-        if self.off.handoff is None:  # (a replica of no disaggregated role: computes the prompt)
-            self.counters["pd_failures"] += 1
+        if self.off.handoff is None:  # (a replica started with no prefill replica beside it: computes the prompt)
+            self.counters["pd_no_rows"] += 1
             return
+        self.off.handoff.stream()  # (this thread's CUDA device: NIXL's GPU transfers need a context)
         try:
             if source.layout == "mla" or source.tp_size == self.tp.size:
                 self._direct(job, source, 0 if source.layout == "mla" else self.tp.rank, keys, deadline)
@@ -372,7 +383,7 @@ class PeerReader:
         finally:
             self.counters["pd_locate_s"] += time.monotonic() - t0
         if reply is None:
-            raise RuntimeError(f"{name} has no NIXL agent")
+            raise RuntimeError(f"{name} has no hand-off rows (no NIXL agent, or not a prefill replica's rank)")
         try:
             self._connect(name, reply)
         except Exception:
@@ -438,6 +449,7 @@ class PeerReader:
 
     def _publish(self, job, keys: list[str], rows: list[int]) -> None:
         self.counters["pd_pages"] += len(rows)
+        self.off.leases.forget(rows)
         if rows:
             job.add(self.off.lend.publish(keys, rows, pin=True))
             self.off._note_progress()

@@ -114,8 +114,9 @@ class EngineConfig:
     # Each rank's hand-off rows (workers/handoff_rows.py), on its GPU ("gpu", beside the pool:
     # out of --mem-fraction, before the pool) or in pinned host memory ("host"): a prefill rank's pages
     # lent to decode replicas, a decode rank's pages read from prefill replicas until loaded.
-    # Mixed replicas have none (`cluster.launch.ClusterOptions.engine_for`).
-    pd_buffer_gb: float = 1.0
+    # 0: none (an engine of no disaggregated deployment); `cluster.launch.ClusterOptions.engine_for`
+    # sets them for the replicas that take part in hand-offs (`manta serve --pd-buffer-gb`).
+    pd_buffer_gb: float = 0.0
     pd_memory: str = "gpu"
     # The kernels' options (attention/kernel_options.py): read from this process's environment
     # once, when the config is made, and installed on every rank.
