@@ -2,7 +2,8 @@
 
 1. A prefill replica (chosen by the router's policy among prefill replicas: `cache_aware`
    sends a shared prefix where it is cached) runs the prompt to its first token, with
-   `hand_off` set: it keeps the prompt's pages in its ranks' host tiers for a decode replica.
+   `hand_off` set: it keeps the prompt's pages in its ranks' hand-off rows (on their GPUs) for a
+   decode replica.
 2. The first token goes to the client at once: it never waits for the transfer.
 3. A decode replica is admitted with that token (`resume_ids`) and the prefill replica's
    `kv_source`; its ranks pull the pages over NIXL while it keeps decoding its other requests,

@@ -220,12 +220,13 @@ class Replica:
 
     def kv_source(self):
         """Where decode replicas read the prompts this replica hands off (a KVSource), or None
-        when its pages cannot be lent (no KV store on it: no host tier, no NIXL agent)."""
+        when its pages cannot be lent (no KV store on it, or no hand-off rows: a mixed replica of a
+        deployment without prefill replicas)."""
         from cluster.engine.kv_store_link import replica_identity
         from workers.kv_messages import KVSource
 
         ident = replica_identity(self.config)
-        if ident is None or self.engine is None or self.engine.kv_offload is None:
+        if ident is None or self.engine is None or self.engine.kv_offload is None or self.config.pd_buffer_gb <= 0:
             return None
         import ray
 

@@ -108,9 +108,9 @@ class RankWorker:
 
     # ---------------- prefill/decode hand-off (workers/kv_peer.py) ----------------
     def pd_locate(self, keys: list[str], ttl_s: float, wait_s: float = 1.0) -> dict | None:
-        """A decode rank asks for a handed-off prompt's pages: their host rows, pinned for
-        ttl_s (waiting up to wait_s for a save on its way), with this rank's NIXL metadata
-        (None: this rank has no host tier)."""
+        """A decode rank asks for a handed-off prompt's pages: their hand-off rows, pinned for
+        ttl_s (waiting up to wait_s for a save on its way), with their NIXL agent's metadata
+        (None: this rank has no hand-off rows)."""
         off = self.runner.kv_offload if self.runner is not None else None
         leases = getattr(off, "leases", None)
         return leases.locate(keys, ttl_s, wait_s) if leases is not None else None

@@ -1,8 +1,9 @@
 """The scheduler's side of prefill/decode disaggregation (the ranks' side: `workers/kv_peer.py`).
 
 A prefill replica runs a handed-off request (`Request.hand_off`) to its first token; when it
-finishes, the prompt's full pages are saved into its ranks' host tiers (a host-only `KVSave`,
-in the next plan, before anything can reuse the pages), where decode ranks read them.
+finishes, the prompt's full pages are saved into its ranks' hand-off rows (a `KVSave` with
+`store=False`, in the next plan, before anything can reuse the pages; `workers/handoff_rows.py`),
+where decode ranks read them.
 
 A decode replica admits the request with that first token already in its output and the
 prefill replica as its `kv_source`. Its prompt's pages past the radix match are fetched like a
@@ -80,7 +81,7 @@ def note_stop(off, e) -> None:
 
 
 def hand_off_pages(off, req, pages: list[int], num_tokens: int, token_ids: list[int], settled: bool = False) -> None:
-    """A finished prefill of a handed-off request: save its prompt's full pages (host only).
+    """A finished prefill of a handed-off request: save its prompt's full pages (to the hand-off rows).
     `settled`: every plan that wrote them has completed (`KVSave.settled`)."""
     P = off.P
     n = min(num_tokens, len(req.prompt_ids)) // P
