@@ -47,8 +47,7 @@ def _crc_pool() -> ThreadPoolExecutor:
     return _CRC_POOL
 
 
-_SUM_WEIGHTS: dict[tuple[int, str], object] = {}
-_SUM_LOCK = threading.Lock()
+_SUM_WEIGHTS: dict[tuple[int, str], object] = {}  # (words, device) -> weights
 SUM_SEED = 0x6D616E7461  # every process draws the same weights: a page's sum is the same anywhere
 SUM_CHUNK_WORDS = 16 << 20  # words multiplied at once (a 64 MiB temporary)
 
@@ -70,10 +69,9 @@ def page_sums(rows):
     w = _SUM_WEIGHTS.get(key)
     if w is None:
         gen = torch.Generator().manual_seed(SUM_SEED)
-        w = (torch.randint(0, 2**31, (words.shape[1],), generator=gen, dtype=torch.int64) * 2 + 1)
-        w = w.remainder(2**32).sub(2**32 * (w.remainder(2**32) >= 2**31).long()).to(torch.int32).to(rows.device)
-        with _SUM_LOCK:
-            w = _SUM_WEIGHTS.setdefault(key, w)
+        w = torch.randint(0, 2**31, (words.shape[1],), generator=gen, dtype=torch.int64) * 2 + 1  # odd, < 2^32
+        w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).to(rows.device)  # the same bits as int32
+        w = _SUM_WEIGHTS.setdefault(key, w)  # (atomic: threads that raced agree on one)
     step = max(1, SUM_CHUNK_WORDS // max(1, words.shape[1]))  # bounded temporaries
     out = torch.empty(words.shape[0], dtype=torch.int64, device=rows.device)
     for lo in range(0, words.shape[0], step):

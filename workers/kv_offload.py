@@ -216,11 +216,11 @@ class RankKVOffload(RankIOThreads):
             if self._gpu_rows:
                 done, sums = self._copy_out(pages, rows, tier, final=save.settled,
                                             sums=not save.store and tier.data.is_cuda)
-                write = _Write([k for _, k in todo], rows, None, done, save.store, prompt, tier, sums)
+                write = _Write([k for _, k in todo], rows, None, done, save.store, prompt, sums)
             else:  # on the CPU: gathered now, put into its rows by the I/O thread
                 stage = torch.empty((len(pages), self.page_bytes), dtype=torch.uint8)
                 gather_pages(self.pool, pages, stage)
-                write = _Write([k for _, k in todo], rows, stage, store=save.store, prompt=prompt, tier=tier)
+                write = _Write([k for _, k in todo], rows, stage, store=save.store, prompt=prompt)
         except Exception:
             logger.exception("kv offload: copying %d pages out of the device pool failed", len(todo))
             self.counters["errors"] += 1

@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 @dataclass(eq=False)
 class _Write:
     """Pages on their way to the store: on the CPU their bytes in `stage`, put into rows `rows`
-    of `tier` (taken, invisible until published) by the I/O thread; on a GPU copied into the
+    (of the host tier; a hand-off's: of the hand-off rows, `RankIOThreads._rows_for`; taken,
+    invisible until published) by the I/O thread; on a GPU copied into the
     rows themselves, landed once `event` completes. Then written (or, a hand-off to a decode
     replica, published in the rank's hand-off rows with their checksums: `sums`, taken on the
     GPU beside the copy, or computed by the I/O thread)."""
@@ -34,9 +35,8 @@ class _Write:
     rows: list[int]
     stage: torch.Tensor | None
     event: object = None
-    store: bool = True  # False: a hand-off to a decode replica (`tier` is the hand-off rows)
+    store: bool = True  # False: a hand-off to a decode replica (its rows are the hand-off rows)
     prompt: int = 0  # the leading keys that hold prompt tokens
-    tier: HostTier | None = None
     sums: torch.Tensor | None = None
 
 
@@ -80,6 +80,7 @@ class _Prefetch:
 class RankIOThreads:
     opts: KVOffloadOptions
     host: HostTier
+    lend: HostTier | None  # the hand-off rows (workers/handoff_rows.py)
     client: object  # kvstore.client.KVStoreClient
     key_bytes: list[int]
     leases: object  # workers.kv_peer.PeerLeases
@@ -123,7 +124,7 @@ class RankIOThreads:
             if job is not None:
                 job.cancelled = True  # ends at once (done is still set below)
             if write is not None:
-                write.tier.give(write.rows)
+                self._rows_for(write).give(write.rows)
                 write = None
         try:
             if job is not None:
@@ -143,15 +144,19 @@ class RankIOThreads:
                 self._note_progress()
         return True
 
+    def _rows_for(self, w: _Write) -> HostTier:
+        return self.host if w.store else self.lend
+
     def _write(self, w: _Write) -> None:
         """Land a save's bytes in its rows, publish them, write them to the store."""
+        tier = self._rows_for(w)
         try:
             if w.event is not None:
                 w.event.synchronize()
             if w.stage is not None:  # on a GPU the bytes were copied into the rows themselves
-                w.tier.data[torch.tensor(w.rows)] = w.stage
+                tier.data[torch.tensor(w.rows)] = w.stage
         except Exception:
-            w.tier.give(w.rows)
+            tier.give(w.rows)
             if not w.store:
                 self.leases.arrived(w.keys)
             raise
