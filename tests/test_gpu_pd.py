@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def ray_gpu():
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=6, num_gpus=1, include_dashboard=False, namespace=NS)
+    ray.init(address="local", num_cpus=6, num_gpus=torch.cuda.device_count(), include_dashboard=False, namespace=NS)
     yield
     ray.shutdown()
 
@@ -33,9 +33,15 @@ def ray_gpu():
 def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path, memory, decode_tp):
     """memory: where the hand-off rows are (--pd-memory): GPU memory (read GPU to GPU), or
     pinned host memory (copied down, read host to host, copied up). decode_tp 2: each decode
-    rank cuts its kv head out of the prefill rank's pages (a scratch READ on its own stream).
-    Fails, not skips, where NIXL cannot read GPU memory: that is what it is here to find."""
+    rank cuts its kv head out of the prefill rank's pages (a scratch READ on its own stream);
+    NCCL wants a GPU per TP rank, so that case takes three GPUs, one per rank (the others
+    share one GPU, 0.3 of it per rank). Fails, not skips, where NIXL cannot read GPU memory:
+    that is what it is here to find."""
     from transformers import AutoTokenizer
+
+    share, gpus = (0.3, 1) if decode_tp == 1 else (1.0, 1 + decode_tp)
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"decode TP {decode_tp} takes a GPU per rank: {gpus} GPUs")
 
     from workers.sampling_params import SamplingParams
 
@@ -49,7 +55,7 @@ def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path, memory, dec
         ref.shutdown()
     tok = AutoTokenizer.from_pretrained(model)
     want = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
-    pd = PD(model, tmp_path / "kv", 1, decode_tp, gpus_per_rank=0.3, pd_memory=memory,
+    pd = PD(model, tmp_path / "kv", 1, decode_tp, gpus_per_rank=share, pd_memory=memory,
             **{k: v for k, v in gpu.items() if k != "page_size"})
     try:
         texts, _ = pd.complete(prompts)

@@ -18,14 +18,15 @@ from cluster.router import RouterOptions
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import PROMPTS, greedy, hf_greedy, run_staggered
 from workers.model_runner import RunnerOptions
-from workers.ray_group import RayWorkerGroup
+from workers.ray_group import RayWorkerGroup, shared_gpu
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, namespace="manta-test")
+    # One logical GPU (no device behind it): what Ray does with fractional GPU shares is real here.
+    ray.init(address="local", num_cpus=8, num_gpus=1, include_dashboard=False, namespace="manta-test")
     yield
     ray.shutdown()
 
@@ -44,6 +45,33 @@ def test_tp2_ray_actors_equal_tp1_and_transformers(ray_local, tmp_path_factory, 
     tp1 = Engine(EngineConfig(model=str(d), page_size=4)).generate(PROMPTS, greedy())
     for prompt, a, b in zip(PROMPTS, tp2, tp1):
         assert a.token_ids == b.token_ids == hf_greedy(d, engine.tokenize(prompt), len(a.token_ids))
+
+
+def test_tp_ranks_sharing_a_gpu_are_named():
+    """NCCL fails two ranks on one GPU with a bare "invalid usage": the group says which ranks
+    Ray put together instead (tests/test_gpu_pd.py starts such a replica on a one-GPU machine)."""
+    def at(rank, node, *gpus):
+        return {"rank": rank, "node_id": node, "ip": f"10.0.0.{node}", "gpu_ids": list(gpus)}
+
+    assert shared_gpu([at(0, 1), at(1, 1)]) is None  # CPU ranks
+    assert shared_gpu([at(0, 1, 0), at(1, 1, 1)]) is None
+    assert shared_gpu([at(0, 1, 0), at(1, 2, 0)]) is None  # GPU 0 of two nodes
+    why = shared_gpu([at(0, 1, 0), at(1, 2, 0), at(2, 1, 1), at(3, 2, "0")])
+    assert why == "TP ranks 1 and 3 were placed on one GPU (GPU 0 of node 10.0.0.2)"
+
+
+def test_tp_ranks_on_one_gpu_are_refused_with_the_reason(ray_local, tmp_path_factory):
+    """Two ranks of a TP 2 replica given half a GPU each, on a node of one GPU: Ray puts both on
+    it, where NCCL would fail with a bare "invalid usage". The group refuses before any rank
+    touches the device, naming the ranks and the flag that fixes it, and gives the share back."""
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    with pytest.raises(RuntimeError, match=r"TP ranks 0 and 1 were placed on one GPU .*--gpus-per-rank 1"):
+        RayWorkerGroup(RunnerOptions(model=str(d), device="cuda", gpu_share=0.5), 2, name="shared-gpu")
+    for _ in range(100):  # its placement group is removed (Ray frees it a moment later)
+        if ray.available_resources().get("GPU") == 1.0:
+            break
+        time.sleep(0.1)
+    assert ray.available_resources().get("GPU") == 1.0
 
 
 async def _collect(router, prompt, max_tokens):

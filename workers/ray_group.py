@@ -26,6 +26,17 @@ logger = logging.getLogger(__name__)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
+def shared_gpu(placements: list[dict]) -> str | None:
+    """Which TP ranks Ray placed on one GPU of one node (None: each has its own)."""
+    seen: dict[tuple, int] = {}
+    for p in placements:
+        for gpu in p.get("gpu_ids") or ():
+            first = seen.setdefault((p["node_id"], str(gpu)), p["rank"])
+            if first != p["rank"]:
+                return f"TP ranks {first} and {p['rank']} were placed on one GPU (GPU {gpu} of node {p['ip']})"
+    return None
+
+
 class WorkerDied(RuntimeError):
     """A rank of this group is gone; the group cannot run another step."""
 
@@ -72,12 +83,18 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
             ).remote(opts, i, tp_size)
             for i in range(tp_size)
         ]
+        self.placements = ray.get([w.placement.remote() for w in self.workers])
+        clash = shared_gpu(self.placements) if gpu and tp_size > 1 else None
+        if clash:  # NCCL cannot join two ranks on one GPU ("invalid usage"): say why, before it tries
+            self.shutdown()
+            raise RuntimeError(f"{name}: {clash}. NCCL needs a GPU of its own for each TP rank, and Ray places "
+                               f"fractional shares (--gpus-per-rank {gpus:g}) without keeping a replica's ranks "
+                               "apart: give TP replicas --gpus-per-rank 1")
         addr, port = ray.get(self.workers[0].node_address.remote())
         infos = ray.get([w.init.remote(addr, port) for w in self.workers])
         self.model_config = infos[0]["model_config"]
         self.num_pages = infos[0]["num_pages"]
         self.attention = infos[0]["attention"]  # backend and kernels; the same on every rank
-        self.placements = ray.get([w.placement.remote() for w in self.workers])
         # One never-returning call per rank: it fails the moment its actor dies.
         self.hold_refs = [w.hold.remote() for w in self.workers]
         self._dead: str | None = None
