@@ -8,8 +8,8 @@
 # same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2 on two GPUs, store on) l8pd (two replicas sharing the GPU:
 # mixed against prefill + decode, 2048-token prompts) l8route (`manta bench routing`: round robin / tree / events,
 # two replicas sharing the GPU, KV store on), servetests (the GPU tests that need Ray and NIXL: PD on a GPU,
-# pages loaded into a GPU pool), pdread (`scripts/nixl_read_bench.py --device cuda`: a hand-off's READ and
-# checksums, GPU memory to GPU memory).
+# pages loaded into a GPU pool; they talk to the server with the `openai` client: scripts/pack_device_client.sh),
+# pdread (`scripts/nixl_read_bench.py --device cuda`: a hand-off's READ and checksums, GPU memory to GPU memory).
 # l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts) gemms (the 8B layer's four products alone, TFLOP/s).
 # FP8 (issue 25): l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
 # (`bench_gemv --fp8`) l8fp8serve (in-process serve workload) l8fp8http
@@ -114,7 +114,7 @@ for s in $stages; do
              tests/test_gpu_kv_fp8.py 2>&1 | grep -v "Warning\|warn" \
              | tee "$OUT/tests.log" ;;
     servetests) python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_pd.py tests/test_kvstore_serving.py -k "gpu" \
-             2>&1 | grep -v "Warning\|warn" | tee "$OUT/servetests.log" ;;  # needs Ray, NIXL, FastAPI (../shared/gpu)
+             2>&1 | grep -v "Warning\|warn" | tee "$OUT/servetests.log" ;;  # needs Ray, NIXL, FastAPI (../shared/gpu), openai (pack_device_client.sh)
     pdread) python3 scripts/nixl_read_bench.py --device cuda --mib 256 --out "$OUT/nixl_read_gpu.json" 2>&1 \
              | grep -v "NIXL\|^\[" ;;  # a PD hand-off's NIXL READ, GPU memory to GPU memory (needs NIXL)
     compiles) python3 scripts/compiles_after_start.py llama; python3 scripts/compiles_after_start.py deepseek_v2 ;;
