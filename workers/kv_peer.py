@@ -20,10 +20,10 @@ lease and their addresses returned with their checksums and the rank's NIXL agen
 read ever races a reuse of a row.
 
 The decode side (`PeerReader`, on a rank's read I/O thread): locate, NIXL READs from the
-prefill rank's rows into this rank's hand-off rows (a chunk of pages at a time, each chunk's
-checksums computed beside the next READ), verify every page's checksum, publish
-the leading good pages under this replica's own chain keys (the normal `KVLoad` then scatters
-them into device pages), release the lease. Which prefill ranks a decode rank reads from:
+prefill rank's rows into this rank's hand-off rows (in host memory a chunk of pages at a time,
+each chunk's checksums computed beside the next READ; in GPU memory one READ), verify every
+page's checksum, publish the leading good pages under this replica's own chain keys (the normal
+`KVLoad` then scatters them into device pages), release the lease. Which prefill ranks a decode rank reads from:
 - MLA: the latent is the same on every rank, so all decode ranks read from prefill rank 0
   (contract 5: one copy of a page, one key, written by rank 0 alone);
 - MHA, same TP size: rank r from rank r, bytes as they are;
@@ -55,7 +55,11 @@ LOCATE_WAIT_S = 1.0  # how long `locate` waits for a hand-off's pages still bein
 LATE_S = 0.1  # `locate` past its wait by this much: the caller has given up
 UNHEARD_WAIT_S = 0.5  # how long `locate` waits for a page whose save has not even started
 CALL_MARGIN_S = 0.3  # a decode rank waits this much longer than it lets the prefill rank wait
-READ_CHUNK_PAGES = 8  # pages per NIXL READ of a hand-off (an 8B page is 2 MiB: 16 MiB a READ)
+# Pages per NIXL READ of a hand-off in host memory (an 8B page is 2 MiB: 16 MiB a READ), so the
+# crc32s of one chunk run while the next is read. In GPU memory the sums take 0.7 ms for 256 MiB
+# and a READ costs its launch: one READ, then the sums, took 1.6 ms where 8-page chunks took 3.2
+# (H200, `scripts/nixl_read_bench.py --device cuda`, BENCHMARKS.md 2026-11-28), so it is one READ.
+READ_CHUNK_PAGES = 8
 
 
 class StuckRead(RuntimeError):
@@ -407,27 +411,29 @@ class PeerReader:
 
     def _read(self, source, remote_agent: str, local, remote, deadline: float, crcs: list[int],
               data: torch.Tensor, rows: list[int], width: int) -> int:
-        """READ every page into `data`'s `rows` (their first `width` bytes), READ_CHUNK_PAGES at
-        a time, each chunk's checksums computed while the next one is read (`row_sums`: on a GPU
-        enqueued on this reader's stream, on a CPU on the checksum threads; one READ, then every
-        crc32, took one after the other: 78 + 37 ms for a 2,048-token 8B prompt through an
-        H200's host); returns the leading pages whose checksum matches, 0 if any READ failed."""
+        """READ every page into `data`'s `rows` (their first `width` bytes): in host memory
+        READ_CHUNK_PAGES at a time, each chunk's crc32s computed on the checksum threads while
+        the next one is read (one READ, then every crc32, took 78 + 37 ms for a 2,048-token 8B
+        prompt through an H200's host); in GPU memory in one READ, then the sums on this
+        reader's stream. Returns the leading pages whose checksum matches, 0 if a READ failed."""
         from kvstore.transfer import nixl_transfer
-        from workers.handoff_rows import results, row_sums
+        from workers.handoff_rows import SUM_ROWS, results, row_sums
 
         t0 = time.monotonic()
         rows_of = self.off.handoff
-        state, sums = "done", []
+        state, sums, mem = "done", [], mem_of(data)
+        chunk = READ_CHUNK_PAGES if mem == "DRAM" else max(1, len(local))
         with rows_of.on_stream():  # the sums on this thread's stream, read back on it
             try:
-                for lo in range(0, len(local), READ_CHUNK_PAGES):
-                    hi = lo + READ_CHUNK_PAGES
+                for lo in range(0, len(local), chunk):
+                    hi = lo + chunk
                     left = deadline - time.monotonic()
                     state = nixl_transfer(rows_of.agent, "READ", local[lo:hi], remote[lo:hi], remote_agent,
-                                          left, mem_of(data)) if left > 0 else "failed"
+                                          left, mem) if left > 0 else "failed"
                     if state != "done":
                         break
-                    sums.append(row_sums(data, rows[lo:hi], width))
+                    sums += [row_sums(data, rows[i : min(hi, i + SUM_ROWS)], width)  # (bounded temporaries)
+                             for i in range(lo, min(hi, len(rows)), SUM_ROWS)]
             finally:  # the caller gives the rows back (or keeps them, stuck): no checksum still reads them
                 t1 = time.monotonic()
                 self.counters["pd_read_s"] += t1 - t0
