@@ -69,6 +69,7 @@ async def disaggregated_stream(router, rid: str, tokens: list[int], params: Samp
         return
     handle = router.replicas.get(first.replica)
     source = handle.kv_source if handle is not None else None
+    prefill_stamps = _engine_stamps(first)
     first.finished, first.finish_reason = False, None
     first.completion_tokens = 1
     yield first
@@ -83,6 +84,8 @@ async def disaggregated_stream(router, rid: str, tokens: list[int], params: Samp
                                                            resume_ids=resume, kv_source=source)) as decode:
                 async for out in decode:
                     started = True
+                    if out.finished:
+                        _first_token_from(out, prefill_stamps)
                     yield out
             return
         except (NoReplicaAvailable, QueueFull, RequestError, RuntimeError):
@@ -92,3 +95,19 @@ async def disaggregated_stream(router, rid: str, tokens: list[int], params: Samp
     yield RequestOutput(rid, finished=True, finish_reason="error", error_type="internal",
                         error="no replica could continue the request after its first token",
                         replica=first.replica)
+
+
+def _engine_stamps(first: RequestOutput) -> tuple:
+    """The prefill engine's timings of a request (its final output: max_tokens 1)."""
+    return first.arrival_wall, first.first_token_wall, first.ttft_s, first.queue_s
+
+
+def _first_token_from(out: RequestOutput, stamps: tuple) -> None:
+    """The request's final output carries the decode engine's timings, from when it was admitted
+    there, after the first token had reached the client. Its time to first token (and where that
+    went: `manta:request_queue_time_seconds`) is the prefill engine's; its end-to-end time runs
+    from the prefill engine's arrival to the decode engine's finish."""
+    arrival, first_token, ttft_s, queue_s = stamps
+    if arrival is not None and out.arrival_wall is not None and out.e2e_s is not None:
+        out.e2e_s = out.arrival_wall + out.e2e_s - arrival
+    out.arrival_wall, out.first_token_wall, out.ttft_s, out.queue_s = arrival, first_token, ttft_s, queue_s

@@ -122,11 +122,28 @@ class PD:
         ray.get(actor.pd_fault.remote(kind, seconds))
 
 
+def _metric_sum(pd: PD, name: str, **labels) -> float:
+    """A histogram's sum over every replica (PD requests are counted under either side's name)."""
+    return sum(s.value for m in pd.metrics.registry.collect() for s in m.samples
+               if s.name == name + "_sum" and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
 def _check_pd(pd: PD, seeds: range, length: int = 53) -> None:
     before = pd.handoff(pd.decode)["fetched_pages"]
     prompts = [prompt_ids(length + s, s) for s in seeds]
+    ttft_before = _metric_sum(pd, "manta:time_to_first_token_seconds")
+    parts_before = [_metric_sum(pd, "manta:request_queue_time_seconds", stage=s) for s in ("to_engine", "from_engine")]
+    engine_before = _metric_sum(pd, "manta:engine_time_to_first_token_seconds")
     texts, want = pd.complete(prompts)
     assert texts == want
+    # Where the first tokens' time went is the prefill engine's account: reaching it, its time
+    # to the first token and the way back add up to what the server saw (the decode engine is
+    # only reached after the first token has gone out).
+    ttft = _metric_sum(pd, "manta:time_to_first_token_seconds") - ttft_before
+    parts = sum(_metric_sum(pd, "manta:request_queue_time_seconds", stage=s) - b
+                for s, b in zip(("to_engine", "from_engine"), parts_before))
+    parts += _metric_sum(pd, "manta:engine_time_to_first_token_seconds") - engine_before
+    assert 0 < parts <= ttft * 1.05 + 0.002 * len(prompts), (parts, ttft)
     got = pd.handoff(pd.decode)
     assert got["fetched_pages"] - before >= len(prompts) * (length // 16), got  # the prompts came over NIXL
     assert pd.handoff(pd.prefill)["handed_off"] >= len(prompts)
