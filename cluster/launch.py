@@ -248,12 +248,7 @@ class ServingCluster:
                 ray.kill(actor)
             except Exception:
                 pass
-        from ray.util import get_placement_group, remove_placement_group
-
-        try:  # named by workers/ray_group.py: f"{replica name}-pg"
-            remove_placement_group(get_placement_group(f"{name}-pg"))
-        except Exception:  # none left (the replica never placed one, or removed it itself)
-            pass
+        _remove_placement_group(name)
 
     def rebuild_router(self) -> Router:
         """A new router over the live replica actors, found by name (`manta-replica-N` in this
@@ -296,8 +291,10 @@ class ServingCluster:
         tier to files), then Ray if this cluster started it. `now`: kill them without either
         (the operator asked twice)."""
         drain_s = self.options.engine.kv_drain_timeout_s if self.kv_store is not None else 0.0
-        actors = [self.actors.pop(name) for name in list(self.actors)]
-        _stop_actors(actors, timeout_s=0 if now else 10 + drain_s)
+        names = list(self.actors)
+        _stop_actors([self.actors.pop(name) for name in names], timeout_s=0 if now else 10 + drain_s)
+        for name in names:  # a replica killed before its own shutdown ran left its group behind
+            _remove_placement_group(name)
         if self.kv_store is not None:
             _stop_actors([self.kv_store], timeout_s=0 if now else 30)
             self.kv_store = None
@@ -360,6 +357,18 @@ def _describe_kv_store() -> str:
 
 def _stop_actor(actor, timeout_s: float = 30) -> None:
     _stop_actors([actor], timeout_s)
+
+
+def _remove_placement_group(replica: str) -> None:
+    """Remove a replica's placement group if it is still there. It belongs to the job, not to
+    the replica actor that made it, so it outlives a killed replica; left behind, it keeps its
+    GPUs and its name, and the next replica of that name cannot place its own."""
+    from ray.util import get_placement_group, remove_placement_group
+
+    try:  # named by workers/ray_group.py: f"{replica name}-pg"
+        remove_placement_group(get_placement_group(f"{replica}-pg"))
+    except Exception:  # none left (the replica never placed one, or removed it itself)
+        pass
 
 
 def _stop_actors(actors: list, timeout_s: float = 30) -> None:
