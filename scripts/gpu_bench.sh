@@ -11,7 +11,7 @@
 # pages loaded into a GPU pool; they talk to the server with the `openai` client: scripts/pack_device_client.sh),
 # pdread (`scripts/nixl_read_bench.py --device cuda`: a hand-off's READ and checksums, GPU memory to GPU memory).
 # l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts) gemms (the 8B layer's four products alone, TFLOP/s).
-# FP8 (issue 25): l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
+# FP8 (issue 25): dsv2fp8prof (block FP8 DeepSeek's batch-1 step by kernel) l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
 # (`bench_gemv --fp8`) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
 # FP8_HTTP_MODES picks) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8) l8kvfp8 (batch 1/64 with the FP8 KV cache,
@@ -152,6 +152,10 @@ for s in $stages; do
           2>&1 | grep -v "INFO\|Warning" | tail -6 ;;
     dsv2fp8) build /tmp/dsv2fp8 --preset deepseek-v2-lite --quantization fp8-block  # DeepSeek-V3's FP8 format
         $M bench latency --model /tmp/dsv2fp8 $F --batch 1 16 --steps 24 --input-len 512 --out "$OUT/dsv2_latency_fp8.json" ;;
+    dsv2fp8prof) build /tmp/dsv2fp8 --preset deepseek-v2-lite --quantization fp8-block  # where block FP8's batch-1 step goes
+        for b in ${PROF_BATCH:-1}; do echo "--- batch $b, PDL off"  # (against dsv2prof's bf16: which products lose the fusions)
+          MANTA_PDL=0 python3 scripts/profile_decode.py /tmp/dsv2fp8 "$b" --steps 24 --out "$OUT/dsv2fp8_profile_b${b}.json" \
+            2>&1 | grep -v Warning | head -${PROF_LINES:-120}; done ;;
     gemms) python3 scripts/prefill_gemms.py --tokens 1024 2048 8192 2>&1 | tee "$OUT/prefill_gemms.txt" ;;  # the products alone
     l8prefill) build /tmp/l8 --preset llama-3.1-8b  # prefill MFU against the dense bf16 peak (issue 26)
         $M bench prefill --model /tmp/l8 $F --num-prompts 64 --input-len 2048 --out "$OUT/l8_prefill_2048.json"

@@ -271,6 +271,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      + [(f"{name} {mode}: steps / mean ms / p50, p99 under ms / > 40 ms",
                          f"{v['steps']} / {v['mean_ms']:.2f} / {v['p50_ms_under']:g}, {v['p99_ms_under']:g} / {v['over_40ms']}")
                         for name, modes in res.get("replica_steps", {}).items() for mode, v in modes.items()]
+                     + [(f"{name} {mode}: slowest steps over 40 ms, ms (requests, input tokens)",
+                         ", ".join(f"{x['ms']:.0f} ({x['reqs']}, {x['tokens']})" for x in v["slow"][:6]))
+                        for name, modes in res.get("replica_steps", {}).items() for mode, v in modes.items()
+                        if v.get("slow")]
                      + [(f"{name} step budget: capped / relaxed steps", f"{b.get('capped_steps')} / {b.get('relaxed_steps')}")
                         for name, b in res.get("replica_step_budget", {}).items()])
     elif args.mode == "latency":

@@ -264,7 +264,7 @@ class Engine:
         self._deliver(outputs)
         end = time.perf_counter()
         dt = end - t0
-        self.step_times.observe(done.mode.name, dt)
+        self.step_times.observe(done.mode.name, dt, done.reqs)
         if self.scheduler.step_budget is not None:  # the step's time as its streams saw it
             self.scheduler.step_budget.observe(done, dt)
         if self.step_trace is not None:

@@ -15,20 +15,30 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
+from collections import deque
+from collections.abc import Sequence
 
 # Upper bounds, seconds: 5 ms apart up to 50 (a decode step of an 8B model at batch 1 to 64, the
 # ITL goals), then the tail.
 STEP_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.045, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
                 1.0, 2.5)
+# Steps over SLOW_S (issue 26's ITL goal) are kept with what they ran, the latest SLOW_KEPT per mode:
+# the steps that make a stream's gaps long, for whoever reads a window of them (`manta bench serve`).
+SLOW_S = 0.04
+SLOW_KEPT = 64
 
 
 class StepTimes:
-    def __init__(self) -> None:
+    def __init__(self, slow_s: float = SLOW_S) -> None:
         self._lock = threading.Lock()  # observed by the engine thread, read by the stats poll
         # The kinds every engine runs, reported (at 0) from the start: a dashboard has its series.
         self._modes: dict[str, _Mode] = {mode: _Mode() for mode in ("DECODE", "EXTEND", "MIXED")}
+        self.slow_s = slow_s
 
-    def observe(self, mode: str, seconds: float) -> None:
+    def observe(self, mode: str, seconds: float, reqs: Sequence = ()) -> None:
+        """One completed step: its mode, time and the requests it ran (`input_ids` each: counted
+        only for a slow step)."""
         with self._lock:
             m = self._modes.get(mode)
             if m is None:
@@ -36,35 +46,43 @@ class StepTimes:
             m.counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
             m.sum_s += seconds
             m.max_s = max(m.max_s, seconds)
+            if seconds > self.slow_s:
+                m.slow.append((seconds, time.time(), len(reqs), sum(len(r.input_ids) for r in reqs)))
 
     def stats(self) -> dict[str, dict]:
         """Per mode: `count`, `sum_s`, `max_s` and `buckets`, the cumulative count of steps at or
-        under each bound of STEP_BUCKETS (the count is the +Inf bucket)."""
+        under each bound of STEP_BUCKETS (the count is the +Inf bucket); `slow`, the latest steps
+        over `slow_s` (`ms`, `at`: when it ended, wall clock; `reqs`, `tokens`: the requests and
+        input tokens it ran), oldest first; `read_at`, the wall clock of this reading."""
         with self._lock:
-            out = {}
+            out, now = {}, time.time()
             for mode, m in self._modes.items():
                 cum, buckets = 0, []
                 for c in m.counts[:-1]:
                     cum += c
                     buckets.append(cum)
-                out[mode] = {"count": sum(m.counts), "sum_s": m.sum_s, "max_s": m.max_s, "buckets": buckets}
+                slow = [{"ms": 1e3 * t, "at": at, "reqs": r, "tokens": n} for t, at, r, n in m.slow]
+                out[mode] = {"count": sum(m.counts), "sum_s": m.sum_s, "max_s": m.max_s, "buckets": buckets,
+                             "slow": slow, "read_at": now}
             return out
 
 
 class _Mode:
-    __slots__ = ("counts", "sum_s", "max_s")
+    __slots__ = ("counts", "sum_s", "max_s", "slow")
 
     def __init__(self) -> None:
         self.counts = [0] * (len(STEP_BUCKETS) + 1)
         self.sum_s = 0.0
         self.max_s = 0.0
+        self.slow: deque[tuple[float, float, int, int]] = deque(maxlen=SLOW_KEPT)  # (seconds, at, reqs, tokens)
 
 
 def step_summary(after: dict[str, dict], before: dict[str, dict] | None = None) -> dict[str, dict]:
     """Per mode, the steps between two `StepTimes.stats()` readings (all of `after` without
     `before`): how many, their mean, the bucket bounds their p50 and p99 fell under, and how many
     took longer than 40 ms (issue 26's ITL goal). `max_ms` is the largest since the engine
-    started, not only in between."""
+    started, not only in between; `slow`, the steps over the engine's `slow_s` that ended in
+    between, slowest first (the latest SLOW_KEPT at most: fewer than `over_40ms` when more came)."""
     out = {}
     for mode, a in after.items():
         b = (before or {}).get(mode) or {"count": 0, "sum_s": 0.0, "buckets": [0] * len(a["buckets"])}
@@ -72,10 +90,12 @@ def step_summary(after: dict[str, dict], before: dict[str, dict] | None = None) 
         if n <= 0:
             continue
         cum = [x - y for x, y in zip(a["buckets"], b["buckets"])]
+        since = b.get("read_at", 0.0)
         out[mode] = {"steps": n, "mean_ms": 1e3 * (a["sum_s"] - b["sum_s"]) / n,
                      "p50_ms_under": 1e3 * _bound_of(cum, 0.5 * n, a["max_s"]),
                      "p99_ms_under": 1e3 * _bound_of(cum, 0.99 * n, a["max_s"]),
-                     "over_40ms": n - cum[STEP_BUCKETS.index(0.04)], "max_ms": 1e3 * a["max_s"]}
+                     "over_40ms": n - cum[STEP_BUCKETS.index(0.04)], "max_ms": 1e3 * a["max_s"],
+                     "slow": sorted((x for x in a.get("slow", []) if x["at"] > since), key=lambda x: -x["ms"])}
     return out
 
 
