@@ -130,6 +130,7 @@ class ServingCluster:
         infos = {n: ray.get(h.info.remote()) for n, h in handles.items()}  # waits for readiness
         for n, info in infos.items():
             _log_replica(n, info, opts.placement_strategy, opts.nic)
+        _warn_shared_gpus(infos)
         logger.info("KV store: %s", _describe_kv_store())
         first = next(iter(infos.values()))
         from transformers import AutoTokenizer
@@ -234,6 +235,7 @@ class ServingCluster:
             raise
         self.infos[name] = info
         _log_replica(name, info, self.options.placement_strategy, self.options.nic)
+        _warn_shared_gpus(self.infos, name)
         return name, actor
 
     def forget_replica(self, name: str) -> None:
@@ -357,6 +359,36 @@ def _describe_kv_store() -> str:
 
 def _stop_actor(actor, timeout_s: float = 30) -> None:
     _stop_actors([actor], timeout_s)
+
+
+def pd_sides_sharing_gpus(infos: dict[str, dict], among: str | None = None) -> list[str]:
+    """Each prefill replica that shares a GPU with a decode replica (`among`: only pairs with
+    that replica), said as "prefill replica P and decode replica D share GPU g of node ip" (from
+    the replicas' `info()`: their role and where their ranks were placed)."""
+    def gpus(name: str) -> dict[tuple[str, str], str]:
+        return {(str(r["node_id"]), str(g)): r["ip"] for r in infos[name].get("group", {}).get("ranks", [])
+                for g in r.get("gpu_ids") or ()}
+
+    def of(role: str) -> list[str]:
+        return [n for n, info in infos.items() if info.get("role") == role]
+
+    out = []
+    for p in of("prefill"):
+        mine = gpus(p)
+        for d in of("decode"):
+            both = sorted(mine.keys() & gpus(d).keys())
+            if both and among in (None, p, d):
+                out.append(f"prefill replica {p} and decode replica {d} share GPU {both[0][1]} of node "
+                           f"{mine[both[0]]}")
+    return out
+
+
+def _warn_shared_gpus(infos: dict[str, dict], among: str | None = None) -> None:
+    for shared in pd_sides_sharing_gpus(infos, among):
+        logger.warning("%s: the two sides' kernels take turns on it, so every prefill stretches the decode "
+                       "steps beside it (on one H200, PD's ITL p99 was 2.7x its decode step so, 1.4x with a "
+                       "GPU per side: BENCHMARKS.md, 2026-11-28); give each side GPUs of its own for latency",
+                       shared)
 
 
 def _remove_placement_group(replica: str) -> None:

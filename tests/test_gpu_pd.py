@@ -58,6 +58,10 @@ def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path, memory, dec
     pd = PD(model, tmp_path / "kv", 1, decode_tp, gpus_per_rank=share, pd_memory=memory,
             **{k: v for k, v in gpu.items() if k != "page_size"})
     try:
+        from cluster.launch import pd_sides_sharing_gpus
+
+        if torch.cuda.device_count() == 1 or share == 1.0:  # (one GPU: the sides share it, and start-up says so)
+            assert len(pd_sides_sharing_gpus(pd.cluster.infos)) == (1 if share < 1 else 0)
         texts, _ = pd.complete(prompts)
         assert texts == want
         ranks = pd.rank_stats(pd.decode)

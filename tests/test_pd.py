@@ -220,6 +220,25 @@ def test_admin_api_turns_a_mixed_deployment_into_prefill_and_decode(ray_local, t
         pd.close()
 
 
+def test_prefill_and_decode_sharing_a_gpu_are_named():
+    """The start-up warning's pairs: a prefill and a decode replica whose ranks hold one GPU of
+    one node (GPU 0 of another node, or another GPU, is not shared; mixed replicas do not count)."""
+    from cluster.launch import pd_sides_sharing_gpus
+
+    def info(role, *ranks):
+        return {"role": role, "group": {"ranks": [{"node_id": n, "ip": f"10.0.0.{n}", "gpu_ids": g}
+                                                  for n, g in ranks]}}
+
+    infos = {"replica-0": info("prefill", (1, [0]), (1, [1])), "replica-1": info("decode", (2, [0])),
+             "replica-2": info("decode", (1, [1])), "replica-3": info("mixed", (1, [0])),
+             "replica-4": info("prefill", (3, []))}
+    assert pd_sides_sharing_gpus(infos) == ["prefill replica replica-0 and decode replica replica-2 share GPU 1 "
+                                            "of node 10.0.0.1"]
+    assert pd_sides_sharing_gpus(infos, among="replica-1") == []
+    assert pd_sides_sharing_gpus({**infos, "replica-1": info("decode", (1, [0]))}, among="replica-1") == [
+        "prefill replica replica-0 and decode replica replica-1 share GPU 0 of node 10.0.0.1"]
+
+
 def test_hand_off_rows_go_to_the_replicas_that_hand_off():
     """Prefill and decode replicas get --pd-buffer-gb of hand-off rows, and so do mixed ones
     beside prefill replicas (they continue requests when the decode side is full); a deployment
