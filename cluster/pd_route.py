@@ -85,7 +85,7 @@ async def disaggregated_stream(router, rid: str, tokens: list[int], params: Samp
                 async for out in decode:
                     started = True
                     if out.finished:
-                        _first_token_from(out, prefill_stamps)
+                        _first_token_from(out, prefill_stamps, first.replica)
                     yield out
             return
         except (NoReplicaAvailable, QueueFull, RequestError, RuntimeError):
@@ -102,12 +102,12 @@ def _engine_stamps(first: RequestOutput) -> tuple:
     return first.arrival_wall, first.first_token_wall, first.ttft_s, first.queue_s
 
 
-def _first_token_from(out: RequestOutput, stamps: tuple) -> None:
+def _first_token_from(out: RequestOutput, stamps: tuple, replica: str) -> None:
     """The request's final output carries the decode engine's timings, from when it was admitted
-    there, after the first token had reached the client. Its time to first token (and where that
-    went: `manta:request_queue_time_seconds`) is the prefill engine's; its end-to-end time runs
-    from the prefill engine's arrival to the decode engine's finish."""
-    arrival, first_token, ttft_s, queue_s = stamps
-    if arrival is not None and out.arrival_wall is not None and out.e2e_s is not None:
-        out.e2e_s = out.arrival_wall + out.e2e_s - arrival
-    out.arrival_wall, out.first_token_wall, out.ttft_s, out.queue_s = arrival, first_token, ttft_s, queue_s
+    there, after the first token had reached the client. Its time to first token and where that
+    went (`manta:request_queue_time_seconds`, under `first_replica`'s name) are the prefill
+    engine's. (`e2e_s` stays the decode engine's: the server measures the request's own, and the
+    two engines' clocks may be on different hosts. The decode side's wait for the pages is
+    `manta:pd_transfer_seconds` and the stream's gap before its second token.)"""
+    out.arrival_wall, out.first_token_wall, out.ttft_s, out.queue_s = stamps
+    out.first_replica = replica

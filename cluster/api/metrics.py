@@ -292,6 +292,7 @@ class ServerMetrics:
         e2e = edge.e2e_s if edge is not None else out.e2e_s
         if edge is None and ttft is not None and out.completion_tokens > 0:  # else observe_first_token did
             self.ttft.labels(replica).observe(ttft)
+        finisher, replica = replica, out.first_replica or replica  # the first token's, from here on
         if ttft is not None and out.completion_tokens > 0:
             if out.ttft_s is not None:
                 self.engine_ttft.labels(replica).observe(out.ttft_s)
@@ -307,10 +308,10 @@ class ServerMetrics:
         if out.queue_s is not None:
             self.queue_time.labels(replica, "engine").observe(out.queue_s)
         if e2e is not None:
-            self.e2e.labels(replica).observe(e2e)
+            self.e2e.labels(finisher).observe(e2e)
             if ttft is not None and out.completion_tokens > 1:
                 tpot = (e2e - ttft) / (out.completion_tokens - 1)
-                self.tpot.labels(replica).observe(max(0.0, tpot))
+                self.tpot.labels(finisher).observe(max(0.0, tpot))
 
     def observe_first_token(self, replica: str, ttft_s: float) -> None:
         """A request's first token reached the HTTP server `ttft_s` after the server received

@@ -140,8 +140,10 @@ class RequestOutput:
     embedding: list[float] | None = None
     # The prompt's logprobs (the request asked: params.prompt_logprobs), whole, on the first output.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    # Which replica served the request (set by the router).
+    # Which replica served the request (set by the router); `first_replica`, on a disaggregated
+    # request's final output, the one that made its first token (its timings below are that one's).
     replica: str = "local"
+    first_replica: str | None = None
     # Seconds from the engine's arrival, filled when finished (for metrics and clients that ask):
     # to the first token, to the last, and waiting in the engine's queue before the first step.
     ttft_s: float | None = None
