@@ -232,6 +232,7 @@ class ServingCluster:
         except Exception:
             self.actors.pop(name, None)
             _stop_actor(actor)
+            _remove_placement_group(name)  # (it may still be waiting for GPUs it would then hold)
             raise
         self.infos[name] = info
         _log_replica(name, info, self.options.placement_strategy, self.options.nic)
@@ -394,7 +395,8 @@ def _warn_shared_gpus(infos: dict[str, dict], among: str | None = None) -> None:
 def _remove_placement_group(replica: str) -> None:
     """Remove a replica's placement group if it is still there. It belongs to the job, not to
     the replica actor that made it, so it outlives a killed replica; left behind, it keeps its
-    GPUs and its name, and the next replica of that name cannot place its own."""
+    GPUs, and its name: a later cluster in the same Ray instance and namespace (a test's, a
+    restarted `manta serve` attached to a running cluster) cannot place its replica of that name."""
     from ray.util import get_placement_group, remove_placement_group
 
     try:  # named by workers/ray_group.py: f"{replica name}-pg"

@@ -8,14 +8,16 @@
 # Usage, from the project root: scripts/pack_device_client.sh
 # On the device, beside ../shared/gpu's archives (carry it with either of their calls):
 #   mkdir -p /tmp/client && tar xJf .devdeps/client.tar.xz -C /tmp/client
-#   export PYTHONPATH=/tmp/site:$PWD:/tmp/client   # last: the image's and rest's packages win
+#   export PYTHONPATH=/tmp/site:$PWD:/tmp/client   # after /tmp/site: rest's pydantic and kin win
+# (PYTHONPATH comes before site-packages, so the client's own anyio, h11, idna and sniffio are used
+# over the image's; they are the versions `openai` was resolved with.)
 set -euo pipefail
 OUTD=$(pwd)/.devdeps; mkdir -p "$OUTD"
 version=$(.venv/bin/python -c "import openai; print(openai.__version__)" 2>/dev/null || echo 3.57.0)
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d "$W/whl" "openai==$version" 2>&1 | grep -v "is ignored" || true
+  -d "$W/whl" "openai==$version" 2> >(grep -v "is ignored" >&2)  # (a failed download stops here: set -e)
 mkdir -p "$W/site"
 for f in "$W"/whl/*.whl; do
   case $(basename "$f") in pydantic*|annotated_types*|typing_inspection*|typing_extensions*) continue ;; esac
