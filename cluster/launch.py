@@ -366,9 +366,10 @@ def pd_sides_sharing_gpus(infos: dict[str, dict], among: str | None = None) -> l
     """Each prefill replica that shares a GPU with a decode replica (`among`: only pairs with
     that replica), said as "prefill replica P and decode replica D share GPU g of node ip" (from
     the replicas' `info()`: their role and where their ranks were placed)."""
+    from workers.ray_group import placed_gpus
+
     def gpus(name: str) -> dict[tuple[str, str], str]:
-        return {(str(r["node_id"]), str(g)): r["ip"] for r in infos[name].get("group", {}).get("ranks", [])
-                for g in r.get("gpu_ids") or ()}
+        return {at: p["ip"] for at, p in placed_gpus(infos[name].get("group", {}).get("ranks", []))}
 
     def of(role: str) -> list[str]:
         return [n for n, info in infos.items() if info.get("role") == role]

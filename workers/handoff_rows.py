@@ -93,9 +93,8 @@ class HandoffRows:
         """Checksums of `rows` (their first `width` bytes), computed and read back now."""
         if not rows:
             return []
-        with self.on_stream():  # (a chunk at a time: bounded temporaries)
-            return results([row_sums(self.tier.data, rows[i : i + SUM_ROWS], width)
-                            for i in range(0, len(rows), SUM_ROWS)])
+        with self.on_stream():
+            return results(row_sums(self.tier.data, rows, width))
 
     def close(self) -> None:
         self.closed = True
@@ -118,16 +117,20 @@ def make_handoff_rows(handoff_bytes: int, page_bytes: int, device: torch.device,
         return None
 
 
-def row_sums(data: torch.Tensor, rows: list[int], width: int):
-    """Start the checksums of `rows` of `data` (their first `width` bytes): in GPU memory
-    `page_sums`, enqueued on the current stream (an int64 tensor); in host memory their crc32s on
-    the checksum threads (futures). `results` reads them, on the same stream."""
+def row_sums(data: torch.Tensor, rows: list[int], width: int) -> list:
+    """Start the checksums of `rows` of `data` (their first `width` bytes), SUM_ROWS rows at a
+    time (bounded temporaries): in GPU memory `page_sums`, enqueued on the current stream (int64
+    tensors); in host memory their crc32s on the checksum threads (futures). `results` reads
+    them, on the same stream."""
     from kvstore.transfer import checksums_started, page_sums
 
-    if data.is_cuda:
-        idx = torch.tensor(rows).pin_memory().to(data.device, non_blocking=True)
-        return page_sums(data[idx, :width])
-    return checksums_started([data[r, :width].numpy() for r in rows])
+    if not data.is_cuda:
+        return [checksums_started([data[r, :width].numpy() for r in rows])]
+    started = []
+    for i in range(0, len(rows), SUM_ROWS):
+        idx = torch.tensor(rows[i : i + SUM_ROWS]).pin_memory().to(data.device, non_blocking=True)
+        started.append(page_sums(data[idx, :width]))
+    return started
 
 
 def results(started: list) -> list[int]:

@@ -23,7 +23,8 @@ The decode side (`PeerReader`, on a rank's read I/O thread): locate, NIXL READs 
 prefill rank's rows into this rank's hand-off rows (in host memory a chunk of pages at a time,
 each chunk's checksums computed beside the next READ; in GPU memory one READ), verify every
 page's checksum, publish the leading good pages under this replica's own chain keys (the normal
-`KVLoad` then scatters them into device pages), release the lease. Which prefill ranks a decode rank reads from:
+`KVLoad` then scatters them into device pages), release the lease. Which prefill ranks a decode
+rank reads from:
 - MLA: the latent is the same on every rank, so all decode ranks read from prefill rank 0
   (contract 5: one copy of a page, one key, written by rank 0 alone);
 - MHA, same TP size: rank r from rank r, bytes as they are;
@@ -417,7 +418,7 @@ class PeerReader:
         prompt through an H200's host); in GPU memory in one READ, then the sums on this
         reader's stream. Returns the leading pages whose checksum matches, 0 if a READ failed."""
         from kvstore.transfer import nixl_transfer
-        from workers.handoff_rows import SUM_ROWS, results, row_sums
+        from workers.handoff_rows import results, row_sums
 
         t0 = time.monotonic()
         rows_of = self.off.handoff
@@ -432,8 +433,7 @@ class PeerReader:
                                           left, mem) if left > 0 else "failed"
                     if state != "done":
                         break
-                    sums += [row_sums(data, rows[i : min(hi, i + SUM_ROWS)], width)  # (bounded temporaries)
-                             for i in range(lo, min(hi, len(rows)), SUM_ROWS)]
+                    sums += row_sums(data, rows[lo:hi], width)
             finally:  # the caller gives the rows back (or keeps them, stuck): no checksum still reads them
                 t1 = time.monotonic()
                 self.counters["pd_read_s"] += t1 - t0

@@ -26,14 +26,19 @@ logger = logging.getLogger(__name__)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
+def placed_gpus(placements: list[dict]) -> list[tuple[tuple[str, str], dict]]:
+    """((node id, GPU id), the rank's placement) for each GPU each rank was placed on (the
+    ranks' `RankWorker.placement()`)."""
+    return [((str(p["node_id"]), str(g)), p) for p in placements for g in p.get("gpu_ids") or ()]
+
+
 def shared_gpu(placements: list[dict]) -> str | None:
     """Which TP ranks Ray placed on one GPU of one node (None: each has its own)."""
-    seen: dict[tuple, int] = {}
-    for p in placements:
-        for gpu in p.get("gpu_ids") or ():
-            first = seen.setdefault((p["node_id"], str(gpu)), p["rank"])
-            if first != p["rank"]:
-                return f"TP ranks {first} and {p['rank']} were placed on one GPU (GPU {gpu} of node {p['ip']})"
+    seen: dict[tuple[str, str], int] = {}
+    for (node, gpu), p in placed_gpus(placements):
+        first = seen.setdefault((node, gpu), p["rank"])
+        if first != p["rank"]:
+            return f"TP ranks {first} and {p['rank']} were placed on one GPU (GPU {gpu} of node {p['ip']})"
     return None
 
 

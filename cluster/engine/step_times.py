@@ -94,7 +94,7 @@ def step_summary(after: dict[str, dict], before: dict[str, dict] | None = None) 
         out[mode] = {"steps": n, "mean_ms": 1e3 * (a["sum_s"] - b["sum_s"]) / n,
                      "p50_ms_under": 1e3 * _bound_of(cum, 0.5 * n, a["max_s"]),
                      "p99_ms_under": 1e3 * _bound_of(cum, 0.99 * n, a["max_s"]),
-                     "over_40ms": n - cum[STEP_BUCKETS.index(0.04)], "max_ms": 1e3 * a["max_s"],
+                     "over_40ms": n - cum[STEP_BUCKETS.index(SLOW_S)], "max_ms": 1e3 * a["max_s"],
                      "slow": sorted((x for x in a.get("slow", []) if x["at"] > since), key=lambda x: -x["ms"])}
     return out
 
