@@ -149,24 +149,26 @@ def bench_prefill() -> list[str]:
     return rows
 
 
-def sweep_decode(cases: list[tuple[int, int]], page_size: int = 16) -> list[str]:
-    """Stage-1 launch parameters of the Triton paged decode (Llama-8B heads, bf16) per (B, ctx):
-    microseconds under CUDA-graph replay and GB/s, fastest first within each case."""
+def sweep_decode(cases: list[tuple[int, int]], page_size: int = 16, cache_dtype=torch.bfloat16) -> list[str]:
+    """Stage-1 launch parameters of the Triton paged decode (Llama-8B heads, bf16 queries, a
+    bf16 or FP8 cache) per (B, ctx): microseconds under CUDA-graph replay and GB/s of cache read,
+    fastest first within each case."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     heads, kv_heads, dim = 32, 8, 128
     rows = []
     for batch, ctx in cases:
         kc, vc, pt, lens = _paged(batch, ctx, page_size, kv_heads, dim, dim, torch.bfloat16, gen)
+        kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
         q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
         out = torch.empty(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-        nbytes = batch * ctx * kv_heads * dim * 2 * 2
+        nbytes = batch * ctx * kv_heads * dim * 2 * kc.element_size()
         default_splits = choose_num_splits(batch * kv_heads, pt.shape[1] * page_size, q.device)
         results = []
         split_options = {default_splits, min(32, default_splits * 2)}
         if batch * kv_heads < 64:  # few requests: what the engine's graphs use (a bound of 4,096 tokens) too
             split_options |= {4, 8, 16, choose_num_splits(batch * kv_heads, 4096, q.device)}
         for splits in sorted(split_options):
-            for block_n in (32, 64, 128):
+            for block_n in (32, 64, 128) + ((256,) if kc.element_size() == 1 else ()):
                 for warps in (2, 4, 8):
                     for stages in (1, 2, 3):
                         def tri(splits=splits, block_n=block_n, warps=warps, stages=stages,
@@ -185,9 +187,11 @@ def sweep_decode(cases: list[tuple[int, int]], page_size: int = 16) -> list[str]
         for us, splits, block_n, warps, stages in results[:6]:
             rows.append(f"sweep B={batch} ctx={ctx} s={splits} n={block_n} w={warps} st={stages}"
                         f"{'':4} {us:9.1f} {nbytes / us / 1e3:9.0f}" + ("  (default splits)" if splits == default_splits else ""))
-        default = [r for r in results if r[1:] == (default_splits, *stage1_launch(batch * kv_heads, torch.bfloat16))]
+        launch = stage1_launch(batch * kv_heads, torch.bfloat16, cache_dtype)
+        default = [r for r in results if r[1:] == (default_splits, *launch)]
         if default:
-            rows.append(f"sweep B={batch} ctx={ctx} current default {default[0][0]:9.1f} {nbytes / default[0][0] / 1e3:9.0f}")
+            rows.append(f"sweep B={batch} ctx={ctx} current default {default[0][0]:9.1f} {nbytes / default[0][0] / 1e3:9.0f}"
+                        f"  (n={launch[0]} w={launch[1]} st={launch[2]})")
         del kc, vc
         gc.collect()
         torch.cuda.empty_cache()
@@ -199,11 +203,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="B=16, ctx 4k only")
     parser.add_argument("--sweep", action="store_true", help="tune the paged decode's launch parameters")
     parser.add_argument("--cases", nargs="*", default=None, help="B:ctx pairs for --sweep (default: large batches)")
+    parser.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="the cache --sweep reads")
     args = parser.parse_args()
     if args.sweep:
         cases = [tuple(int(v) for v in c.split(":")) for c in args.cases] if args.cases else [(256, 1536), (192, 2048),
                                                                                                 (128, 1536)]
-        print("\n".join(sweep_decode(cases)))
+        cache_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
+        print(f"{torch.cuda.get_device_name()}, cache {cache_dtype}")
+        print("\n".join(sweep_decode(cases, cache_dtype=cache_dtype)))
         return
     batches, contexts = ([16], [4096]) if args.quick else ([1, 16, 64], [1024, 4096])
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")

@@ -70,11 +70,13 @@ def choose_num_splits(programs_per_split: int, max_context: int, device: torch.d
 MANY_PROGRAMS = 1024
 
 
-def stage1_launch(programs_per_split: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(block_n, num_warps, num_stages) of stage 1. On the H200 (`bench_kernels --sweep`,
-    BENCHMARKS.md) the launch below MANY_PROGRAMS is within 5% of the best at every measured
-    (B, ctx); past it, 32-token blocks on two warps with three stages read the cache 5% faster
-    (B=128 x 8 KV heads, ctx 1536: 193 vs 204 us, 4,170 GB/s)."""
+def stage1_launch(programs_per_split: int, dtype: torch.dtype,
+                  cache_dtype: torch.dtype | None = None) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) of stage 1 for products in `dtype` over a cache of
+    `cache_dtype` (default: the same). On the H200 (`bench_kernels --sweep`, BENCHMARKS.md) the
+    launch below MANY_PROGRAMS is within 5% of the best at every measured (B, ctx); past it,
+    32-token blocks on two warps with three stages read the cache 5% faster (B=128 x 8 KV heads,
+    ctx 1536: 193 vs 204 us, 4,170 GB/s)."""
     if dtype == torch.float32:
         return DECODE_BLOCK_N // 2, 4, 2
     if programs_per_split >= MANY_PROGRAMS:
@@ -365,7 +367,7 @@ def paged_decode(
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(v_dim))
-    auto_n, auto_warps, auto_stages = stage1_launch(batch * kv_heads, q.dtype)
+    auto_n, auto_warps, auto_stages = stage1_launch(batch * kv_heads, q.dtype, k_cache.dtype)
     block_n, num_warps, num_stages = block_n or auto_n, num_warps or auto_warps, num_stages or auto_stages
     use_pdl = pdl.enabled(q.device)
     # The last-arriving program merges; past the counters (e.g. 32 KV heads x 2,049 requests)

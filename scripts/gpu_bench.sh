@@ -6,7 +6,7 @@
 # l8tp2 dsv2tp2 compiles, and the product path through `manta serve` (Ray, router, HTTP, KV store; needs Ray, NIXL
 # and FastAPI on PYTHONPATH: ../shared/gpu/README.md): l8http (store on: a cold run, then the server restarted and the
 # same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2 on two GPUs, store on) l8pd (two replicas sharing the GPU:
-# mixed against prefill + decode, 2048-token prompts) l8route (`manta bench routing`: round robin / tree / events,
+# mixed against prefill + decode, 2048-token prompts; MPS=1 under CUDA MPS) l8route (`manta bench routing`: round robin / tree / events,
 # two replicas sharing the GPU, KV store on), servetests (the GPU tests that need Ray and NIXL: PD on a GPU,
 # pages loaded into a GPU pool; they talk to the server with the `openai` client: scripts/pack_device_client.sh),
 # pdread (`scripts/nixl_read_bench.py --device cuda`: a hand-off's READ and checksums, GPU memory to GPU memory).
@@ -50,6 +50,12 @@ serve_stop() {  # SIGINT to the server (it drains the KV cache, flushes the stor
   while kill -0 $SPID 2>/dev/null && [ $((SECONDS - t0)) -lt 180 ]; do sleep 0.5; done
   echo "serve stopped in $((SECONDS - t0)) s"; kill -KILL -- -$SPID 2>/dev/null; SPID=
 }
+mps_start() {  # CUDA MPS for this stage's processes (a user daemon: the GPU's own settings are left as they are)
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "MPS daemon up" || echo "MPS daemon did not start"
+}
+mps_stop() { echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
 serve_warmed() {  # wait (up to 180 s) until the replica's ranks have warmed their host tiers from the store
   python3 - "$PORT" <<'PY'
 import re, sys, time, urllib.request
@@ -118,7 +124,9 @@ for s in $stages; do
     pdread) python3 scripts/nixl_read_bench.py --device cuda --mib 256 --out "$OUT/nixl_read_gpu.json" 2>&1 \
              | grep -v "NIXL\|^\[" ;;  # a PD hand-off's NIXL READ, GPU memory to GPU memory (needs NIXL)
     compiles) python3 scripts/compiles_after_start.py llama; python3 scripts/compiles_after_start.py deepseek_v2 ;;
-    sweep) python3 -m attention.bench_kernels --sweep 2>&1 | tee "$OUT/decode_sweep.txt" ;;
+    sweep) for kv in ${SWEEP_KV:-bf16}; do  # SWEEP_KV="bf16 fp8": the cache dtypes; SWEEP_CASES="B:ctx ...": the shapes
+          python3 -m attention.bench_kernels --sweep --kv-dtype "$kv" ${SWEEP_CASES:+--cases $SWEEP_CASES} 2>&1 \
+            | grep -v Warning | tee "$OUT/decode_sweep_$kv.txt"; done ;;
     gemv) python3 -m workers.layers.bench_gemv --out "$OUT/gemv_sweep.json" 2>&1 | grep -v Warning ;;
     gemvfp8) python3 -m workers.layers.bench_gemv --fp8 --out "$OUT/gemv_sweep_fp8.json" 2>&1 | grep -v Warning ;;
     l8fp8ab) build /tmp/l8 --preset llama-3.1-8b  # FP8 batch 1: fused one-row kernels (MANTA_GEMV=1) or not
@@ -204,6 +212,7 @@ for s in $stages; do
         # (PD_GPR=1 on two GPUs: a GPU each, so neither side's kernels wait for the other's time slice)
         KV=${KV_DIR:-/tmp/kvstore}; PDWORK=${PD_WORK:-"--num-prompts 160 --input-len 2048 --output-len 256 --request-rate 8"}
         G="$F --gpus-per-rank ${PD_GPR:-0.5} --mem-fraction ${PD_MEM:-0.8} --kv-store $KV --kv-store-disk-gb 8"
+        [ "${MPS:-0}" = 1 ] && mps_start  # MPS=1: the replicas' kernels share the GPU's SMs instead of taking time slices
         for mode in ${PD_MODES:-mixed pd}; do rm -rf "$KV"
           if [ "$mode" = mixed ]; then sides="--replicas 2"; else sides="--prefill-replicas 1 --decode-replicas 1"; fi
           serve_start "$mode" $G $sides && { WORK="$PDWORK" http_bench "l8_pd_$mode"; serve_stop; }
@@ -211,7 +220,7 @@ for s in $stages; do
           python3 -c "import json,sys; [print(r['name'], [{k: round(v, 3) for k, v in rk.items() if k.startswith('pd_') and v}
             for rk in ((r.get('stats') or {}).get('kvstore') or {}).get('ranks', [])]) for r in json.load(open(sys.argv[1]))['replicas']]" \
             "$OUT/l8_pd_${mode}_replicas.json"
-        done; rm -rf "$KV" ;;
+        done; rm -rf "$KV"; [ "${MPS:-0}" = 1 ] && mps_stop ;;
     l8route) serve_model  # `manta bench routing` on the GPU: two replicas sharing it, the KV store on, caches that evict
         RS=${ROUTE_STORE:-/tmp/routestore}; rm -rf "$RS"
         RW=${ROUTE_WORK:-"--kv-cache-tokens 16384 --tree-max-tokens 1024 --conversations 64 --turns 6 --system-prompts 4
