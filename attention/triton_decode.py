@@ -68,6 +68,11 @@ def choose_num_splits(programs_per_split: int, max_context: int, device: torch.d
 
 # At least this many (request, KV head) programs: the many-small-programs launch of stage 1.
 MANY_PROGRAMS = 1024
+# The same bound over an FP8 cache. Its sweep on the H200 (BENCHMARKS.md, 2026-11-28; blocks
+# widened to bf16 then): 64-token blocks on two warps with three stages were the best launch at
+# B=64 x 8 KV heads (ctx 544: 44.6 against the bf16 launch's 58.4 us) and B=128 (ctx 1,024: 143
+# against 162 us), 32-token blocks at B=192 (ctx 1,536).
+FP8_MANY_PROGRAMS = 1536
 
 
 def stage1_launch(programs_per_split: int, dtype: torch.dtype,
@@ -79,6 +84,8 @@ def stage1_launch(programs_per_split: int, dtype: torch.dtype,
     ctx 1536: 193 vs 204 us, 4,170 GB/s)."""
     if dtype == torch.float32:
         return DECODE_BLOCK_N // 2, 4, 2
+    if cache_dtype == torch.float8_e4m3fn:
+        return (32, 2, 3) if programs_per_split >= FP8_MANY_PROGRAMS else (DECODE_BLOCK_N, 2, 3)
     if programs_per_split >= MANY_PROGRAMS:
         return 32, 2, 3
     return DECODE_BLOCK_N, 4, 2
@@ -88,6 +95,19 @@ def compute_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
     """The dtype a kernel's products run in: the cache's (a float32 cache wants float32 q), but
     an FP8 cache is widened to q's dtype as it is loaded (`workers.kv_quant`)."""
     return q.dtype if cache.dtype == torch.float8_e4m3fn else cache.dtype
+
+
+def decode_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
+    """The paged decode's product dtype: `compute_dtype`, except that an FP8 cache under 16-bit
+    queries is widened to float16. The decode reads each cached element once for a few query
+    heads, so widening is most of its arithmetic: e4m3 -> float16 is one exact conversion per two
+    elements on sm_89+, e4m3 -> bf16 a chain of them (the FP8 decode ran at 1.6-2.0 TB/s widened
+    to bf16, BENCHMARKS.md). float16 holds every e4m3 value and q to 65,504 (a query past that
+    would overflow: none of the models served here comes near); its products accumulate in
+    float32 as before."""
+    if cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16):
+        return torch.float16
+    return compute_dtype(q, cache)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -126,7 +146,7 @@ def _decode_stage1(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_G: tl.constexpr, CHUNK_S: tl.constexpr, EARLY: tl.constexpr,
+    BLOCK_G: tl.constexpr, CHUNK_S: tl.constexpr, EARLY: tl.constexpr, Q_TO_F16: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
     if not EARLY:
@@ -172,6 +192,8 @@ def _decode_stage1(
             mask=mask_h[:, None] & mask_d[None, :],
             other=0.0,
         )
+        if Q_TO_F16:  # (`decode_dtype`): the FP8 blocks below are widened to q's dtype
+            q = q.to(tl.float16)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -358,6 +380,8 @@ def paged_decode(
         out = q.new_empty(batch, heads, v_dim)
     if batch == 0:
         return out
+    # An FP8 cache under bf16 queries: q is widened to float16 in the kernel (no copy here).
+    to_f16 = decode_dtype(q, k_cache) != q.dtype
     q = q.to(compute_dtype(q, k_cache))
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -390,7 +414,7 @@ def paged_decode(
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
         DOT_PREC=dot_precision(q.dtype), PDL=use_pdl, MERGE=merge,
         BLOCK_S=block_s, BLOCK_G=block_g, CHUNK_S=min(block_s, max(1, 8192 // (block_g * block_dv))),
-        EARLY=use_pdl and batch == 1,
+        EARLY=use_pdl and batch == 1, Q_TO_F16=to_f16,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
     if not merge:
@@ -414,6 +438,7 @@ __all__ = [
     "split_bounds",
     "dot_precision",
     "compute_dtype",
+    "decode_dtype",
     "LOG2E",
     "DECODE_BLOCK_N",
 ]
