@@ -6,7 +6,7 @@
 # l8tp2 dsv2tp2 compiles, and the product path through `manta serve` (Ray, router, HTTP, KV store; needs Ray, NIXL
 # and FastAPI on PYTHONPATH: ../shared/gpu/README.md): l8http (store on: a cold run, then the server restarted and the
 # same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2 on two GPUs, store on) l8pd (two replicas sharing the GPU:
-# mixed against prefill + decode, 2048-token prompts; MPS=1 under CUDA MPS) l8route (`manta bench routing`: round robin / tree / events,
+# mixed against prefill + decode, 2048-token prompts; MPS=1 under CUDA MPS, MPS_PCT=N with N% of the SMs per process) l8route (`manta bench routing`: round robin / tree / events,
 # two replicas sharing the GPU, KV store on), servetests (the GPU tests that need Ray and NIXL: PD on a GPU,
 # pages loaded into a GPU pool; they talk to the server with the `openai` client: scripts/pack_device_client.sh),
 # pdread (`scripts/nixl_read_bench.py --device cuda`: a hand-off's READ and checksums, GPU memory to GPU memory).
@@ -54,8 +54,11 @@ mps_start() {  # CUDA MPS for this stage's processes (a user daemon: the GPU's o
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d && echo "MPS daemon up" || echo "MPS daemon did not start"
+  # MPS_PCT=N: every client (both replicas) may occupy at most N% of the SMs, so neither side's
+  # kernels can fill the GPU while the other's wait (MPS=1 alone: decode steps stretched to 138 ms)
+  [ -n "${MPS_PCT:-}" ] && export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_PCT
 }
-mps_stop() { echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
+mps_stop() { echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; }
 serve_warmed() {  # wait (up to 180 s) until the replica's ranks have warmed their host tiers from the store
   python3 - "$PORT" <<'PY'
 import re, sys, time, urllib.request
