@@ -11,7 +11,7 @@
 # pages loaded into a GPU pool; they talk to the server with the `openai` client: scripts/pack_device_client.sh),
 # pdread (`scripts/nixl_read_bench.py --device cuda`: a hand-off's READ and checksums, GPU memory to GPU memory).
 # l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts) gemms (the 8B layer's four products alone, TFLOP/s).
-# FP8 (issue 25): dsv2fp8prof (block FP8 DeepSeek's batch-1 step by kernel) l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
+# FP8 (issue 25): l8fp8prof (the 8B shape's FP8 step by kernel, batch 64 and 1) dsv2fp8prof (block FP8 DeepSeek's batch-1 step by kernel) l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
 # (`bench_gemv --fp8`) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
 # FP8_HTTP_MODES picks) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8) l8kvfp8 (batch 1/64 with the FP8 KV cache,
@@ -137,7 +137,11 @@ for s in $stages; do
     l8ab) build /tmp/l8 --preset llama-3.1-8b  # batch 1 with the one-row kernels / PDL switched off
         ab_batch1 "" "" ${L8AB:-"MANTA_GEMV=0 MANTA_PDL=0" "MANTA_PDL=0" "MANTA_GEMV=1"} ;;
     profile) build /tmp/l8 --preset llama-3.1-8b
-        python3 scripts/profile_decode.py /tmp/l8 1 --out "$OUT/l8_profile_b1.json" 2>&1 | grep -v Warning ;;
+        python3 scripts/profile_decode.py /tmp/l8 1 ${DUMMY:+--load-format dummy} --out "$OUT/l8_profile_b1.json" 2>&1 | grep -v Warning ;;
+    l8fp8prof) build /tmp/l8 --preset llama-3.1-8b  # where the FP8 step goes (--quantization fp8, FP8 KV cache too with KVFP8=1)
+        for b in ${PROF_BATCH:-64 1}; do echo "--- batch $b"
+          python3 scripts/profile_decode.py /tmp/l8 "$b" --quantization fp8 ${KVFP8:+--kv-cache-dtype fp8_e4m3} ${DUMMY:+--load-format dummy} --steps 16 \
+            --out "$OUT/l8fp8_profile_b$b.json" 2>&1 | grep -v "Warning\|INFO" | head -${PROF_LINES:-60}; done ;;
     l8) build /tmp/l8 --preset llama-3.1-8b
         $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --out "$OUT/l8_latency.json" ;;
     l8fp8) build /tmp/l8 --preset llama-3.1-8b  # the same checkpoint quantized at load: per-channel FP8 weights

@@ -79,11 +79,14 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512, help="the decoding requests' prompt length")
     ap.add_argument("--prefill", type=int, default=0, help="a new prompt of this many tokens in every step")
     ap.add_argument("--quantization", default=None, help="e.g. fp8: quantize the weights at load")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="fp8_e4m3: the FP8 KV cache")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights drawn at load (make-model --no-weights)")
     ap.add_argument("--out")
     a = ap.parse_args()
     engine = Engine(EngineConfig(model=a.model, device="cuda", page_size=16, max_context_len=4096, mem_fraction=0.5,
                                  chunked_prefill_size=max(2048, a.prefill), mixed_prefill_tokens=0,
-                                 quantization=a.quantization))
+                                 quantization=a.quantization, load_format=a.load_format,
+                                 kv_cache_dtype=a.kv_cache_dtype))
     runner = engine.workers.runner
     prompts = [[5 + (i * 7 + j) % 800 for j in range(a.input_len)] for i in range(a.batch)]
     params = SamplingParams(max_tokens=a.steps + 60, temperature=0.0, ignore_eos=True)
