@@ -37,6 +37,10 @@ class ClusterOptions:
     decode_replicas: int = 0
     prefill_tp: int | None = None  # None: engine.tp_size
     decode_tp: int | None = None
+    # Each side's share of a GPU per rank (None: engine.gpus_per_rank), e.g. a prefill replica on a
+    # third of a GPU beside decode ranks on 0.6 each, which then cannot land on one GPU together.
+    prefill_gpus_per_rank: float | None = None
+    decode_gpus_per_rank: float | None = None
     # Each prefill and decode rank's hand-off rows (workers/handoff_rows.py), and where they live.
     pd_buffer_gb: float = 1.0
     pd_memory: str = "gpu"
@@ -56,6 +60,10 @@ class ClusterOptions:
         if bool(self.prefill_replicas) != bool(self.decode_replicas):
             raise ConfigError("prefill_replicas" if not self.prefill_replicas else "decode_replicas",
                               "--prefill-replicas and --decode-replicas go together (both >= 1)")
+        for name in ("prefill_gpus_per_rank", "decode_gpus_per_rank"):
+            share = getattr(self, name)
+            if share is not None and not 0.0 < share <= 1.0:
+                raise ConfigError(name, "must be in (0, 1] (a share of one GPU)")
         if self.pd_memory not in PD_MEMORIES:
             raise ConfigError("pd_memory", f"must be one of {PD_MEMORIES}")
         if self.pd_buffer_gb < 0 or (self.prefill_replicas and self.pd_buffer_gb == 0):
@@ -74,6 +82,8 @@ class ClusterOptions:
         """The engine config of a replica of `role` ("mixed", "prefill", "decode")."""
         tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
         config = dataclasses.replace(self.engine, tp_size=tp) if tp else self.engine
+        share = {"prefill": self.prefill_gpus_per_rank, "decode": self.decode_gpus_per_rank}.get(role)
+        config = dataclasses.replace(config, gpus_per_rank=share) if share else config
         # Hand-off rows for the replicas that take part: prefill and decode ones, and mixed ones
         # beside prefill replicas (they continue a request when every decode replica is full).
         rows = self.pd_buffer_gb if role != "mixed" or self.prefill_replicas else 0.0

@@ -26,6 +26,10 @@ def add_serve_parser(sub) -> None:
                    help="... replicas that read them over NIXL and decode (docs/deploy.md, section 12)")
     p.add_argument("--prefill-tp", type=int, default=None, help="TP size of prefill replicas (default --tp)")
     p.add_argument("--decode-tp", type=int, default=None, help="TP size of decode replicas (default --tp)")
+    p.add_argument("--prefill-gpus-per-rank", type=float, default=None,
+                   help="share of a GPU per prefill rank (default --gpus-per-rank)")
+    p.add_argument("--decode-gpus-per-rank", type=float, default=None,
+                   help="share of a GPU per decode rank (default --gpus-per-rank)")
     p.add_argument("--pd-buffer-gb", type=float, default=1.0,
                    help="disaggregated serving: each prefill and decode rank's hand-off rows, pages on their way "
                         "between them (a 2,048-token prompt of an 8B model is 256 MiB); on the GPU they come out "
@@ -99,6 +103,8 @@ def cluster_options_from_args(args: argparse.Namespace):
         decode_replicas=args.decode_replicas,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        prefill_gpus_per_rank=args.prefill_gpus_per_rank,
+        decode_gpus_per_rank=args.decode_gpus_per_rank,
         pd_buffer_gb=args.pd_buffer_gb,
         pd_memory=args.pd_memory,
         router=RouterOptions(policy=args.router_policy, cache_threshold=args.cache_threshold,

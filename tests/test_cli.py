@@ -48,6 +48,24 @@ def test_gpus_per_rank_reaches_the_engine_config_and_is_checked():
             engine_config_from_args(p.parse_args(["--gpus-per-rank", bad]))
 
 
+def test_each_pd_side_takes_its_own_gpu_share():
+    """`--prefill-gpus-per-rank` / `--decode-gpus-per-rank` reach each side's engine config (what
+    its ranks ask Ray for and size their memory by); mixed replicas and unset sides keep
+    `--gpus-per-rank`."""
+    import argparse
+
+    from cluster.serve_cli import add_serve_parser, cluster_options_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_parser(p.add_subparsers())
+    args = p.parse_args(["serve", "--gpus-per-rank", "0.5", "--replicas", "1", "--prefill-replicas", "1",
+                         "--decode-replicas", "1", "--decode-tp", "2", "--decode-gpus-per-rank", "0.6"])
+    opts = cluster_options_from_args(args)
+    assert opts.engine_for("prefill").gpus_per_rank == 0.5 and opts.engine_for("mixed").gpus_per_rank == 0.5
+    decode = opts.engine_for("decode")
+    assert (decode.gpus_per_rank, decode.tp_size) == (0.6, 2)
+
+
 def test_serve_refuses_a_quantized_checkpoint_before_starting(tmp_path):
     """`manta serve` on a checkpoint in a quantized format it cannot load (GPTQ) exits at once
     (no Ray, no replica) naming the format."""
@@ -70,6 +88,8 @@ def test_serve_refuses_a_quantized_checkpoint_before_starting(tmp_path):
     (["--kv-store-disk-gb", "0"], "--kv-store-disk-gb", "must be > 0"),
     (["--replicas", "0"], "--replicas", "must be >= 1"),  # (the cluster's options)
     (["--prefill-replicas", "1"], "--decode-replicas", "go together"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--decode-gpus-per-rank", "1.5"], "--decode-gpus-per-rank",
+     "must be in (0, 1]"),
     (["--request-timeout", "-5"], "--request-timeout", "must be > 0"),  # (the HTTP server's)
     (["--model", "/nonexistent/ckpt"], "--model", "/nonexistent/ckpt is not a checkpoint directory"),
 ])

@@ -34,12 +34,13 @@ def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path, memory, dec
     """memory: where the hand-off rows are (--pd-memory): GPU memory (read GPU to GPU), or
     pinned host memory (copied down, read host to host, copied up). decode_tp 2: each decode
     rank cuts its kv head out of the prefill rank's pages (a scratch READ on its own stream);
-    NCCL wants a GPU per TP rank, so that case takes three GPUs, one per rank (the others
-    share one GPU, 0.3 of it per rank). Fails, not skips, where NIXL cannot read GPU memory:
-    that is what it is here to find."""
+    NCCL wants a GPU per TP rank, so that case gives each decode rank 0.6 of a GPU (two cannot
+    fit on one) beside the prefill rank's 0.3: two GPUs. The others share one GPU, 0.3 of it
+    per rank. Fails, not skips, where NIXL cannot read GPU memory: that is what it is here to
+    find."""
     from transformers import AutoTokenizer
 
-    share, gpus = (0.3, 1) if decode_tp == 1 else (1.0, 1 + decode_tp)
+    share, decode_share, gpus = (0.3, None, 1) if decode_tp == 1 else (0.3, 0.6, decode_tp)
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"decode TP {decode_tp} takes a GPU per rank: {gpus} GPUs")
 
@@ -55,13 +56,13 @@ def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path, memory, dec
         ref.shutdown()
     tok = AutoTokenizer.from_pretrained(model)
     want = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
-    pd = PD(model, tmp_path / "kv", 1, decode_tp, gpus_per_rank=share, pd_memory=memory,
+    pd = PD(model, tmp_path / "kv", 1, decode_tp, gpus_per_rank=share, pd_memory=memory, decode_share=decode_share,
             **{k: v for k, v in gpu.items() if k != "page_size"})
     try:
         from cluster.launch import pd_sides_sharing_gpus
 
-        if torch.cuda.device_count() == 1 or share == 1.0:  # (one GPU: the sides share it, and start-up says so)
-            assert len(pd_sides_sharing_gpus(pd.cluster.infos)) == (1 if share < 1 else 0)
+        if torch.cuda.device_count() == 1:  # (one GPU: the sides share it, and start-up says so)
+            assert len(pd_sides_sharing_gpus(pd.cluster.infos)) == 1
         texts, _ = pd.complete(prompts)
         assert texts == want
         ranks = pd.rank_stats(pd.decode)

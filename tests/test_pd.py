@@ -46,10 +46,11 @@ class PD:
     """A disaggregated cluster behind the HTTP server."""
 
     def __init__(self, model: str, root, prefill_tp: int, decode_tp: int, oracle: str | None = None,
-                 sides: dict | None = None, pd_memory: str = "gpu", **engine):
+                 sides: dict | None = None, pd_memory: str = "gpu", decode_share: float | None = None, **engine):
         """oracle: the checkpoint transformers runs for the expected tokens (default: model);
         sides: the replica counts (default one prefill and one decode replica); pd_memory: where
-        the hand-off rows live (`--pd-memory`; the same on a CPU)."""
+        the hand-off rows live (`--pd-memory`; the same on a CPU); decode_share: the decode
+        side's `--decode-gpus-per-rank`."""
         cfg = EngineConfig(**{**dict(model=model, page_size=16, kv_cache_tokens=2048, max_running_requests=8,
                                      kv_store=str(root), kv_store_host_gb=0.01, kv_store_disk_gb=0.05,
                                      kv_host_cache_gb=0.004), **engine})
@@ -57,7 +58,7 @@ class PD:
         self.metrics = ServerMetrics()
         self.cluster = ServingCluster(ClusterOptions(
             engine=cfg, **(sides or dict(replicas=0, prefill_replicas=1, decode_replicas=1)), prefill_tp=prefill_tp,
-            pd_buffer_gb=0.004, pd_memory=pd_memory,
+            pd_buffer_gb=0.004, pd_memory=pd_memory, decode_gpus_per_rank=decode_share,
             decode_tp=decode_tp, router=RouterOptions(stats_interval_s=0.2)), self.metrics)
         self.router = self.cluster.start()
         self.server = BackgroundServer(build_app(self.router, self.metrics, admin=self.cluster))
