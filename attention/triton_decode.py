@@ -68,10 +68,11 @@ def choose_num_splits(programs_per_split: int, max_context: int, device: torch.d
 
 # At least this many (request, KV head) programs: the many-small-programs launch of stage 1.
 MANY_PROGRAMS = 1024
-# The same bound over an FP8 cache. Its sweep on the H200 (BENCHMARKS.md, 2026-11-28; blocks
-# widened to bf16 then): 64-token blocks on two warps with three stages were the best launch at
-# B=64 x 8 KV heads (ctx 544: 44.6 against the bf16 launch's 58.4 us) and B=128 (ctx 1,024: 143
-# against 162 us), 32-token blocks at B=192 (ctx 1,536).
+# The same bound over an FP8 cache. Its sweep on the H200 (BENCHMARKS.md, 2026-11-28), blocks
+# widened to bf16: 64-token blocks on two warps with three stages were the best launch at B=64 x
+# 8 KV heads (ctx 544: 44.6 against the bf16 launch's 58.4 us) and B=128 (ctx 1,024: 143 against
+# 162 us), 32-token blocks at B=192 (ctx 1,536). Widened to float16 (`decode_dtype`), the same
+# launch at B=64: 34.0 us, within 2% of the best (33.4); B=128 and 192 not yet swept so.
 FP8_MANY_PROGRAMS = 1536
 
 
@@ -381,7 +382,7 @@ def paged_decode(
     if batch == 0:
         return out
     # An FP8 cache under bf16 queries: q is widened to float16 in the kernel (no copy here).
-    to_f16 = decode_dtype(q, k_cache) != q.dtype
+    to_f16 = decode_dtype(q, k_cache) == torch.float16 != q.dtype
     q = q.to(compute_dtype(q, k_cache))
     if q.stride(-1) != 1:
         q = q.contiguous()
