@@ -63,6 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-rank", type=float, default=1.0,
                    help="share of one GPU per TP rank (0.5: two replicas on one GPU); the KV cache takes "
                         "mem-fraction x this of the GPU's memory")
+    p.add_argument("--sm-percent", type=int, default=None,
+                   help="under CUDA MPS (an nvidia-cuda-mps-control daemon on the node): the percentage of the "
+                        "GPU's SMs each rank's kernels may occupy, so replicas sharing a GPU leave each other room")
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
@@ -110,7 +113,7 @@ ENGINE_ARG_NAMES = (
     "tokenizer", "served_model_name", "device", "dtype", "quantization", "load_format", "kv_cache_dtype", "tp_size",
     "page_size",
     "kv_cache_tokens",
-    "mem_fraction", "gpus_per_rank", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
+    "mem_fraction", "gpus_per_rank", "sm_percent", "max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
     "mixed_prefill_tokens", "itl_target_ms", "ttft_target_ms", "disable_radix_cache", "attention_backend", "is_embedding", "max_context_len",
     "max_waiting", "step_timeout_s",
     "disable_cuda_graph", "disable_overlap_schedule", "speculative_draft_model", "speculative_num_tokens",

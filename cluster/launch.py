@@ -41,6 +41,10 @@ class ClusterOptions:
     # third of a GPU beside decode ranks on 0.6 each, which then cannot land on one GPU together.
     prefill_gpus_per_rank: float | None = None
     decode_gpus_per_rank: float | None = None
+    # Each side's `sm_percent` under CUDA MPS (None: engine.sm_percent), e.g. a prefill side held
+    # to part of a GPU it shares with a decode side.
+    prefill_sm_percent: int | None = None
+    decode_sm_percent: int | None = None
     # Each prefill and decode rank's hand-off rows (workers/handoff_rows.py), and where they live.
     pd_buffer_gb: float = 1.0
     pd_memory: str = "gpu"
@@ -64,6 +68,10 @@ class ClusterOptions:
             share = getattr(self, name)
             if share is not None and not 0.0 < share <= 1.0:
                 raise ConfigError(name, "must be in (0, 1] (a share of one GPU)")
+        for name in ("prefill_sm_percent", "decode_sm_percent"):
+            pct = getattr(self, name)
+            if pct is not None and not 1 <= pct <= 100:
+                raise ConfigError(name, "must be in [1, 100] (a percentage of the GPU's SMs)")
         if self.pd_memory not in PD_MEMORIES:
             raise ConfigError("pd_memory", f"must be one of {PD_MEMORIES}")
         if self.pd_buffer_gb < 0 or (self.prefill_replicas and self.pd_buffer_gb == 0):
@@ -84,6 +92,8 @@ class ClusterOptions:
         config = dataclasses.replace(self.engine, tp_size=tp) if tp else self.engine
         share = {"prefill": self.prefill_gpus_per_rank, "decode": self.decode_gpus_per_rank}.get(role)
         config = dataclasses.replace(config, gpus_per_rank=share) if share else config
+        pct = {"prefill": self.prefill_sm_percent, "decode": self.decode_sm_percent}.get(role)
+        config = dataclasses.replace(config, sm_percent=pct) if pct else config
         # Hand-off rows for the replicas that take part: prefill and decode ones, and mixed ones
         # beside prefill replicas (they continue a request when every decode replica is full).
         rows = self.pd_buffer_gb if role != "mixed" or self.prefill_replicas else 0.0

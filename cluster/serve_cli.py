@@ -30,6 +30,10 @@ def add_serve_parser(sub) -> None:
                    help="share of a GPU per prefill rank (default --gpus-per-rank)")
     p.add_argument("--decode-gpus-per-rank", type=float, default=None,
                    help="share of a GPU per decode rank (default --gpus-per-rank)")
+    p.add_argument("--prefill-sm-percent", type=int, default=None,
+                   help="under CUDA MPS: the SMs a prefill rank may occupy, %% (default --sm-percent)")
+    p.add_argument("--decode-sm-percent", type=int, default=None,
+                   help="under CUDA MPS: the SMs a decode rank may occupy, %% (default --sm-percent)")
     p.add_argument("--pd-buffer-gb", type=float, default=1.0,
                    help="disaggregated serving: each prefill and decode rank's hand-off rows, pages on their way "
                         "between them (a 2,048-token prompt of an 8B model is 256 MiB); on the GPU they come out "
@@ -105,6 +109,8 @@ def cluster_options_from_args(args: argparse.Namespace):
         decode_tp=args.decode_tp,
         prefill_gpus_per_rank=args.prefill_gpus_per_rank,
         decode_gpus_per_rank=args.decode_gpus_per_rank,
+        prefill_sm_percent=args.prefill_sm_percent,
+        decode_sm_percent=args.decode_sm_percent,
         pd_buffer_gb=args.pd_buffer_gb,
         pd_memory=args.pd_memory,
         router=RouterOptions(policy=args.router_policy, cache_threshold=args.cache_threshold,

@@ -6,7 +6,8 @@
 # l8tp2 dsv2tp2 compiles, and the product path through `manta serve` (Ray, router, HTTP, KV store; needs Ray, NIXL
 # and FastAPI on PYTHONPATH: ../shared/gpu/README.md): l8http (store on: a cold run, then the server restarted and the
 # same prompts replayed) l8httpns (--no-kv-store) l8httptp2 (--tp 2 on two GPUs, store on) l8pd (two replicas sharing the GPU:
-# mixed against prefill + decode, 2048-token prompts; MPS=1 under CUDA MPS, MPS_PCT=N with N% of the SMs per process) l8route (`manta bench routing`: round robin / tree / events,
+# mixed against prefill + decode, 2048-token prompts; MPS=1 under CUDA MPS, MPS_PCT=N with N% of the SMs per process, or per side:
+# PD_SM="P D" (--prefill/--decode-sm-percent) and MIX_SM=N (--sm-percent)) l8route (`manta bench routing`: round robin / tree / events,
 # two replicas sharing the GPU, KV store on), servetests (the GPU tests that need Ray and NIXL: PD on a GPU,
 # pages loaded into a GPU pool; they talk to the server with the `openai` client: scripts/pack_device_client.sh),
 # pdread (`scripts/nixl_read_bench.py --device cuda`: a hand-off's READ and checksums, GPU memory to GPU memory).
@@ -221,7 +222,9 @@ for s in $stages; do
         G="$F --gpus-per-rank ${PD_GPR:-0.5} --mem-fraction ${PD_MEM:-0.8} --kv-store $KV --kv-store-disk-gb 8"
         [ "${MPS:-0}" = 1 ] && mps_start  # MPS=1: the replicas' kernels share the GPU's SMs instead of taking time slices
         for mode in ${PD_MODES:-mixed pd}; do rm -rf "$KV"
-          if [ "$mode" = mixed ]; then sides="--replicas 2"; else sides="--prefill-replicas 1 --decode-replicas 1"; fi
+          if [ "$mode" = mixed ]; then sides="--replicas 2${MIX_SM:+ --sm-percent $MIX_SM}"
+          else sides="--prefill-replicas 1 --decode-replicas 1"  # PD_SM="P D": each side's SMs under MPS
+            [ -n "${PD_SM:-}" ] && set -- $PD_SM && sides="$sides --prefill-sm-percent $1 --decode-sm-percent $2"; fi
           serve_start "$mode" $G $sides && { WORK="$PDWORK" http_bench "l8_pd_$mode"; serve_stop; }
           grep -E "^manta:pd_(transfer_(bytes|seconds|pages)|transfers)_total" "$OUT/l8_pd_${mode}_metrics.txt" | grep -v " 0.0"
           python3 -c "import json,sys; [print(r['name'], [{k: round(v, 3) for k, v in rk.items() if k.startswith('pd_') and v}

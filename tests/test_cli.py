@@ -50,8 +50,9 @@ def test_gpus_per_rank_reaches_the_engine_config_and_is_checked():
 
 def test_each_pd_side_takes_its_own_gpu_share():
     """`--prefill-gpus-per-rank` / `--decode-gpus-per-rank` reach each side's engine config (what
-    its ranks ask Ray for and size their memory by); mixed replicas and unset sides keep
-    `--gpus-per-rank`."""
+    its ranks ask Ray for and size their memory by), and so do `--prefill-sm-percent` /
+    `--decode-sm-percent` (the SMs CUDA MPS lets their ranks occupy); mixed replicas and unset
+    sides keep `--gpus-per-rank` / `--sm-percent`."""
     import argparse
 
     from cluster.serve_cli import add_serve_parser, cluster_options_from_args
@@ -64,6 +65,21 @@ def test_each_pd_side_takes_its_own_gpu_share():
     assert opts.engine_for("prefill").gpus_per_rank == 0.5 and opts.engine_for("mixed").gpus_per_rank == 0.5
     decode = opts.engine_for("decode")
     assert (decode.gpus_per_rank, decode.tp_size) == (0.6, 2)
+    args = p.parse_args(["serve", "--sm-percent", "80", "--prefill-replicas", "1", "--decode-replicas", "1",
+                         "--prefill-sm-percent", "30"])
+    opts = cluster_options_from_args(args)
+    assert [opts.engine_for(r).sm_percent for r in ("prefill", "decode", "mixed")] == [30, 80, 80]
+
+
+def test_an_sm_limit_on_an_in_process_engine_is_refused(tmp_path_factory):
+    """CUDA reads MPS's SM limit once, as a process starts: an engine in this process cannot take
+    one (only `manta serve`'s rank actors start with it), so asking is an error naming the field."""
+    from cluster.engine.config import ConfigError, EngineConfig
+    from cluster.engine.ranks import make_worker_group
+    from tests.fixtures import tiny_model_dir
+
+    with pytest.raises(ConfigError, match="sm_percent.*CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        make_worker_group(EngineConfig(model=str(tiny_model_dir(tmp_path_factory, "llama")), sm_percent=50))
 
 
 def test_serve_refuses_a_quantized_checkpoint_before_starting(tmp_path):
@@ -90,6 +106,9 @@ def test_serve_refuses_a_quantized_checkpoint_before_starting(tmp_path):
     (["--prefill-replicas", "1"], "--decode-replicas", "go together"),
     (["--prefill-replicas", "1", "--decode-replicas", "1", "--decode-gpus-per-rank", "1.5"], "--decode-gpus-per-rank",
      "must be in (0, 1]"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--decode-sm-percent", "0"], "--decode-sm-percent",
+     "must be in [1, 100]"),
+    (["--sm-percent", "101"], "--sm-percent", "must be in [1, 100]"),
     (["--request-timeout", "-5"], "--request-timeout", "must be > 0"),  # (the HTTP server's)
     (["--model", "/nonexistent/ckpt"], "--model", "/nonexistent/ckpt is not a checkpoint directory"),
 ])

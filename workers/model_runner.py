@@ -70,6 +70,7 @@ class RunnerOptions:
     kv_cache_tokens: int | None = None
     mem_fraction: float = 0.85
     gpu_share: float = 1.0  # of one GPU (Ray's fractional resource): other ranks may share it
+    sm_percent: int | None = None  # under CUDA MPS: the SMs a Ray rank may occupy, % (set in its environment)
     max_running_requests: int = 256
     max_context_len: int | None = None
     attention_backend: str = "flash"

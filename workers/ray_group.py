@@ -42,6 +42,15 @@ def shared_gpu(placements: list[dict]) -> str | None:
     return None
 
 
+def rank_env(opts: RunnerOptions, nic: str | None) -> dict[str, str]:
+    """What each rank actor's process starts with: the interface gloo and NCCL bind to, and the
+    SMs CUDA MPS lets it occupy (read once, when the process creates its CUDA context)."""
+    env = {"GLOO_SOCKET_IFNAME": nic, "NCCL_SOCKET_IFNAME": nic} if nic else {}
+    if opts.sm_percent is not None:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(opts.sm_percent)
+    return env
+
+
 class WorkerDied(RuntimeError):
     """A rank of this group is gone; the group cannot run another step."""
 
@@ -73,9 +82,7 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
             remove_placement_group(self.pg)
             raise RuntimeError(f"placement group for {tp_size} ranks ({bundle} each, {placement_strategy}) "
                                f"could not be placed within {ready_timeout_s:.0f}s: not enough resources")
-        env = {}
-        if nic:
-            env = {"GLOO_SOCKET_IFNAME": nic, "NCCL_SOCKET_IFNAME": nic}
+        env = rank_env(opts, nic)
         actor_cls = ray.remote(RankWorker)
         self.workers = [
             actor_cls.options(

@@ -33,6 +33,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def mps_pipe_directory() -> str:
+    return os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+
+
+def mps_daemon_running() -> bool:
+    """Whether an MPS control daemon's pipe is where this process's CUDA looks for it."""
+    return os.path.exists(os.path.join(mps_pipe_directory(), "control"))
+
+
 class RankWorker:
     """Plain class; `workers.ray_group` wraps it with `ray.remote`. Also usable in-process."""
 
@@ -58,7 +67,8 @@ class RankWorker:
 
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids()}
+                "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids(),
+                "sm_percent": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}
 
     def init(self, master_addr: str, master_port: int) -> dict:
         """Join the TP process group and load this rank's shard; returns what the replica needs."""
@@ -75,6 +85,9 @@ class RankWorker:
                 timeout=datetime.timedelta(seconds=120),
             )
             tp = TPGroup(self.rank, self.world_size, cpu_group=_cpu_group(backend))
+        if self.opts.sm_percent is not None and self.opts.device == "cuda" and not mps_daemon_running():
+            logger.warning("rank %d: --sm-percent %d has no effect: no CUDA MPS daemon answers at %s",
+                           self.rank, self.opts.sm_percent, mps_pipe_directory())
         self.runner = ModelRunner(self.opts, tp)
         heap.freeze()  # the model and its graphs live as long as the rank: out of the collector's walks
         self._frozen = True

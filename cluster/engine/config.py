@@ -56,6 +56,11 @@ class EngineConfig:
     # replicas' ranks on one GPU (small models, tests). The rank's KV pool is then sized from
     # mem_fraction x gpus_per_rank of the GPU's memory, so replicas sharing it never overcommit.
     gpus_per_rank: float = 1.0
+    # Under CUDA MPS, the percentage of the GPU's SMs each rank's kernels may occupy
+    # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment): replicas sharing a GPU then cannot
+    # fill it while the other's kernels wait. Set in `manta serve`'s Ray rank actors as they start;
+    # without an MPS daemon it does nothing. None: all of them.
+    sm_percent: int | None = None
     max_running_requests: int = 256
     # Tokens computed per step over all requests (decodes + prefill chunks).
     max_num_batched_tokens: int = 8192
@@ -161,6 +166,8 @@ class EngineConfig:
             bad("mem_fraction", "must be in (0, 1]")
         if not 0.0 < self.gpus_per_rank <= 1.0:
             bad("gpus_per_rank", "must be in (0, 1] (a share of one GPU)")
+        if self.sm_percent is not None and not 1 <= self.sm_percent <= 100:
+            bad("sm_percent", "must be in [1, 100] (a percentage of the GPU's SMs)")
         if self.speculative_num_tokens < 1:
             bad("speculative_num_tokens", "must be >= 1")
         if self.speculative_draft_model is not None and self.is_embedding:

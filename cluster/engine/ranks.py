@@ -4,7 +4,7 @@ without one of its own drives (in-process at TP=1, else one process per rank).""
 
 from __future__ import annotations
 
-from cluster.engine.config import EngineConfig
+from cluster.engine.config import ConfigError, EngineConfig
 from cluster.engine.kv_store_link import kv_offload_options
 from workers.group import InProcessWorkerGroup, WorkerGroup
 from workers.model_runner import RunnerOptions
@@ -22,6 +22,7 @@ def runner_options(config: EngineConfig) -> RunnerOptions:
         kv_cache_tokens=config.kv_cache_tokens,
         mem_fraction=config.mem_fraction,
         gpu_share=config.gpus_per_rank,
+        sm_percent=config.sm_percent,
         max_running_requests=config.max_running_requests,
         max_context_len=config.max_context_len,
         attention_backend=config.attention_backend,
@@ -39,6 +40,9 @@ def runner_options(config: EngineConfig) -> RunnerOptions:
 
 
 def make_worker_group(config: EngineConfig) -> WorkerGroup:
+    if config.sm_percent is not None:  # (CUDA reads it once, as this process started)
+        raise ConfigError("sm_percent", "applies to `manta serve`'s Ray rank actors, which start with it; for an "
+                          "engine in this process, start the process with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE set")
     if config.tp_size == 1:
         return InProcessWorkerGroup(runner_options(config))
     from workers.mp_group import MultiprocessWorkerGroup
