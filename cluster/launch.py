@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 _REPLICA_ACTOR = re.compile(r"manta-replica-\d+")  # replica actors' names (rank actors add -rankN)
 
 
+# The engine fields a prefill or decode side may set for itself: (EngineConfig field, the side's
+# option after "prefill_" / "decode_", i.e. `--prefill-tp`, `--decode-gpus-per-rank`, ...).
+SIDE_FIELDS = (("tp_size", "tp"), ("gpus_per_rank", "gpus_per_rank"), ("sm_percent", "sm_percent"))
+
+
 @dataclass(frozen=True)
 class ClusterOptions:
     engine: EngineConfig
@@ -64,14 +69,6 @@ class ClusterOptions:
         if bool(self.prefill_replicas) != bool(self.decode_replicas):
             raise ConfigError("prefill_replicas" if not self.prefill_replicas else "decode_replicas",
                               "--prefill-replicas and --decode-replicas go together (both >= 1)")
-        for name in ("prefill_gpus_per_rank", "decode_gpus_per_rank"):
-            share = getattr(self, name)
-            if share is not None and not 0.0 < share <= 1.0:
-                raise ConfigError(name, "must be in (0, 1] (a share of one GPU)")
-        for name in ("prefill_sm_percent", "decode_sm_percent"):
-            pct = getattr(self, name)
-            if pct is not None and not 1 <= pct <= 100:
-                raise ConfigError(name, "must be in [1, 100] (a percentage of the GPU's SMs)")
         if self.pd_memory not in PD_MEMORIES:
             raise ConfigError("pd_memory", f"must be one of {PD_MEMORIES}")
         if self.pd_buffer_gb < 0 or (self.prefill_replicas and self.pd_buffer_gb == 0):
@@ -85,15 +82,17 @@ class ClusterOptions:
                                   "ranks' KV store clients: it needs the KV store (drop --no-kv-store)")
             if self.engine.page_size < MIN_PAGE_TOKENS:
                 raise ConfigError("page_size", f"prefill/decode disaggregation needs --page-size >= {MIN_PAGE_TOKENS}")
+        for role in ("prefill", "decode"):  # each side's engine, checked by EngineConfig, named by its flag
+            try:
+                self.engine_for(role)
+            except ConfigError as exc:
+                side = dict(SIDE_FIELDS).get(exc.field)
+                raise ConfigError(f"{role}_{side}", exc.msg) if side else exc from None
 
     def engine_for(self, role: str) -> EngineConfig:
         """The engine config of a replica of `role` ("mixed", "prefill", "decode")."""
-        tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
-        config = dataclasses.replace(self.engine, tp_size=tp) if tp else self.engine
-        share = {"prefill": self.prefill_gpus_per_rank, "decode": self.decode_gpus_per_rank}.get(role)
-        config = dataclasses.replace(config, gpus_per_rank=share) if share else config
-        pct = {"prefill": self.prefill_sm_percent, "decode": self.decode_sm_percent}.get(role)
-        config = dataclasses.replace(config, sm_percent=pct) if pct else config
+        sides = {field: getattr(self, f"{role}_{opt}") for field, opt in SIDE_FIELDS} if role != "mixed" else {}
+        config = dataclasses.replace(self.engine, **{f: v for f, v in sides.items() if v is not None})
         # Hand-off rows for the replicas that take part: prefill and decode ones, and mixed ones
         # beside prefill replicas (they continue a request when every decode replica is full).
         rows = self.pd_buffer_gb if role != "mixed" or self.prefill_replicas else 0.0

@@ -19,7 +19,7 @@ from workers.group import RemoteOverlap, WorkerGroup
 from workers.messages import OverlapCall, StepPlan, StepResult
 from workers.model_runner import RunnerOptions
 from workers.step_channel import RankFailed, StepChannel
-from workers.worker import RANK_THREADS, RankWorker
+from workers.worker import MPS_SM_ENV, RANK_THREADS, RankWorker
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def rank_env(opts: RunnerOptions, nic: str | None) -> dict[str, str]:
     SMs CUDA MPS lets it occupy (read once, when the process creates its CUDA context)."""
     env = {"GLOO_SOCKET_IFNAME": nic, "NCCL_SOCKET_IFNAME": nic} if nic else {}
     if opts.sm_percent is not None:
-        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(opts.sm_percent)
+        env[MPS_SM_ENV] = str(opts.sm_percent)
     return env
 
 

@@ -33,6 +33,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The share of the SMs CUDA MPS lets this process's kernels occupy, read as its CUDA context is
+# made (`RunnerOptions.sm_percent`: a Ray rank actor starts with it, `workers.ray_group.rank_env`).
+MPS_SM_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
 def mps_pipe_directory() -> str:
     return os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
 
@@ -68,7 +73,7 @@ class RankWorker:
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids(),
-                "sm_percent": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}
+                "sm_percent": os.environ.get(MPS_SM_ENV)}
 
     def init(self, master_addr: str, master_port: int) -> dict:
         """Join the TP process group and load this rank's shard; returns what the replica needs."""
