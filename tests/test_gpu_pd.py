@@ -40,7 +40,7 @@ def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path, memory, dec
     find."""
     from transformers import AutoTokenizer
 
-    share, decode_share, gpus = (0.3, None, 1) if decode_tp == 1 else (0.3, 0.6, decode_tp)
+    decode_share, gpus = (None, 1) if decode_tp == 1 else (0.6, decode_tp)
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"decode TP {decode_tp} takes a GPU per rank: {gpus} GPUs")
 
@@ -56,7 +56,7 @@ def test_disaggregated_on_a_gpu_equals_one_engine(ray_gpu, tmp_path, memory, dec
         ref.shutdown()
     tok = AutoTokenizer.from_pretrained(model)
     want = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
-    pd = PD(model, tmp_path / "kv", 1, decode_tp, gpus_per_rank=share, pd_memory=memory, decode_share=decode_share,
+    pd = PD(model, tmp_path / "kv", 1, decode_tp, gpus_per_rank=0.3, pd_memory=memory, decode_share=decode_share,
             **{k: v for k, v in gpu.items() if k != "page_size"})
     try:
         from cluster.launch import pd_sides_sharing_gpus

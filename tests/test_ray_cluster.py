@@ -37,8 +37,8 @@ def test_tp2_ray_actors_equal_tp1_and_transformers(ray_local, tmp_path_factory, 
     config = EngineConfig(model=str(d), tp_size=2, page_size=4)
     # (sm_percent: each rank process starts with CUDA MPS's SM limit in its environment)
     group = RayWorkerGroup(RunnerOptions(model=str(d), page_size=4, sm_percent=40), 2, name=f"tp-test-{kv_heads}")
-    assert [p["sm_percent"] for p in group.placements] == ["40", "40"]
     try:
+        assert [p["sm_percent"] for p in group.placements] == ["40", "40"]
         engine = Engine(config, workers=group)
         assert engine.overlap  # launch/collect as OverlapCalls through the step channel
         tp2 = run_staggered(engine, PROMPTS, greedy())
