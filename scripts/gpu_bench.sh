@@ -13,6 +13,7 @@
 # pdread (`scripts/nixl_read_bench.py --device cuda`: a hand-off's READ and checksums, GPU memory to GPU memory).
 # l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts) gemms (the 8B layer's four products alone, TFLOP/s).
 # FP8 (issue 25): l8fp8prof (the 8B shape's FP8 step by kernel, batch 64 and 1) dsv2fp8prof (block FP8 DeepSeek's batch-1 step by kernel) l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
+# gemvfp8ab (the step's FP8 one-row launches swept on this GPU, then batch 1 with the fastest against FP8_LAUNCH's)
 # (`bench_gemv --fp8`) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
 # FP8_HTTP_MODES picks) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8) l8kvfp8 (batch 1/64 with the FP8 KV cache,
@@ -102,9 +103,9 @@ http_bench() {  # http_bench NAME: the workload against the running server; JSON
 }
 ab_batch1() {  # ab_batch1 TAG "ENGINE FLAGS" VARIANT...: batch-1 latency of /tmp/l8 under each variant's environment
   local tag=$1 flags=$2 v; shift 2
-  for v in "$@"; do echo "--- $v"
-    env $v $M bench latency --model /tmp/l8 $F $flags --batch 1 --steps 48 --input-len 512 \
-      --out "$OUT/l8_latency${tag}_${v//[ =]/_}.json" 2>&1 | grep -v Warning | tail -4; done
+  for v in "$@"; do echo "--- $v"; local name=${v//[^A-Za-z0-9]/_}
+    env $v $M bench latency --model /tmp/l8 $F $flags --batch ${AB_BATCH:-1} --steps 48 --input-len 512 \
+      --out "$OUT/l8_latency${tag}_${name:0:48}.json" 2>&1 | grep -v Warning | tail -4; done
 }
 for s in $stages; do
   echo "=== $s $(date -u +%FT%TZ)"
@@ -133,6 +134,12 @@ for s in $stages; do
             | grep -v Warning | tee "$OUT/decode_sweep_$kv.txt"; done ;;
     gemv) python3 -m workers.layers.bench_gemv --out "$OUT/gemv_sweep.json" 2>&1 | grep -v Warning ;;
     gemvfp8) python3 -m workers.layers.bench_gemv --fp8 --out "$OUT/gemv_sweep_fp8.json" 2>&1 | grep -v Warning ;;
+    gemvfp8ab) build /tmp/l8 --preset llama-3.1-8b  # this GPU's fastest FP8 one-row launches (the step's four products), then
+        # FP8 batch 1 with FP8_LAUNCH's and with them (MANTA_GEMV_CONFIGS), default / swept / default
+        python3 -m workers.layers.bench_gemv --fp8 --only 5 6 8 9 --emit-configs "$OUT/gemv_fp8_best.txt" \
+          --out "$OUT/gemv_sweep_fp8_step.json" 2>&1 | grep -v Warning; echo "best: $(cat "$OUT/gemv_fp8_best.txt")"
+        ab_batch1 _fp8 "--quantization fp8" "MANTA_GEMV=1" "MANTA_GEMV_CONFIGS=$(cat "$OUT/gemv_fp8_best.txt")" \
+          "MANTA_GEMV=1" ;;
     l8fp8ab) build /tmp/l8 --preset llama-3.1-8b  # FP8 batch 1: fused one-row kernels (MANTA_GEMV=1) or not
         ab_batch1 _fp8 "--quantization fp8" ${L8AB:-"MANTA_GEMV=0" "MANTA_GEMV=1"} ;;
     l8ab) build /tmp/l8 --preset llama-3.1-8b  # batch 1 with the one-row kernels / PDL switched off

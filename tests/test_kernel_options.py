@@ -42,6 +42,25 @@ def test_a_bad_launch_list_names_the_item(bad):
         KernelOptions.from_env({"MANTA_GEMV_CONFIGS": bad})
 
 
+def test_a_sweeps_fastest_launches_read_back_as_overrides():
+    """`bench_gemv --emit-configs`: the fastest Triton launch per N x K (not cuBLAS, not the
+    split norm + product pair), in the form MANTA_GEMV_CONFIGS parses."""
+    from workers.layers.gemv_launch import GemvConfig, best_launches
+
+    def row(n, k, kind, us, cfg):
+        return dict(n=n, k=k, kind=kind, us=us, config=None if cfg is None else vars(cfg))
+    results = [row(6144, 4096, "cublas", 5.0, None),
+               row(6144, 4096, "triton-fused-default", 12.0, GemvConfig(16, 512, 1, 8, vec=16)),
+               row(6144, 4096, "triton-fused", 11.0, GemvConfig(4, 1024, 2, 4, vec=16)),
+               row(6144, 4096, "triton-norm+plain", 9.0, GemvConfig(8, 256, 1, 4)),
+               row(4096, 4096, "triton", 8.0, GemvConfig(8, 256, 1, 4)),
+               row(4096, 4096, "triton-default", 7.5, GemvConfig(8, 1024, 1, 8, vec=16))]
+    opts = KernelOptions.from_env({"MANTA_GEMV_CONFIGS": best_launches(results)})
+    assert opts.gemv_launch(6144, 4096) == (4, 1024, 2, 4, 16)
+    assert opts.gemv_launch(4096, 4096) == (8, 1024, 1, 8, 16)
+    assert best_launches([]) == ""
+
+
 def test_serve_flags_turn_options_off_over_the_environment(monkeypatch):
     monkeypatch.delenv("MANTA_PDL", raising=False)
     monkeypatch.delenv("MANTA_GEMV", raising=False)

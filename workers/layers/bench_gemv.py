@@ -61,7 +61,7 @@ FUSED_FMA = [(8, 512, 8), (16, 512, 8), (32, 256, 8), (32, 512, 8), (64, 128, 8)
              (128, 128, 8), (64, 128, 4), (32, 256, 4)]
 # --fp8: 16-column vectors per thread (GemvConfig.vec), and a few of bf16's [rows, columns] accumulators
 FP8_VEC = [(4, 1024, 4), (4, 512, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 8), (16, 1024, 8),
-           (4, 2048, 4), (2, 2048, 4)]
+           (4, 2048, 4), (2, 2048, 4), (8, 2048, 8), (16, 2048, 8), (32, 1024, 8)]  # (the last three: more bytes in flight)
 FP8_FUSED_VEC = [(8, 512, 8), (16, 512, 8), (32, 256, 8), (32, 512, 8), (16, 1024, 8), (64, 256, 8), (8, 1024, 8),
                  (4, 1024, 4), (64, 128, 8)]
 FP8_PLAIN_ACC = [(8, 256, 4), (8, 512, 4), (4, 1024, 4)]
@@ -217,6 +217,8 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="FP8 weights with one scale per row")
     parser.add_argument("--shapes", choices=("llama", "deepseek"), default="llama",
                         help="Llama-3.1-8B's products (SHAPES) or DeepSeek-V2-Lite's (DEEPSEEK_SHAPES)")
+    parser.add_argument("--emit-configs", default=None, metavar="FILE",
+                        help="write each swept shape's fastest launch as a MANTA_GEMV_CONFIGS value (to A/B in a model step)")
     args = parser.parse_args()
     copy_gbs = measure_copy_bandwidth(torch.device("cuda")) / 1e9
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s")
@@ -232,6 +234,9 @@ def main() -> None:
         shown = [r for r in rows if r["kind"] in ("cublas", "unfused", "triton-norm+plain") or r["kind"].endswith("default")]
         shown += sorted((r for r in rows if r["kind"] in ("triton", "triton-fused")), key=lambda r: r["us"])[:6]
         print("\n".join(_fmt(r) for r in shown), flush=True)
+    if args.emit_configs:
+        with open(args.emit_configs, "w") as f:
+            f.write(gemv_launch.best_launches(everything))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), copy_gb_s=copy_gbs, fp8=args.fp8, results=everything), f,

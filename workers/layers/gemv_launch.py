@@ -111,3 +111,19 @@ def logged_choice(n: int, k: int, device: torch.device, mode: int, adds: bool, f
     logger.info("one-row linear %d x %d%s (prologue %d%s): Triton GEMV %s", n, k, " FP8" if fp8 else "", mode,
                 ", adds to the residual" if adds else "", cfg)
     return cfg
+
+
+def best_launches(results: list[dict]) -> str:
+    """The fastest Triton launch of each N x K in `bench_gemv`'s results, as `MANTA_GEMV_CONFIGS`
+    reads it (`bench_gemv --emit-configs`). The override is per shape, whatever the prologue:
+    sweep only the products a model step runs (`--only 5 6 8 9`: the 8B step's qkv + norm,
+    o_proj + add, gate/up, down + SiLU + add)."""
+    best: dict[str, dict] = {}
+    for r in results:
+        if r["config"] is None or not r["kind"].startswith("triton") or r["kind"] == "triton-norm+plain":
+            continue
+        key = f"{r['n']}x{r['k']}"
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    return ";".join(f"{key}:{c['block_n']},{c['block_k']},{c['split_k']},{c['num_warps']},{c['vec']}"
+                    for key, c in ((key, r["config"]) for key, r in best.items()))
