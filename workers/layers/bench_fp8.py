@@ -30,20 +30,26 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
 SWEEP_GEMV = [(4, 2048, 4, 3), (8, 1024, 4, 3), (16, 1024, 8, 3), (8, 512, 4, 3), (2, 4096, 4, 3)]
 SWEEP_TILE = [(16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 128, 128, 8, 3), (32, 64, 128, 4, 4, 1, True),
               (64, 64, 128, 4, 4, 1, True), (64, 128, 128, 8, 4, 1, True)]
+# W8A8 on the Triton kernel for decode batches (`decode_a8`), K split to nearly cover the SMs
+SWEEP_A8 = [(64, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 256, 4, 3), (64, 256, 128, 8, 3), (128, 128, 128, 8, 4)]
 
 
-def _candidates(x: torch.Tensor, n: int, bk: int, sweep: bool) -> list:
+def _candidates(x: torch.Tensor, n: int, bk: int, sweep: bool, a8_only: bool = False) -> list:
     """(label, fn(weight, scale)) to time: `fp8_linear`, and with `sweep` the alternatives."""
     m, k = x.shape
     kb = triton.cdiv(k, bk)
     out = [(f"default: {choose_kernel(m, n, k, kb, bk).value}", lambda w, s: fp8_linear(x, w, s, bk))]
     if sweep and m == 1:
         out += [(f"gemv {c}", lambda w, s, c=c: gemv(x, w, s, bk, config=c)) for c in SWEEP_GEMV]
-    if sweep and 1 < m <= 128:
+    if sweep and 64 <= m <= 256 and kb == 1:
+        out += [(f"w8a8 {c} split", lambda w, s, c=c: gemm(
+            x, w, s, bk, a8=True, config=with_split(TileConfig(*c), m, n, k, x.device, fill=0.9))) for c in SWEEP_A8]
+    if sweep and 1 < m <= 128 and not a8_only:
         out += [(f"w8a16 {c}", lambda w, s, c=c: gemm(x, w, s, bk, config=with_split(TileConfig(*c), m, n, k, x.device)))
                 for c in SWEEP_TILE]
     if sweep and m >= 64:
-        out += [("scaled_mm, exact accumulation", lambda w, s: scaled_mm(x, w, s, fast_accum=False))] if kb == 1 else []
+        out += [("scaled_mm", lambda w, s: scaled_mm(x, w, s)),
+                ("scaled_mm, exact accumulation", lambda w, s: scaled_mm(x, w, s, fast_accum=False))] if kb == 1 else []
         out += [("w8a8 (Triton)", lambda w, s: gemm(x, w, s, bk, a8=True))]
     return out
 
@@ -52,6 +58,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="time the candidate launches too")
     parser.add_argument("--m", type=int, nargs="*", default=[1, 4, 16, 32, 64, 256, 1024, 4096])
+    parser.add_argument("--scales", nargs="*", choices=("channel", "block128"), default=["channel", "block128"])
+    parser.add_argument("--a8-only", action="store_true", help="with --sweep: skip the W8A16 tiles")
     args = parser.parse_args()
     dev = torch.device("cuda")
     copy = measure_copy_bandwidth(dev) / 1e9
@@ -67,7 +75,9 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             bf16 = time_in_graph(lambda w, x=x: F.linear(x, w), wb, max(8, 2 * len(wb)) if m <= 64 else len(wb))
             for kind, bk, col in (("channel", k, 1), ("block128", 128, 2)):
-                for label, fn in _candidates(x, n, bk, args.sweep):
+                if kind not in args.scales:
+                    continue
+                for label, fn in _candidates(x, n, bk, args.sweep, args.a8_only):
                     us = time_in_graph(lambda w, fn=fn, col=col: fn(w[0], w[col]), ws,
                                        max(8, 2 * len(ws)) if m <= 64 else len(ws))
                     gbs = n * k / us / 1e3

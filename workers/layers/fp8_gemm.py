@@ -15,7 +15,8 @@ to one row per output row (block_k = 128). `choose_kernel` picks one of:
   partial, the last to arrive (an `attention.arrival` counter, left at zero) adds them in order.
 - W8A8 (from A8_MIN_M rows): x quantized to e4m3 per token (and per 128 columns for block
   scales) by `quantize_rows`, then FP8 tensor cores: `SCALED_MM` (torch._scaled_mm, row-wise
-  scales) for per-channel weights, `BLOCKWISE` (torch._scaled_mm, 1 x 128 / 128 x 128 scales)
+  scales) for per-channel weights (but the Triton kernel with K split for decode batches on
+  narrow weights, which cuBLAS's unsplit 128 x 128 tiles leave mostly idle: `decode_a8`), `BLOCKWISE` (torch._scaled_mm, 1 x 128 / 128 x 128 scales)
   for block_k = 128 whose 128-row blocks share scales (checked once per scale tensor), the
   Triton `W8A8` kernel for what cuBLAS refuses. Rounding x to e4m3 adds ~2.6% relative error
   on Gaussian rows (3 mantissa bits), as rounding the weight did.
@@ -46,6 +47,7 @@ from attention.arrival import arrival_counters
 
 FP8 = torch.float8_e4m3fn
 A8_MIN_M = 64  # rows from which FP8 activations (W8A8) replace the W8A16 tile kernel
+DECODE_A8_MAX_M = 256  # up to this many rows a narrow per-channel W8A8 product splits K (`decode_a8`)
 GEMV_LAUNCH = (4, 1024, 4, 3)  # rows, columns per step, warps, stages: the best of nine, every shape and kind
 
 
@@ -75,21 +77,32 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
 
 
-def choose_kernel(m: int, n: int, k: int, kb: int, block_k: int) -> Kernel:
+def choose_kernel(m: int, n: int, k: int, kb: int, block_k: int, sms: int = 132) -> Kernel:
     """One row: GEMV; up to A8_MIN_M - 1 rows: W8A16; from A8_MIN_M rows W8A8, through cuBLAS
     where it takes the shape (N, K multiples of 16; for block scales block_k = 128 and K a
     multiple of 512, and `fp8_linear` also checks `scales_in_128_row_blocks`), else the Triton
-    kernel (whose fp8 dots take k-steps of 32: block scales of 16 columns stay on W8A16)."""
+    kernel (whose fp8 dots take k-steps of 32: block scales of 16 columns stay on W8A16).
+    Per-channel products of decode batches (up to DECODE_A8_MAX_M rows) whose 128 x 128 output
+    tiles are fewer than the `sms` go to the Triton kernel with K split (`decode_a8`)."""
     if m == 1:
         return Kernel.GEMV
     if m < A8_MIN_M:
         return Kernel.W8A16
     aligned = n % 16 == 0 and k % 16 == 0
     if kb == 1:
-        return Kernel.SCALED_MM if aligned else Kernel.W8A8
+        return Kernel.SCALED_MM if aligned and not decode_a8(m, n, sms) else Kernel.W8A8
     if block_k == 128 and aligned and k % 512 == 0:
         return Kernel.BLOCKWISE
     return Kernel.W8A8 if block_k >= 32 else Kernel.W8A16
+
+
+def decode_a8(m: int, n: int, sms: int) -> bool:
+    """Whether a per-channel W8A8 product of `m` rows runs on the Triton kernel with K split
+    rather than cuBLAS. cuBLAS's FP8 product runs 128 x 128 output tiles and does not split K: at
+    a decode batch a weight of few 128-row tiles leaves most SMs idle. H200, 64 rows (`bench_fp8
+    --sweep --m 64`, BENCHMARKS.md): o_proj (32 tiles) 15.2 us = 26% of the copy bandwidth, down
+    (32) 42.1 us = 33%, qkv (48) 38%, but gate/up (224 tiles) 74%."""
+    return m <= DECODE_A8_MAX_M and triton.cdiv(m, 128) * triton.cdiv(n, 128) < sms
 
 
 def choose_tile(m: int, n: int, k: int, kb: int, a8: bool, device: torch.device) -> TileConfig:
@@ -98,8 +111,13 @@ def choose_tile(m: int, n: int, k: int, kb: int, a8: bool, device: torch.device)
     float32 and prefer other tiles); more rows padded to 32 or 64 on 64 x 128 tiles, swapped
     per-channel (at 32 rows, 16-row tiles took 0.9x as long on qkv, 1.1-1.45x on o, down and
     gate_up); K split until the grid covers the SMs. W8A8: 128 x 128 x 128 (64 x 128 with block
-    scales, whose per-k-block rescale serialises the tensor cores)."""
+    scales, whose per-k-block rescale serialises the tensor cores); per-channel decode batches
+    (`decode_a8`) on 64 or 128-row tiles with K split until the grid nearly covers the SMs (each
+    split writes a float32 partial of the output: no more splits than that)."""
     if a8:
+        if kb == 1 and decode_a8(m, n, _num_sms(device)):
+            cfg = TileConfig(64, 128, 128, 4, 4) if m <= 64 else TileConfig(128, 128, 128, 8, 4)
+            return with_split(cfg, m, n, k, device, fill=0.9)
         return TileConfig(128, 128, 128, 8, 4) if kb == 1 else TileConfig(64, 128, 128, 4, 4)
     if m <= 16:
         cfg = TileConfig(16, 64, 256, 4, 4) if kb == 1 else TileConfig(16, 128, 128, 8, 3)
@@ -108,11 +126,11 @@ def choose_tile(m: int, n: int, k: int, kb: int, a8: bool, device: torch.device)
     return with_split(cfg, m, n, k, device)
 
 
-def with_split(cfg: TileConfig, m: int, n: int, k: int, device: torch.device) -> TileConfig:
-    """K split in 2, 4 or 8 while the tiles are fewer than the SMs (each split >= 2 steps)."""
+def with_split(cfg: TileConfig, m: int, n: int, k: int, device: torch.device, fill: float = 1.0) -> TileConfig:
+    """K split in 2, 4 or 8 while the tiles are fewer than `fill` x the SMs (each split >= 2 steps)."""
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = 1
-    while tiles * split < _num_sms(device) and split < 8 and k >= 4 * split * cfg.block_k:
+    while tiles * split < fill * _num_sms(device) and split < 8 and k >= 4 * split * cfg.block_k:
         split *= 2
     return replace(cfg, split_k=split)
 
@@ -402,7 +420,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     m = x.shape[0]
     if m == 0:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
-    kernel = choose_kernel(m, n, k, kb, block_k)
+    kernel = choose_kernel(m, n, k, kb, block_k, _num_sms(x.device))
     if kernel is Kernel.BLOCKWISE and not scales_in_128_row_blocks(scale):
         # measured: W8A16 faster at 64 rows, the two mixed at 128-256, the Triton W8A8 from 512
         kernel = Kernel.W8A16 if m < 256 else Kernel.W8A8
