@@ -13,6 +13,7 @@
 # pdread (`scripts/nixl_read_bench.py --device cuda`: a hand-off's READ and checksums, GPU memory to GPU memory).
 # l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts) gemms (the 8B layer's four products alone, TFLOP/s).
 # FP8 (issue 25): l8fp8prof (the 8B shape's FP8 step by kernel, batch 64 and 1) dsv2fp8prof (block FP8 DeepSeek's batch-1 step by kernel) l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
+# ab (AB_OLD=DIR: an older tree's workers/ and attention/ against this one, AB_FLAGS, `python3 -P`)
 # gemvfp8ab (the step's FP8 one-row launches swept on this GPU, then batch 1 with the fastest against FP8_LAUNCH's)
 # (`bench_gemv --fp8`) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
@@ -150,6 +151,13 @@ for s in $stages; do
         for b in ${PROF_BATCH:-64 1}; do echo "--- batch $b"
           python3 scripts/profile_decode.py /tmp/l8 "$b" --quantization fp8 ${KVFP8:+--kv-cache-dtype fp8_e4m3} ${DUMMY:+--load-format dummy} --steps 16 \
             --out "$OUT/l8fp8_profile_b$b.json" 2>&1 | grep -v "Warning\|INFO" | head -${PROF_LINES:-60}; done ;;
+    ab) build /tmp/l8 --preset llama-3.1-8b  # the step with an older tree's packages (AB_OLD=DIR holding its workers/ and
+        # attention/) against this one, in AB_ORDER, flags AB_FLAGS. `python3 -P`: `-m` would put the working directory,
+        # and so this tree's packages, ahead of PYTHONPATH.
+        i=0; for v in ${AB_ORDER:-old new old new}; do i=$((i + 1)); echo "--- $v"
+          [ "$v" = old ] && pp="$AB_OLD:$PYTHONPATH" || pp="$PYTHONPATH"
+          PYTHONPATH="$pp" python3 -P -m cluster.cli bench latency --model /tmp/l8 $F ${AB_FLAGS:-} --steps 32 --input-len 512 \
+            --out "$OUT/ab_${i}_$v.json" 2>&1 | grep "^batch"; done ;;
     l8) build /tmp/l8 --preset llama-3.1-8b
         $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --out "$OUT/l8_latency.json" ;;
     l8fp8) build /tmp/l8 --preset llama-3.1-8b  # the same checkpoint quantized at load: per-channel FP8 weights
