@@ -68,27 +68,26 @@ def choose_num_splits(programs_per_split: int, max_context: int, device: torch.d
 
 # At least this many (request, KV head) programs: the many-small-programs launch of stage 1.
 MANY_PROGRAMS = 1024
-# The same bound over an FP8 cache. Its sweep on the H200 (BENCHMARKS.md, 2026-11-28), blocks
-# widened to bf16: 64-token blocks on two warps with three stages were the best launch at B=64 x
-# 8 KV heads (ctx 544: 44.6 against the bf16 launch's 58.4 us) and B=128 (ctx 1,024: 143 against
-# 162 us), 32-token blocks at B=192 (ctx 1,536). Widened to float16 (`decode_dtype`), the same
-# launch at B=64: 34.0 us, within 2% of the best (33.4); B=128 and 192 not yet swept so.
-FP8_MANY_PROGRAMS = 1536
 
 
 def stage1_launch(programs_per_split: int, dtype: torch.dtype,
                   cache_dtype: torch.dtype | None = None) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages) of stage 1 for products in `dtype` over a cache of
-    `cache_dtype` (default: the same). On the H200 (`bench_kernels --sweep`, BENCHMARKS.md) the
-    launch below MANY_PROGRAMS is within 5% of the best at every measured (B, ctx); past it,
-    32-token blocks on two warps with three stages read the cache 5% faster (B=128 x 8 KV heads,
-    ctx 1536: 193 vs 204 us, 4,170 GB/s)."""
+    `cache_dtype` (default: the same). From the sweeps on the H200 (`bench_kernels --sweep`,
+    Llama-8B heads; BENCHMARKS.md, 2026-11-28):
+    - bf16, below MANY_PROGRAMS: 64-token blocks on four warps, two stages (B=64, ctx 544: the
+      best, 42.2 us). Past it, 32-token blocks on two warps with two stages: the best at B=128
+      (ctx 1,024: 134.5 us; ctx 1,536: 195.6) and B=256 (ctx 1,024: 257.5), 2% off it at B=192
+      (ctx 1,536). Three stages there had cost 7-24% (167.3, 241.0, 278.5 us).
+    - An FP8 cache (widened to float16, `decode_dtype`): 64-token blocks on two warps with three
+      stages at every batch: the best at B=128 (ctx 1,024: 100.2 us) and B=192 (ctx 1,536: 209.8,
+      where 32-token blocks took 265.6), within 2% of it at B=64 (ctx 544: 34.2)."""
     if dtype == torch.float32:
         return DECODE_BLOCK_N // 2, 4, 2
     if cache_dtype == torch.float8_e4m3fn:
-        return (32, 2, 3) if programs_per_split >= FP8_MANY_PROGRAMS else (DECODE_BLOCK_N, 2, 3)
+        return DECODE_BLOCK_N, 2, 3
     if programs_per_split >= MANY_PROGRAMS:
-        return 32, 2, 3
+        return 32, 2, 2
     return DECODE_BLOCK_N, 4, 2
 
 

@@ -132,18 +132,18 @@ def test_each_kernel(fp8, scales, bias):
     check(fp8, fp8.fp8_linear(x, q, s, block_k, b), x, q, s, block_k, b, a8=True)
 
 
-@pytest.mark.parametrize("m", [64, 100, 256])
+@pytest.mark.parametrize("m", [64, 100, 128])
 def test_decode_batches_split_k_on_narrow_per_channel_weights(fp8, m):
-    """A decode batch's per-channel W8A8 product on a weight of few 128-row tiles: the Triton
-    kernel on 64 or 128-row tiles with K split (cuBLAS would leave most SMs idle), M not a
-    multiple of the tile; against the reference, and the arrival counters left at zero."""
+    """A decode batch's per-channel W8A8 product on a long-K weight of few 128-row tiles: the
+    Triton kernel with K split (cuBLAS would leave most SMs idle), M not always a multiple of
+    the tile; against the reference, and the arrival counters left at zero."""
     from attention.arrival import arrival_counters
 
-    n, k = 528, 4096
+    n, k = 528, 8208  # a partial last k-step
     x, q, s, block_k, b = make(n, k, m, torch.bfloat16, None, m == 100, seed=m)
     assert fp8.choose_kernel(m, n, k, 1, block_k, fp8._num_sms(x.device)) is fp8.Kernel.W8A8
     cfg = fp8.choose_tile(m, n, k, 1, True, x.device)
-    assert cfg.block_m == (64 if m <= 64 else 128) and cfg.split_k > 1
+    assert cfg.block_m == 64 and cfg.split_k > 1
     check(fp8, fp8.fp8_linear(x, q, s, block_k, b), x, q, s, block_k, b, a8=True)
     assert int(arrival_counters(x.device, 64).count_nonzero()) == 0
 
@@ -213,10 +213,11 @@ def test_choose_kernel(fp8):
     assert fp8.choose_kernel(1, 4096, 4096, 1, 4096) is K.GEMV
     assert fp8.choose_kernel(1, 4096, 4096, 32, 128) is K.GEMV
     assert fp8.choose_kernel(big - 1, 4096, 4096, 1, 4096) is K.W8A16
-    assert fp8.choose_kernel(big, 28672, 4096, 1, 4096) is K.SCALED_MM  # 224 tiles of 128 x 128
-    assert fp8.choose_kernel(big, 4096, 4096, 1, 4096) is K.W8A8  # 32 tiles: the Triton kernel, K split
-    assert fp8.choose_kernel(big, 4096, 4096, 1, 4096, sms=16) is K.SCALED_MM  # they fill 16 SMs
-    assert fp8.choose_kernel(fp8.DECODE_A8_MAX_M + 1, 4096, 4096, 1, 4096) is K.SCALED_MM
+    assert fp8.choose_kernel(big, 4096, 4096, 1, 4096) is K.SCALED_MM
+    assert fp8.choose_kernel(big, 4096, 14336, 1, 14336) is K.W8A8  # down: 32 tiles, long K: split on Triton
+    assert fp8.choose_kernel(big, 28672, 14336, 1, 14336) is K.SCALED_MM  # 224 tiles fill the SMs
+    assert fp8.choose_kernel(big, 4096, 14336, 1, 14336, sms=16) is K.SCALED_MM  # 32 tiles fill 16
+    assert fp8.choose_kernel(fp8.DECODE_A8_MAX_M + 1, 4096, 14336, 1, 14336) is K.SCALED_MM
     assert fp8.choose_kernel(big, 200, 328, 1, 328) is K.W8A8  # not 16-aligned: no cuBLAS
     assert fp8.choose_kernel(big, 4096, 4096, 32, 128) is K.BLOCKWISE
     assert fp8.choose_kernel(big, 200, 328, 3, 128) is K.W8A8

@@ -59,13 +59,13 @@ def test_paged_decode_on_fp8(heads, kv_heads, dim, page_size, num_splits):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_paged_decode_on_fp8_many_programs(page_size):
-    """Past FP8_MANY_PROGRAMS (request, KV head) programs an FP8 cache takes its other launch
-    (32-token blocks): 200 requests x 8 KV heads of mixed lengths, bf16 queries widened to float16
-    in the kernel, against the float32 reference on the dequantized cache."""
-    from attention.triton_decode import FP8_MANY_PROGRAMS, decode_dtype, stage1_launch
+    """A serve-sized batch over an FP8 cache (past the bf16 cache's MANY_PROGRAMS, FP8 keeps its
+    one launch): 200 requests x 8 KV heads of mixed lengths, bf16 queries widened to float16 in
+    the kernel, against the float32 reference on the dequantized cache."""
+    from attention.triton_decode import DECODE_BLOCK_N, MANY_PROGRAMS, decode_dtype, stage1_launch
 
     lens = [1 + (i * 53) % 400 for i in range(200)]
-    assert len(lens) * 8 >= FP8_MANY_PROGRAMS and stage1_launch(len(lens) * 8, BF16, FP8)[0] == 32
+    assert len(lens) * 8 >= MANY_PROGRAMS and stage1_launch(len(lens) * 8, BF16, FP8) == (DECODE_BLOCK_N, 2, 3)
     kc, vc, pt, tt = paged_cache(lens, 8, 128, 128, page_size, BF16, seed=5)
     (k8, kref), (v8, vref) = _fp8(kc, 0.02), _fp8(vc, 0.5)
     q = torch.randn(len(lens), 32, 128, device="cuda").to(BF16)

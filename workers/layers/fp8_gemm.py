@@ -16,7 +16,8 @@ to one row per output row (block_k = 128). `choose_kernel` picks one of:
 - W8A8 (from A8_MIN_M rows): x quantized to e4m3 per token (and per 128 columns for block
   scales) by `quantize_rows`, then FP8 tensor cores: `SCALED_MM` (torch._scaled_mm, row-wise
   scales) for per-channel weights (but the Triton kernel with K split for decode batches on
-  narrow weights, which cuBLAS's unsplit 128 x 128 tiles leave mostly idle: `decode_a8`), `BLOCKWISE` (torch._scaled_mm, 1 x 128 / 128 x 128 scales)
+  narrow long-K weights, on which cuBLAS's unsplit 128 x 128 tiles leave most SMs idle:
+  `decode_a8`), `BLOCKWISE` (torch._scaled_mm, 1 x 128 / 128 x 128 scales)
   for block_k = 128 whose 128-row blocks share scales (checked once per scale tensor), the
   Triton `W8A8` kernel for what cuBLAS refuses. Rounding x to e4m3 adds ~2.6% relative error
   on Gaussian rows (3 mantissa bits), as rounding the weight did.
@@ -47,7 +48,7 @@ from attention.arrival import arrival_counters
 
 FP8 = torch.float8_e4m3fn
 A8_MIN_M = 64  # rows from which FP8 activations (W8A8) replace the W8A16 tile kernel
-DECODE_A8_MAX_M = 256  # up to this many rows a narrow per-channel W8A8 product splits K (`decode_a8`)
+DECODE_A8_MAX_M = 128  # up to this many rows a narrow long-K per-channel W8A8 product splits K (`decode_a8`)
 GEMV_LAUNCH = (4, 1024, 4, 3)  # rows, columns per step, warps, stages: the best of nine, every shape and kind
 
 
@@ -82,27 +83,30 @@ def choose_kernel(m: int, n: int, k: int, kb: int, block_k: int, sms: int = 132)
     where it takes the shape (N, K multiples of 16; for block scales block_k = 128 and K a
     multiple of 512, and `fp8_linear` also checks `scales_in_128_row_blocks`), else the Triton
     kernel (whose fp8 dots take k-steps of 32: block scales of 16 columns stay on W8A16).
-    Per-channel products of decode batches (up to DECODE_A8_MAX_M rows) whose 128 x 128 output
-    tiles are fewer than the `sms` go to the Triton kernel with K split (`decode_a8`)."""
+    Per-channel products of decode batches on narrow long-K weights go to the Triton kernel with
+    K split (`decode_a8`; `sms`: the GPU's)."""
     if m == 1:
         return Kernel.GEMV
     if m < A8_MIN_M:
         return Kernel.W8A16
     aligned = n % 16 == 0 and k % 16 == 0
     if kb == 1:
-        return Kernel.SCALED_MM if aligned and not decode_a8(m, n, sms) else Kernel.W8A8
+        return Kernel.SCALED_MM if aligned and not decode_a8(m, n, k, sms) else Kernel.W8A8
     if block_k == 128 and aligned and k % 512 == 0:
         return Kernel.BLOCKWISE
     return Kernel.W8A8 if block_k >= 32 else Kernel.W8A16
 
 
-def decode_a8(m: int, n: int, sms: int) -> bool:
+def decode_a8(m: int, n: int, k: int, sms: int) -> bool:
     """Whether a per-channel W8A8 product of `m` rows runs on the Triton kernel with K split
-    rather than cuBLAS. cuBLAS's FP8 product runs 128 x 128 output tiles and does not split K: at
-    a decode batch a weight of few 128-row tiles leaves most SMs idle. H200, 64 rows (`bench_fp8
-    --sweep --m 64`, BENCHMARKS.md): o_proj (32 tiles) 15.2 us = 26% of the copy bandwidth, down
-    (32) 42.1 us = 33%, qkv (48) 38%, but gate/up (224 tiles) 74%."""
-    return m <= DECODE_A8_MAX_M and triton.cdiv(m, 128) * triton.cdiv(n, 128) < sms
+    rather than cuBLAS: decode batches (up to DECODE_A8_MAX_M rows) on a long-K weight (K >=
+    8,192: the down projection) of fewer 128 x 128 output tiles than SMs. cuBLAS runs those tiles
+    without splitting K, so most SMs idle through the long K. H200 (`bench_fp8 --sweep --a8-only
+    --m 64 128 256`, BENCHMARKS.md): the 8B down (4,096 x 14,336) took 31.0 against cuBLAS's 42.3
+    us at 64 rows and 34.6 against 42.8 at 128, but 44.8 against 43.9 at 256; on the short-K
+    products (qkv, o: K = 4,096) no split launch beat cuBLAS by more than 1 us and most lost 5-15
+    us (sending them too made the batch-64 FP8 step 0.2-0.35 ms slower), and gate/up fills the SMs."""
+    return m <= DECODE_A8_MAX_M and k >= 8192 and triton.cdiv(m, 128) * triton.cdiv(n, 128) < sms
 
 
 def choose_tile(m: int, n: int, k: int, kb: int, a8: bool, device: torch.device) -> TileConfig:
@@ -112,12 +116,12 @@ def choose_tile(m: int, n: int, k: int, kb: int, a8: bool, device: torch.device)
     per-channel (at 32 rows, 16-row tiles took 0.9x as long on qkv, 1.1-1.45x on o, down and
     gate_up); K split until the grid covers the SMs. W8A8: 128 x 128 x 128 (64 x 128 with block
     scales, whose per-k-block rescale serialises the tensor cores); per-channel decode batches
-    (`decode_a8`) on 64 or 128-row tiles with K split until the grid nearly covers the SMs (each
-    split writes a float32 partial of the output: no more splits than that)."""
+    (`decode_a8`) on 64 x 128 x 256 tiles (the fastest of five at 64 and 128 rows) with K split
+    until the grid nearly covers the SMs (each split writes a float32 partial of the output: no
+    more splits than that)."""
     if a8:
-        if kb == 1 and decode_a8(m, n, _num_sms(device)):
-            cfg = TileConfig(64, 128, 128, 4, 4) if m <= 64 else TileConfig(128, 128, 128, 8, 4)
-            return with_split(cfg, m, n, k, device, fill=0.9)
+        if kb == 1 and decode_a8(m, n, k, _num_sms(device)):
+            return with_split(TileConfig(64, 128, 256, 4, 3), m, n, k, device, fill=0.9)
         return TileConfig(128, 128, 128, 8, 4) if kb == 1 else TileConfig(64, 128, 128, 4, 4)
     if m <= 16:
         cfg = TileConfig(16, 64, 256, 4, 4) if kb == 1 else TileConfig(16, 128, 128, 8, 3)
