@@ -44,3 +44,20 @@ def test_moe_reads_the_experts_its_tokens_select(tmp_path_factory):
     # Enough tokens select every expert: all of them are read.
     big = step_weight_bytes(model, 10_000)
     assert big == pytest.approx(dense + min(10_000, table.shape[0]) * row + experts, rel=1e-6)
+
+
+def test_latency_sees_whole_batch_steps_when_prompts_outlast_the_steps(tmp_path_factory):
+    """`manta bench latency` at a batch whose prompts take more chunked steps than it times (the
+    first requests decode beside the later chunks): with only `steps` tokens each, the first
+    would end before the last were prefilled and no step would hold the whole batch (the GPU
+    run at batches 128 and 192 failed so). It times whole-batch steps and stops after them."""
+    from cluster.bench.command import bench_latency
+
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    engine = Engine(EngineConfig(model=str(d), chunked_prefill_size=32, max_num_batched_tokens=32))
+    try:
+        res = bench_latency(engine, [12], input_len=40, steps=4)
+        assert res["12"]["step_ms_p50"] > 0 and res["12"]["fraction_of_roofline"] > 0
+        assert not engine.has_work()  # the requests that outlived the timing were ended
+    finally:
+        engine.shutdown()

@@ -57,9 +57,15 @@ def _decode_step_times(engine: Engine, batch: int, input_len: int, steps: int) -
     """Per pure-decode step at a fixed batch size: the wall time between the completions of
     consecutive steps (the engine's whole loop: planning, forward, sampling, detokenizing; with
     overlapped scheduling the steps overlap, so this is the rate they complete at) and the
-    worker's own time for the step."""
+    worker's own time for the step. The first prompts decode beside the later ones' chunks: with
+    only `steps` tokens a large batch's first requests would finish before its last are
+    prefilled, and no step would hold the whole batch. So each may also generate a token per 16
+    prompt tokens of the batch (within the context), and all are aborted once `steps` + 3
+    whole-batch steps are seen."""
     prompts = random_prompts(batch, input_len, engine.model_config.vocab_size, 1)
-    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    extra = -(-batch * input_len // 16)
+    params = SamplingParams(max_tokens=max(steps + 1, min(steps + 1 + extra, engine.max_context_len - input_len - 1)),
+                            temperature=0.0, ignore_eos=True)
     stamps: list[tuple[float, float]] = []
     original = engine.scheduler.process_result
 
@@ -70,11 +76,19 @@ def _decode_step_times(engine: Engine, batch: int, input_len: int, steps: int) -
 
     engine.scheduler.process_result = timed
     try:
-        engine.generate(prompts, params)
+        rids = [engine.add_request(p, params, lambda out: None) for p in prompts]
+        while engine.has_work():
+            engine.step()
+            if len(stamps) >= steps + 3:
+                for rid in rids:
+                    engine.abort(rid)
     finally:
         engine.scheduler.process_result = original
     walls = [t1 - t0 for (t0, _), (t1, _) in zip(stamps, stamps[1:])]
     computes = [c for _, c in stamps[1:]]
+    if len(walls) <= 2:
+        raise RuntimeError(f"bench latency: no run of whole-batch decode steps at batch {batch}: the requests "
+                           "ended first (is the KV cache large enough for the whole batch?)")
     return walls[2:], computes[2:]  # drop warm-up steps
 
 
