@@ -251,11 +251,11 @@ def test_sse_events_survive_splitlines_readers():
     """A token whose text holds U+0085/U+2028/U+2029 (JSON leaves them raw) must not split an
     SSE line for clients that read lines with str.splitlines (httpx's aiter_lines): the soak
     found this with the tiny model's random tokens."""
-    from cluster.api import protocol as P
+    from cluster.api import responses as R
     from cluster.api.sse import sse
 
-    chunk = P.CompletionChunk(id="c", created=0, model="m",
-                              choices=[P.CompletionChoice(index=0, text="a\x85b\u2028c\u2029d\r\ne")])
+    chunk = R.CompletionChunk(id="c", created=0, model="m",
+                              choices=[R.CompletionChoice(index=0, text="a\x85b\u2028c\u2029d\r\ne")])
     event = sse(chunk)
     assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
     assert json.loads(event[6:])["choices"][0]["text"] == "a\x85b\u2028c\u2029d\r\ne"

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from cluster.api import protocol as P
+from cluster.api import responses as R
 from cluster.api.chunks import TextChunks, usage_json
 from cluster.api.sse import sse
 
@@ -18,13 +18,13 @@ SPECIAL += [chr(c) for c in range(0x20)]
 
 
 def _chat(cid: str, model: str):
-    return lambda i, text, usage=None: P.ChatCompletionChunk(id=cid, created=1764000000, model=model, choices=[
-        P.ChatChunkChoice(index=i, delta=P.DeltaMessage(content=text))], usage=usage)
+    return lambda i, text, usage=None: R.ChatCompletionChunk(id=cid, created=1764000000, model=model, choices=[
+        R.ChatChunkChoice(index=i, delta=R.DeltaMessage(content=text))], usage=usage)
 
 
 def _completion(cid: str, model: str):
-    return lambda i, text, usage=None: P.CompletionChunk(id=cid, created=1764000000, model=model, choices=[
-        P.CompletionChoice(index=i, text=text)], usage=usage)
+    return lambda i, text, usage=None: R.CompletionChunk(id=cid, created=1764000000, model=model, choices=[
+        R.CompletionChoice(index=i, text=text)], usage=usage)
 
 
 def _texts() -> list[str]:
@@ -59,9 +59,9 @@ def test_text_chunk_with_usage_is_the_pydantic_chunk_byte_for_byte(kind):
     rng = random.Random(3)
     for text in _texts()[:80]:
         counts = (rng.randint(0, 10**6), rng.randint(0, 4096), rng.randint(0, 10**6))
-        assert usage_json(*counts) == P.Usage.of(*counts).model_dump_json()
+        assert usage_json(*counts) == R.Usage.of(*counts).model_dump_json()
         i = rng.randint(0, 3)
-        assert chunks(i, text, usage_json(*counts)) == sse(make(i, text, P.Usage.of(*counts))), (text, counts)
+        assert chunks(i, text, usage_json(*counts)) == sse(make(i, text, R.Usage.of(*counts))), (text, counts)
 
 
 def test_a_template_that_holds_its_text_twice_is_refused():

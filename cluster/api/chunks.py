@@ -21,7 +21,7 @@ _NO_USAGE = '"usage":null}'
 
 
 def usage_json(prompt: int, completion: int, cached: int) -> str:
-    """`protocol.Usage.of(prompt, completion, cached)` as pydantic writes it."""
+    """`responses.Usage.of(prompt, completion, cached)` as pydantic writes it."""
     return (f'{{"prompt_tokens":{prompt},"completion_tokens":{completion},"total_tokens":{prompt + completion},'
             f'"prompt_tokens_details":{{"cached_tokens":{cached}}}}}')
 

@@ -22,6 +22,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from cluster.api import protocol as P
+from cluster.api import responses as R
 from cluster.api.chunks import TextChunks, usage_json
 from cluster.api.deadline import RequestTimedOut, stream_within, within
 from cluster.api.embeddings import EmbeddingRequest, check_dimensions, embedding_response
@@ -57,8 +58,8 @@ def usage_counts(choices: list[ChoiceResult], n: int) -> tuple[int, int, int]:
             sum(c.cached_tokens for c in firsts))
 
 
-def usage_of(choices: list[ChoiceResult], n: int) -> P.Usage:
-    return P.Usage.of(*usage_counts(choices, n))
+def usage_of(choices: list[ChoiceResult], n: int) -> R.Usage:
+    return R.Usage.of(*usage_counts(choices, n))
 
 
 class Endpoints:
@@ -227,7 +228,7 @@ class Endpoints:
         want_lp, scores_only = req.logprobs is not None, req.scores_only
         fan = await self.open(request, jobs, cid, n=req.n, stream=req.stream)
 
-        def echo(i: int, prompt_lps: list | None, offsets: CompletionOffsets) -> tuple[str, P.CompletionLogprobs | None]:
+        def echo(i: int, prompt_lps: list | None, offsets: CompletionOffsets) -> tuple[str, R.CompletionLogprobs | None]:
             """The prompt's text and logprobs, for a choice's first chunk when echoing."""
             if not req.echo:
                 return "", None
@@ -241,8 +242,8 @@ class Endpoints:
                 return None
             return vllm_prompt_logprobs(jobs[i][0], prompt_lps, self.pieces)
 
-        text_chunk = TextChunks(lambda i, text: P.CompletionChunk(
-            id=cid, created=created, model=model, choices=[P.CompletionChoice(index=i, text=text)]).model_dump_json())
+        text_chunk = TextChunks(lambda i, text: R.CompletionChunk(
+            id=cid, created=created, model=model, choices=[R.CompletionChoice(index=i, text=text)]).model_dump_json())
         plain = not (scores_only or want_lp)  # most chunks are only text (and usage, if asked)
 
         async def events(fan: FanOut) -> AsyncIterator[str]:
@@ -266,20 +267,20 @@ class Endpoints:
                 if want_lp:
                     lp = completion_logprobs(out.delta_token_ids, out.delta_logprobs, self.pieces, offsets[i])
                     lp = joined(head_lp, lp) if head_lp is not None else lp
-                choice = P.CompletionChoice(index=i, text=head + out.delta_text, logprobs=lp, prompt_logprobs=prompt_lp,
+                choice = R.CompletionChoice(index=i, text=head + out.delta_text, logprobs=lp, prompt_logprobs=prompt_lp,
                                             finish_reason=out.finish_reason if out.finished else None)
                 usage = usage_now() if req.continuous_usage else None
-                yield sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[choice], usage=usage))
+                yield sse(R.CompletionChunk(id=cid, created=created, model=model, choices=[choice], usage=usage))
             if req.include_usage:
-                yield sse(P.CompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage_now()))
+                yield sse(R.CompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage_now()))
 
-        def usage_now() -> P.Usage:
+        def usage_now() -> R.Usage:
             """Scoring a prompt generates nothing the client sees: the engine's one dropped token is
             not counted (as in the non-streamed answer)."""
             u = usage_of(fan.choices, req.n)
-            return P.Usage.of(u.prompt_tokens, 0, u.prompt_tokens_details.cached_tokens) if scores_only else u
+            return R.Usage.of(u.prompt_tokens, 0, u.prompt_tokens_details.cached_tokens) if scores_only else u
 
-        def build(choices: list[ChoiceResult]) -> P.CompletionResponse:
+        def build(choices: list[ChoiceResult]) -> R.CompletionResponse:
             out = []
             for i, c in enumerate(choices):
                 if scores_only:
@@ -289,9 +290,9 @@ class Endpoints:
                 lp = completion_logprobs(c.token_ids, c.logprobs, self.pieces, offsets) if want_lp else None
                 if lp is not None and head_lp is not None:
                     lp = joined(head_lp, lp)
-                out.append(P.CompletionChoice(index=i, text=head + c.text, logprobs=lp, finish_reason=c.finish_reason,
+                out.append(R.CompletionChoice(index=i, text=head + c.text, logprobs=lp, finish_reason=c.finish_reason,
                                               prompt_logprobs=vllm_prompt(i, c.prompt_logprobs)))
-            return P.CompletionResponse(id=cid, created=created, model=model, choices=out,
+            return R.CompletionResponse(id=cid, created=created, model=model, choices=out,
                                         usage=usage_of(choices, req.n))
 
         return await self.answer(request, fan, req.stream, events, build)
@@ -321,17 +322,17 @@ class Endpoints:
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.client.model_name
         fan = await self.open(request, jobs, cid, n=req.n, stream=req.stream)
 
-        def chunk(choices: list[P.ChatChunkChoice], usage: P.Usage | None = None) -> str:
-            return sse(P.ChatCompletionChunk(id=cid, created=created, model=model, choices=choices, usage=usage))
+        def chunk(choices: list[R.ChatChunkChoice], usage: R.Usage | None = None) -> str:
+            return sse(R.ChatCompletionChunk(id=cid, created=created, model=model, choices=choices, usage=usage))
 
-        text_chunk = TextChunks(lambda i, text: P.ChatCompletionChunk(
+        text_chunk = TextChunks(lambda i, text: R.ChatCompletionChunk(
             id=cid, created=created, model=model,
-            choices=[P.ChatChunkChoice(index=i, delta=P.DeltaMessage(content=text))]).model_dump_json())
+            choices=[R.ChatChunkChoice(index=i, delta=R.DeltaMessage(content=text))]).model_dump_json())
         plain = not (tools.active or self.reasoning_parser or req.logprobs)
 
         async def events(fan: FanOut) -> AsyncIterator[str]:
             for i in range(len(jobs)):
-                yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))])
+                yield chunk([R.ChatChunkChoice(index=i, delta=R.DeltaMessage(role="assistant", content=""))])
             streams = [tools.stream() for _ in jobs] if tools.active else None
             thinking = [ReasoningStream(self.reasoning_parser) for _ in jobs] if self.reasoning_parser else None
             async for i, out in fan.outputs_ending_in_error():
@@ -344,33 +345,33 @@ class Endpoints:
                 lp = chat_logprobs(out.delta_token_ids, out.delta_logprobs, self.pieces) if req.logprobs else None
                 reason = out.finish_reason if out.finished else None
                 thought, text = thinking[i].step(out.delta_text, out.finished) if thinking else ("", out.delta_text)
-                delta: P.DeltaMessage | None = None
+                delta: R.DeltaMessage | None = None
                 if streams is not None:  # tool calls: content until a call may start, the calls at the end
                     delta, reason = streams[i].step(text, out.finished, out.finish_reason)
                 elif text or thinking is None:
-                    delta = P.DeltaMessage(content=text)
+                    delta = R.DeltaMessage(content=text)
                 if thought:
-                    delta = (delta or P.DeltaMessage()).model_copy(update={"reasoning_content": thought})
+                    delta = (delta or R.DeltaMessage()).model_copy(update={"reasoning_content": thought})
                 if delta is None and lp is None and not out.finished:
                     continue
-                yield chunk([P.ChatChunkChoice(index=i, delta=delta or P.DeltaMessage(), logprobs=lp,
+                yield chunk([R.ChatChunkChoice(index=i, delta=delta or R.DeltaMessage(), logprobs=lp,
                                                finish_reason=reason)],
                             usage_of(fan.choices, req.n) if req.continuous_usage else None)
             if req.include_usage:
                 yield chunk([], usage_of(fan.choices, req.n))
 
-        def build(choices: list[ChoiceResult]) -> P.ChatCompletionResponse:
+        def build(choices: list[ChoiceResult]) -> R.ChatCompletionResponse:
             out = []
             for i, c in enumerate(choices):
                 thought, text = split_reasoning(self.reasoning_parser, c.text)
                 message, reason = tools.message(text, c.finish_reason)
                 message.reasoning_content = thought
-                out.append(P.ChatChoice(index=i, message=message, finish_reason=reason,
+                out.append(R.ChatChoice(index=i, message=message, finish_reason=reason,
                                         logprobs=chat_logprobs(c.token_ids, c.logprobs, self.pieces) if req.logprobs
                                         else None))
             prompt_lp = (vllm_prompt_logprobs(ids, choices[0].prompt_logprobs, self.pieces)
                          if req.prompt_logprobs is not None else None)
-            return P.ChatCompletionResponse(id=cid, created=created, model=model, choices=out,
+            return R.ChatCompletionResponse(id=cid, created=created, model=model, choices=out,
                                             usage=usage_of(choices, req.n), prompt_logprobs=prompt_lp)
 
         return await self.answer(request, fan, req.stream, events, build)

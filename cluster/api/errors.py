@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from cluster.api import protocol as P
+from cluster.api import responses as R
 from cluster.api.deadline import RequestTimedOut
 from cluster.api.shutdown import ServerShuttingDown
 from cluster.engine.client import GenerationFailed
@@ -22,7 +22,7 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
+        return R.ErrorResponse(error=R.ErrorInfo(message=self.message, type=self.type, param=self.param,
                                                  code=self.code)).model_dump()
 
 

@@ -20,7 +20,13 @@ import codecs
 import functools
 from typing import Any
 
-from cluster.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
+from cluster.api.responses import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    TopLogprob,
+)
 from cluster.engine.token_bytes import token_bytes
 from workers.messages import TokenLogprobs
 

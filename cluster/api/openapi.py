@@ -15,14 +15,15 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from cluster.api import protocol as P
+from cluster.api import responses as R
 from cluster.api.embeddings import EmbeddingRequest, EmbeddingResponse
 
 _REF = "#/components/schemas/{model}"
 
 # (path, request model, response model, summary) of the POST routes.
 _POSTS: tuple[tuple[str, type[BaseModel], type[BaseModel] | None, str], ...] = (
-    ("/v1/completions", P.CompletionRequest, P.CompletionResponse, "Text completion (SSE when stream is true)"),
-    ("/v1/chat/completions", P.ChatCompletionRequest, P.ChatCompletionResponse,
+    ("/v1/completions", P.CompletionRequest, R.CompletionResponse, "Text completion (SSE when stream is true)"),
+    ("/v1/chat/completions", P.ChatCompletionRequest, R.ChatCompletionResponse,
      "Chat completion (SSE when stream is true)"),
     ("/v1/embeddings", EmbeddingRequest, EmbeddingResponse, "Embeddings (embedding models only)"),
     ("/generate", P.GenerateRequest, None, "Native generation (SGLang-style body)"),
@@ -61,7 +62,7 @@ def _error_responses() -> dict[str, Any]:
 
 def openapi_schema(title: str = "manta", version: str = "0.1.0") -> dict[str, Any]:
     """The whole document (a fresh dict on each call: callers may change it)."""
-    models: list[type[BaseModel]] = [P.ErrorResponse, P.ModelList, P.ModelCard]
+    models: list[type[BaseModel]] = [R.ErrorResponse, R.ModelList, R.ModelCard]
     for _, req, resp, _ in _POSTS:
         models.append(req)
         if resp is not None:

@@ -36,7 +36,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.api import protocol as P
+from cluster.api import responses as R
 from cluster.api.deadline import RequestTimedOut, stamp, within
 from cluster.api.endpoints import Endpoints
 from cluster.api.errors import APIError, as_api_error
@@ -167,8 +167,8 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
         # Off the event loop: a scrape of many replicas' series takes tens of ms to render.
         return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
-    def card() -> P.ModelCard:
-        return P.ModelCard(id=client.model_name, created=serving.created, root=client.model_name,
+    def card() -> R.ModelCard:
+        return R.ModelCard(id=client.model_name, created=serving.created, root=client.model_name,
                            max_model_len=client.max_context_len)
 
     @guarded.get("/openapi.json")
@@ -179,7 +179,7 @@ def build_app(client: ServingClient, metrics: ServerMetrics, api_key: str | None
 
     @guarded.get("/v1/models")
     async def list_models() -> Response:
-        return Response(P.ModelList(data=[card()]).model_dump_json(), media_type="application/json")
+        return Response(R.ModelList(data=[card()]).model_dump_json(), media_type="application/json")
 
     @guarded.get("/v1/models/{model:path}")
     async def get_model(model: str) -> Response:

@@ -10,6 +10,7 @@ streamed as content until a tool-call marker may begin, and held from there.
 from __future__ import annotations
 
 from cluster.api import protocol as P
+from cluster.api import responses as R
 from cluster.api.tools import NamedToolChoice, ToolCall, forced_calls, held_back, parse_tool_calls
 
 
@@ -38,18 +39,18 @@ class ToolReplies:
             return (content or None, calls) if calls else (text, [])
         return text, []
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[P.AssistantMessage, str | None]:
+    def message(self, text: str, finish_reason: str | None) -> tuple[R.AssistantMessage, str | None]:
         content, calls = self.calls(text, finish_reason)
         if not calls:
-            return P.AssistantMessage(content=content), finish_reason
-        return (P.AssistantMessage(content=content, tool_calls=[_out(c) for c in calls]), "tool_calls")
+            return R.AssistantMessage(content=content), finish_reason
+        return (R.AssistantMessage(content=content, tool_calls=[_out(c) for c in calls]), "tool_calls")
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
 
 
-def _out(c: ToolCall) -> P.ToolCallOut:
-    return P.ToolCallOut(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments))
+def _out(c: ToolCall) -> R.ToolCallOut:
+    return R.ToolCallOut(id=c.id, function=R.FunctionCall(name=c.name, arguments=c.arguments))
 
 
 class ToolStream:
@@ -63,7 +64,7 @@ class ToolStream:
         self.named = isinstance(replies.choice, NamedToolChoice) and replies.forced
         self.call: ToolCall | None = None
 
-    def step(self, delta: str, finished: bool, finish_reason: str | None) -> tuple[P.DeltaMessage | None, str | None]:
+    def step(self, delta: str, finished: bool, finish_reason: str | None) -> tuple[R.DeltaMessage | None, str | None]:
         self.text += delta
         if self.named:
             return self._named(delta, finished, finish_reason)
@@ -73,16 +74,16 @@ class ToolStream:
             upto = held_back(self.r.parser, self.text)
             if upto > self.sent:
                 piece, self.sent = self.text[self.sent : upto], upto
-                return P.DeltaMessage(content=piece), None
+                return R.DeltaMessage(content=piece), None
             return None, None
         content, calls = self.r.calls(self.text, finish_reason)
         rest = (content or "")[self.sent :] if calls else self.text[self.sent :]
-        deltas = [P.ToolCallDelta(index=i, id=c.id, type="function",
-                                  function=P.FunctionDelta(name=c.name, arguments=c.arguments))
+        deltas = [R.ToolCallDelta(index=i, id=c.id, type="function",
+                                  function=R.FunctionDelta(name=c.name, arguments=c.arguments))
                   for i, c in enumerate(calls)]
-        return P.DeltaMessage(content=rest or None, tool_calls=deltas or None), ("tool_calls" if calls else finish_reason)
+        return R.DeltaMessage(content=rest or None, tool_calls=deltas or None), ("tool_calls" if calls else finish_reason)
 
-    def _named(self, delta: str, finished: bool, finish_reason: str | None) -> tuple[P.DeltaMessage | None, str | None]:
+    def _named(self, delta: str, finished: bool, finish_reason: str | None) -> tuple[R.DeltaMessage | None, str | None]:
         assert isinstance(self.r.choice, NamedToolChoice)
         first = self.call is None
         if first:
@@ -90,10 +91,10 @@ class ToolStream:
         assert self.call is not None
         reason = ("tool_calls" if finish_reason == "stop" else finish_reason) if finished else None
         if not delta and not first:
-            return (P.DeltaMessage(), reason) if finished else (None, None)
-        d = P.ToolCallDelta(index=0, id=self.call.id if first else None, type="function" if first else None,
-                            function=P.FunctionDelta(name=self.call.name if first else None, arguments=delta))
-        return P.DeltaMessage(tool_calls=[d]), reason
+            return (R.DeltaMessage(), reason) if finished else (None, None)
+        d = R.ToolCallDelta(index=0, id=self.call.id if first else None, type="function" if first else None,
+                            function=R.FunctionDelta(name=self.call.name if first else None, arguments=delta))
+        return R.DeltaMessage(tool_calls=[d]), reason
 
 
 __all__ = ["ToolReplies", "ToolStream"]
