@@ -406,9 +406,10 @@ def pd_sides_sharing_gpus(infos: dict[str, dict], among: str | None = None) -> l
 
 def _warn_shared_gpus(infos: dict[str, dict], among: str | None = None) -> None:
     for shared in pd_sides_sharing_gpus(infos, among):
-        logger.warning("%s: the two sides' kernels take turns on it, so every prefill stretches the decode "
-                       "steps beside it (on one H200, PD's ITL p99 was 2.7x its decode step so, 1.4x with a "
-                       "GPU per side: BENCHMARKS.md, 2026-11-28); give each side GPUs of its own for latency",
+        logger.warning("%s: every prefill stretches the decode steps beside it (on one H200, PD's ITL p99 was "
+                       "2.7x its decode step with the two taking turns on the GPU, 2.2x under CUDA MPS with "
+                       "--prefill-sm-percent 60 --decode-sm-percent 40 at twice the TTFT p99, 1.4x with a GPU "
+                       "per side: BENCHMARKS.md, 2026-11-28); give each side GPUs of its own for latency",
                        shared)
 
 
