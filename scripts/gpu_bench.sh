@@ -105,7 +105,7 @@ http_bench() {  # http_bench NAME: the workload against the running server; JSON
 ab_batch1() {  # ab_batch1 TAG "ENGINE FLAGS" VARIANT...: batch-1 latency of /tmp/l8 under each variant's environment
   local tag=$1 flags=$2 v; shift 2
   for v in "$@"; do echo "--- $v"; local name=${v//[^A-Za-z0-9]/_}
-    env $v $M bench latency --model /tmp/l8 $F $flags --batch ${AB_BATCH:-1} --steps 48 --input-len 512 \
+    env $v $M bench latency --model /tmp/l8 $F $flags --batch 1 --steps 48 --input-len 512 \
       --out "$OUT/l8_latency${tag}_${name:0:48}.json" 2>&1 | grep -v Warning | tail -4; done
 }
 for s in $stages; do
