@@ -18,7 +18,7 @@ What is left to choose is what a user or a benchmark needs:
 - `prompt_graphs` (`MANTA_PROMPT_GRAPHS=0`): prompt batches of up to the chunk size run as
   CUDA graphs of the layers between attention calls, per token-count bucket
   (`workers.prompt_graphs`); off, eagerly (the baseline).
-- `gemv_configs` (`MANTA_GEMV_CONFIGS="NxK:block_n,block_k,split_k,num_warps[,vec];..."`): launches to
+- `gemv_configs` (`MANTA_GEMV_CONFIGS="NxK:block_n,block_k,split_k,num_warps[,vec[,prefetch]];..."`): launches to
   try for given product shapes (tuning).
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-GemvLaunch = tuple[int, ...]  # block_n, block_k, split_k, num_warps[, vec]
+GemvLaunch = tuple[int, ...]  # block_n, block_k, split_k, num_warps[, vec[, prefetch 0 or 1]]
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,8 @@ def parse_gemv_configs(text: str) -> tuple[tuple[str, GemvLaunch], ...]:
         shape, _, launch = item.partition(":")
         values = launch.split(",")
         n, x, k = shape.partition("x")
-        if not (x and n.isdigit() and k.isdigit()) or len(values) not in (4, 5) or not all(v.isdigit() for v in values):
-            raise ValueError(f"MANTA_GEMV_CONFIGS item {item!r}: want NxK:block_n,block_k,split_k,num_warps[,vec]")
+        if not (x and n.isdigit() and k.isdigit()) or len(values) not in (4, 5, 6) or not all(v.isdigit() for v in values):
+            raise ValueError(f"MANTA_GEMV_CONFIGS item {item!r}: want NxK:block_n,block_k,split_k,num_warps[,vec[,prefetch]]")
         out.append((shape, tuple(int(v) for v in values)))
     return tuple(out)
 

@@ -78,13 +78,15 @@ CONFIGS = [
     gemv.GemvConfig(8, 128, 1), gemv.GemvConfig(4, 256, 2), gemv.GemvConfig(16, 64, 4),
     gemv.GemvConfig(32, 128, 2, use_dot=True), gemv.GemvConfig(16, 64, 1, use_dot=True),
     gemv.GemvConfig(8, 128, 2, vec=8),  # 8-column vectors summed per thread
+    gemv.GemvConfig(8, 128, 2, prefetch=False),  # each iteration loading its own tile
 ]
 
 
 @pytest.mark.parametrize("mode,residual", CASES)
 @pytest.mark.parametrize("n,k", [(1, 64), (37, 1000), (96, 512), (130, 768)])
 @pytest.mark.parametrize("config", CONFIGS,
-                         ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}{'d' if c.use_dot else ''}v{c.vec}")
+                         ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}{'d' if c.use_dot else ''}v{c.vec}"
+                                       f"{'' if c.prefetch else 'np'}")
 def test_gemv_equals_unfused_ops(mode, residual, n, k, config):
     dtype = torch.bfloat16
     x, w, b, r, nw = _inputs(mode, n, k, dtype, bias=n % 2 == 1, residual=residual, seed=n * k + mode)
@@ -315,8 +317,11 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("mode,residual", CASES)
 @pytest.mark.parametrize("n,k", [(1, 64), (37, 1000), (130, 768)])
 @pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[4], gemv.GemvConfig(4, 1024, 1, vec=16),
-                                    gemv.GemvConfig(8, 64, 2, vec=16), gemv.GemvConfig(32, 32, 1, vec=16)],
-                         ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}{'d' if c.use_dot else ''}v{c.vec}")
+                                    gemv.GemvConfig(8, 64, 2, vec=16), gemv.GemvConfig(32, 32, 1, vec=16),
+                                    gemv.GemvConfig(4, 1024, 1, vec=16, prefetch=False),
+                                    gemv.GemvConfig(8, 64, 2, vec=16, prefetch=False)],
+                         ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}{'d' if c.use_dot else ''}v{c.vec}"
+                                       f"{'' if c.prefetch else 'np'}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemv_fp8_weight_equals_dequantized_product(mode, residual, n, k, config, dtype):
     if config.use_dot and dtype == torch.float16 and mode == gemv.ADD_RMS:
@@ -334,8 +339,9 @@ def test_gemv_fp8_weight_equals_dequantized_product(mode, residual, n, k, config
 
 @gpu_only
 @pytest.mark.parametrize("mode", [gemv.PLAIN, gemv.SILU_MUL])
-@pytest.mark.parametrize("config", [ADD_CONFIGS[1], gemv.GemvConfig(4, 64, 1, vec=16), gemv.GemvConfig(16, 32, 2, vec=16)],
-                         ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}v{c.vec}")
+@pytest.mark.parametrize("config", [ADD_CONFIGS[1], gemv.GemvConfig(4, 64, 1, vec=16), gemv.GemvConfig(16, 32, 2, vec=16),
+                                    gemv.GemvConfig(16, 32, 2, vec=16, prefetch=False)],
+                         ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}v{c.vec}{'' if c.prefetch else 'np'}")
 def test_fp8_product_added_to_the_residual_then_normed_fp8_product(mode, config):
     """The batch-1 layer's chain on FP8 weights: `gemv_add` (down_proj) then a `NORM` product (the
     next qkv) with its RoPE epilogue, against the dequantized unfused ops."""

@@ -36,7 +36,7 @@ def test_environment_is_read_once_into_a_frozen_object(monkeypatch):
     assert config.kernels.pdl is False
 
 
-@pytest.mark.parametrize("bad", ["4096x4096:64,128,2", "4096x4096:64,128,2,4,16,1", "4096:64,128,2,4", "axb:1,2,3,4", "4096x4096:64,x,2,4"])
+@pytest.mark.parametrize("bad", ["4096x4096:64,128,2", "4096x4096:64,128,2,4,16,1,0", "4096:64,128,2,4", "axb:1,2,3,4", "4096x4096:64,x,2,4"])
 def test_a_bad_launch_list_names_the_item(bad):
     with pytest.raises(ValueError, match="MANTA_GEMV_CONFIGS item"):
         KernelOptions.from_env({"MANTA_GEMV_CONFIGS": bad})
@@ -45,6 +45,8 @@ def test_a_bad_launch_list_names_the_item(bad):
 def test_a_sweeps_fastest_launches_read_back_as_overrides():
     """`bench_gemv --emit-configs`: the fastest Triton launch per N x K (not cuBLAS, not the
     split norm + product pair), in the form MANTA_GEMV_CONFIGS parses."""
+    from attention import kernel_options
+    from workers.layers import gemv_launch
     from workers.layers.gemv_launch import GemvConfig, best_launches
 
     def row(n, k, kind, us, cfg):
@@ -54,11 +56,23 @@ def test_a_sweeps_fastest_launches_read_back_as_overrides():
                row(6144, 4096, "triton-fused", 11.0, GemvConfig(4, 1024, 2, 4, vec=16)),
                row(6144, 4096, "triton-norm+plain", 9.0, GemvConfig(8, 256, 1, 4)),
                row(4096, 4096, "triton", 8.0, GemvConfig(8, 256, 1, 4)),
-               row(4096, 4096, "triton-default", 7.5, GemvConfig(8, 1024, 1, 8, vec=16))]
+               row(4096, 4096, "triton-default", 7.5, GemvConfig(8, 1024, 1, 8, vec=16)),
+               row(4096, 14336, "triton-fused", 20.0, GemvConfig(4, 1024, 1, 4, vec=16, prefetch=False)),
+               row(4096, 14336, "triton-fused", 21.0, GemvConfig(8, 1024, 1, 4, vec=16))]
     opts = KernelOptions.from_env({"MANTA_GEMV_CONFIGS": best_launches(results)})
-    assert opts.gemv_launch(6144, 4096) == (4, 1024, 2, 4, 16)
-    assert opts.gemv_launch(4096, 4096) == (8, 1024, 1, 8, 16)
+    assert opts.gemv_launch(6144, 4096) == (4, 1024, 2, 4, 16, 1)
+    assert opts.gemv_launch(4096, 4096) == (8, 1024, 1, 8, 16, 1)
+    assert opts.gemv_launch(4096, 14336) == (4, 1024, 1, 4, 16, 0)
     assert best_launches([]) == ""
+    # ... and a rank running under them launches exactly those (prefetch included)
+    previous = kernel_options.current()
+    try:
+        kernel_options.install(opts)
+        assert gemv_launch._override(4096, 14336) == GemvConfig(4, 1024, 1, 4, 3, vec=16, prefetch=False)
+        assert gemv_launch._override(4096, 4096) == GemvConfig(8, 1024, 1, 8, 3, vec=16, prefetch=True)
+        assert gemv_launch._override(14336, 4096) is None
+    finally:
+        kernel_options.install(previous)
 
 
 def test_serve_flags_turn_options_off_over_the_environment(monkeypatch):

@@ -66,6 +66,10 @@ FP8_FUSED_VEC = [(8, 512, 8), (16, 512, 8), (32, 256, 8), (32, 512, 8), (16, 102
                  (4, 1024, 4), (64, 128, 8)]
 FP8_PLAIN_ACC = [(8, 256, 4), (8, 512, 4), (4, 1024, 4)]
 FP8_FUSED_ACC = [(8, 256, 4), (32, 256, 8), (16, 512, 8)]
+# ... and some of them with each iteration loading its own tile (GemvConfig.prefetch off): a plain
+# FP8 loop of 4 x 1024 on four warps read gate/up's weight ~15% faster that way (BENCHMARKS.md)
+FP8_NO_PREFETCH = [(4, 1024, 4), (4, 512, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (4, 2048, 4)]
+FP8_FUSED_NO_PREFETCH = [(4, 1024, 4), (8, 512, 8), (16, 512, 8), (8, 1024, 8), (32, 256, 8), (8, 512, 4)]
 FUSED_DOT = [(bn, bk, w) for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
 
 
@@ -73,7 +77,9 @@ def sweep_configs(k: int, quick: bool, fp8: bool = False) -> list[GemvConfig]:
     if fp8:
         return [GemvConfig(bn, bk, split, w, 3, vec=vec) for split in (1, 2)
                 for vec, launches in ((16, FP8_VEC[:3] if quick else FP8_VEC), (0, FP8_PLAIN_ACC))
-                for bn, bk, w in launches if k // split >= bk]
+                for bn, bk, w in launches if k // split >= bk] + [
+            GemvConfig(bn, bk, 1, w, 3, vec=16, prefetch=False) for bn, bk, w in FP8_NO_PREFETCH[:2 if quick else None]
+            if k >= bk]
     out = []
     for split in (1, 2, 4, 8):
         for bn, bk, warps in FMA[:3] if quick else FMA:
@@ -91,7 +97,8 @@ def fused_configs(k: int, fp8: bool = False) -> list[GemvConfig]:
     if fp8:
         return [GemvConfig(bn, bk, split, w, 3, vec=vec) for split in (1, 2)
                 for vec, launches in ((16, FP8_FUSED_VEC), (0, FP8_FUSED_ACC)) for bn, bk, w in launches
-                if k // split >= bk]
+                if k // split >= bk] + [
+            GemvConfig(bn, bk, 1, w, 3, vec=16, prefetch=False) for bn, bk, w in FP8_FUSED_NO_PREFETCH if k >= bk]
     out = []
     for split in (1, 2):
         out += [GemvConfig(bn, bk, split, w, 3) for bn, bk, w in FUSED_FMA if k // split >= bk]
@@ -205,7 +212,8 @@ def bench_shape(name: str, mode: int, n: int, k: int, quick: bool, copy_gbs: flo
 def _fmt(r: dict) -> str:
     c = r["config"]
     cfg = "" if c is None else (f"n{c['block_n']} k{c['block_k']} s{c['split_k']} w{c['num_warps']} "
-                                f"st{c['num_stages']}{' dot' if c['use_dot'] else ''}{' v' + str(c['vec']) if c['vec'] else ''}")
+                                f"st{c['num_stages']}{' dot' if c['use_dot'] else ''}{' v' + str(c['vec']) if c['vec'] else ''}"
+                                f"{'' if c.get('prefetch', True) else ' np'}")
     return f"{r['shape']:<13} p{r['prologue']} {r['kind']:<15} {cfg:<28} {r['us']:8.1f} {r['gb_s']:7.0f} {100 * r['of_copy']:5.1f}%"
 
 

@@ -187,7 +187,7 @@ def _gemv_kernel(
     ROPE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, W_SCALED: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-    VEC: tl.constexpr, PDL: tl.constexpr,
+    VEC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -208,9 +208,12 @@ def _gemv_kernel(
     else:  # each thread sums VEC adjacent products (one 16-byte load of FP8) into one accumulator
         w_rows = W + rows.to(tl.int64)[:, None, None] * stride_wn
         offs_k = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    # The weights are never written: the first tile is requested before waiting for the inputs
-    # (PDL), and every iteration requests the next tile before using the current one.
-    w = _load_w(w_rows, k_lo + offs_k, k_lo < k_hi, k_hi, rmask, EVEN_N and EVEN_K, VEC)
+    # The weights are never written: with PREFETCH the first tile is requested before waiting
+    # for the inputs (PDL), and every iteration requests the next tile before using the current
+    # one; without, each iteration loads its own tile (the compiler's pipelining and the other
+    # programs on the SM hide the wait, with half the tile registers).
+    if PREFETCH:
+        w = _load_w(w_rows, k_lo + offs_k, k_lo < k_hi, k_hi, rmask, EVEN_N and EVEN_K, VEC)
     ws = tl.zeros([BLOCK_N], tl.float32)
     if W_SCALED:  # an FP8 weight's per-row scales (never written either)
         ws = tl.load(WS + rows, mask=rmask, other=0.0)
@@ -244,10 +247,15 @@ def _gemv_kernel(
     p0, p1, p2 = _prologue_load(X, R, NW, k_lo + offs_k, k_lo + offs_k < k_hi, K, MODE, HAS_R)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + offs_k
-        w_next = _load_w(w_rows, cols + BLOCK_K, k0 + BLOCK_K < k_hi, k_hi, rmask, EVEN_N and EVEN_K, VEC)
-        n0, n1, n2 = _prologue_load(X, R, NW, cols + BLOCK_K, cols + BLOCK_K < k_hi, K, MODE, HAS_R)
-        xv, sq_k = _prologue(p0, p1, p2, MODE, HAS_R)
-        p0, p1, p2 = n0, n1, n2
+        if PREFETCH:
+            w_next = _load_w(w_rows, cols + BLOCK_K, k0 + BLOCK_K < k_hi, k_hi, rmask, EVEN_N and EVEN_K, VEC)
+            n0, n1, n2 = _prologue_load(X, R, NW, cols + BLOCK_K, cols + BLOCK_K < k_hi, K, MODE, HAS_R)
+            xv, sq_k = _prologue(p0, p1, p2, MODE, HAS_R)
+            p0, p1, p2 = n0, n1, n2
+        else:
+            w = _load_w(w_rows, cols, k0 < k_hi, k_hi, rmask, EVEN_N and EVEN_K, VEC)
+            q0, q1, q2 = _prologue_load(X, R, NW, cols, cols < k_hi, K, MODE, HAS_R)
+            xv, sq_k = _prologue(q0, q1, q2, MODE, HAS_R)
         sq += sq_k
         if USE_DOT:
             xt = tl.where(pad_rows[:, None] == 0, xv[None, :], 0.0).to(X.dtype.element_ty)
@@ -256,7 +264,8 @@ def _gemv_kernel(
             acc += w.to(tl.float32) * xv[None, :]
         else:
             acc += tl.sum(w.to(tl.float32) * xv[None, :, :], 2)
-        w = w_next
+        if PREFETCH:
+            w = w_next
     if WRITE_S:  # the residual sum, once: by the first row block, for its slice of K
         if pid_n == 0:
             for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -469,7 +478,7 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
         ADD_RES=add_to is not None, SQ_BLOCK=triton.next_power_of_2(n_sq), **rope_consts, W_SCALED=fp8,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, VEC=cfg.vec,
-        PDL=use_pdl,
+        PREFETCH=cfg.prefetch, PDL=use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
     )
     return (y, sq_out) if add_to is not None else (y, s)

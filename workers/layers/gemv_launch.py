@@ -29,6 +29,7 @@ class GemvConfig:
     num_stages: int = 3
     use_dot: bool = False  # tensor-core dot against x padded to 16 rows (else FMA + row sums)
     vec: int = 0  # FMA over vectors of `vec` columns summed per thread (0: a [block_n, block_k] accumulator)
+    prefetch: bool = True  # each iteration requests the next tile (else loads its own, pipelined by the compiler)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "split_k"):
@@ -39,16 +40,19 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.vec = {self.vec}: a power of two up to block_k, not with use_dot")
 
 
-# FP8 weights: (rows, columns, warps, vec) per program by (prologue, adds to the residual, wide: n >=
-# 16384), from the in-graph sweep on the H100 (`bench_gemv --fp8`, BENCHMARKS.md): 16-column vectors
-# per thread (`vec`) on 8 x 1024 for the plain and SiLU products and 16 x 512 with a norm prologue;
-# the wide plain product (gate/up after the norm kernel) on bf16's 8 x 256 accumulator. Absent:
-# bf16's launch with 16-column vectors.
-FP8_LAUNCH: dict[tuple[int, bool, bool], tuple[int, int, int, int]] = {
-    (PLAIN, False, False): (8, 1024, 8, 16), (PLAIN, True, False): (8, 1024, 8, 16), (PLAIN, False, True): (8, 256, 4, 0),
-    (ADD_RMS, False, False): (16, 512, 8, 16), (ADD_RMS, False, True): (4, 1024, 4, 16),
-    (NORM, False, False): (16, 512, 8, 16), (NORM, False, True): (4, 1024, 4, 16),
-    (SILU_MUL, False, False): (8, 1024, 8, 16), (SILU_MUL, True, False): (8, 1024, 8, 16),
+# FP8 weights: (rows, columns, warps, vec, prefetch) per program by (prologue, adds to the residual,
+# wide: n >= 16384), from the in-graph sweeps (`bench_gemv --fp8`, BENCHMARKS.md). H200, 2026-11-28:
+# the step's four products on four warps with 16-column vectors per thread (`vec`), and, for gate/up,
+# o_proj + add and down + SiLU + add, each iteration loading its own tile (`prefetch` off: 39.0 ->
+# 31.7, 7.5 -> 6.2, 23.9 -> 22.7 us; qkv + norm kept it, 11.0 against 11.9); the batch-1 step took
+# 2.84 against 3.14 ms. The rest from the H100's sweep: 8 x 1024 for plain and SiLU products, 16 x
+# 512 with a norm prologue. Absent: bf16's launch with 16-column vectors.
+FP8_LAUNCH: dict[tuple[int, bool, bool], tuple[int, int, int, int, bool]] = {
+    (PLAIN, False, False): (8, 1024, 8, 16, True), (PLAIN, True, False): (4, 2048, 4, 16, False),
+    (PLAIN, False, True): (4, 1024, 4, 16, False),
+    (ADD_RMS, False, False): (16, 512, 8, 16, True), (ADD_RMS, False, True): (4, 1024, 4, 16, True),
+    (NORM, False, False): (4, 1024, 4, 16, True), (NORM, False, True): (4, 1024, 4, 16, True),
+    (SILU_MUL, False, False): (8, 1024, 8, 16, True), (SILU_MUL, True, False): (4, 2048, 4, 16, False),
 }
 
 
@@ -66,8 +70,9 @@ def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN, adds:
     32 x 256 for ADD_RMS, 8 x 512 for SiLU. The residual-adding epilogue (`adds`) is slower on
     4 x 1024 programs (o_proj 12.1 vs 9.6 us at 4 x 512) and fastest with SiLU on 16 x 512.
     K is split over programs only when the row blocks are fewer than half the SMs. FP8 weights
-    (one byte an element): FP8_LAUNCH, mostly with each thread summing 16 adjacent products (one
-    16-byte load) as `fp8_gemm`'s GEMV does (`bench_gemv --fp8`)."""
+    (one byte an element): FP8_LAUNCH, with each thread summing 16 adjacent products (one 16-byte
+    load) as `fp8_gemm`'s GEMV does, and most products loading each tile in its own iteration
+    (`bench_gemv --fp8`)."""
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
     sms = _num_sms(index if device.type == "cuda" else -1)
     block_n, block_k, warps = {PLAIN: (4, 1024, 4), ADD_RMS: (32, 256, 8), SILU_MUL: (8, 512, 8), NORM: (4, 1024, 4)}[mode]
@@ -75,14 +80,15 @@ def choose_config(n: int, k: int, device: torch.device, mode: int = PLAIN, adds:
         block_n, block_k = 8, 256 if n >= 65536 else 512
     if adds:
         block_n, block_k = (16, 512) if mode == SILU_MUL else (4, 512)
-    vec = 0
+    vec, prefetch = 0, True
     if fp8:
-        block_n, block_k, warps, vec = FP8_LAUNCH.get((mode, adds, n >= 16384), (block_n, block_k, warps, 16))
+        block_n, block_k, warps, vec, prefetch = FP8_LAUNCH.get((mode, adds, n >= 16384),
+                                                                (block_n, block_k, warps, 16, True))
     block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))
     split = 1
     while -(-n // block_n) * split < sms // 2 and split < 8 and k // (2 * split) >= block_k:
         split *= 2
-    return GemvConfig(block_n, block_k, split, num_warps=warps, num_stages=3, vec=min(vec, block_k))
+    return GemvConfig(block_n, block_k, split, num_warps=warps, num_stages=3, vec=min(vec, block_k), prefetch=prefetch)
 
 
 def fuse_norm(n: int, k: int) -> bool:
@@ -99,8 +105,8 @@ def _override(n: int, k: int) -> GemvConfig | None:
     launch = kernel_options.current().gemv_launch(n, k)
     if launch is None:
         return None
-    bn, bk, split, warps, *vec = launch
-    return GemvConfig(bn, bk, split, warps, 3, vec=vec[0] if vec else 0)
+    bn, bk, split, warps, *rest = launch
+    return GemvConfig(bn, bk, split, warps, 3, vec=rest[0] if rest else 0, prefetch=rest[1:] != [0])
 
 
 @functools.lru_cache(maxsize=256)
@@ -125,5 +131,6 @@ def best_launches(results: list[dict]) -> str:
         key = f"{r['n']}x{r['k']}"
         if key not in best or r["us"] < best[key]["us"]:
             best[key] = r
-    return ";".join(f"{key}:{c['block_n']},{c['block_k']},{c['split_k']},{c['num_warps']},{c['vec']}"
+    return ";".join(f"{key}:{c['block_n']},{c['block_k']},{c['split_k']},{c['num_warps']},{c['vec']},"
+                    f"{int(c.get('prefetch', True))}"
                     for key, c in ((key, r["config"]) for key, r in best.items()))
