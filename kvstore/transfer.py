@@ -10,7 +10,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -100,12 +100,13 @@ def make_agent(name: str):
 
 
 def nixl_transfer(agent, op: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]],
-                  remote_agent: str, timeout_s: float, mem: str = "DRAM") -> str:
+                  remote_agent: str, timeout_s: float, mem: str = "DRAM", unreleased: list | None = None) -> str:
     """One NIXL transfer between registered memory here (`local`: (address, bytes, device))
     and `remote_agent`'s (`remote`), READ or WRITE, both in host memory ("DRAM") or both in GPU
     memory ("VRAM", device: the GPU's index in its process): "done" when it completed within `timeout_s`,
     else "failed" — or "stuck" when its handle could not be released (the backend could not
-    cancel it: its bytes may still land, so the caller must not reuse the memory yet)."""
+    cancel it: its bytes may still land, so the caller must not reuse the memory yet). A stuck
+    transfer's handle is appended to `unreleased`, for `Unreleased` to release once it ends."""
     deadline = time.monotonic() + timeout_s
     handle, state = None, "ERR"
     try:
@@ -129,5 +130,59 @@ def nixl_transfer(agent, op: str, local: list[tuple[int, int, int]], remote: lis
             except Exception as exc:
                 if state != "DONE":
                     logger.warning("NIXL %s to %s could not be cancelled: %s", op, remote_agent, exc)
+                    if unreleased is not None:
+                        unreleased.append(handle)
                     return "stuck"
     return "done" if state == "DONE" else "failed"
+
+
+class Unreleased:
+    """Transfers NIXL could not cancel (`nixl_transfer` answered "stuck"), each held with a way
+    to give back the memory it may still write: `reap` (called by the owner on its own thread,
+    e.g. before its next transfer) releases the handles of those that have ended and then gives
+    their memory back, once. Until then the memory stays out of use, so a late write lands where
+    nobody reads."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[object, list, Callable[[], None]]] = []
+        self._lock = threading.Lock()
+        self.freed = 0  # transfers whose memory came back
+
+    def add(self, agent, handles: Sequence, free: Callable[[], None]) -> None:
+        with self._lock:
+            self._held.append((agent, list(handles), free))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def reap(self) -> int:
+        """Release what has ended and give its memory back; the number of transfers given back."""
+        with self._lock:
+            held, self._held = self._held, []
+        keep, done = [], 0
+        for agent, handles, free in held:
+            left = [h for h in handles if not _release_ended(agent, h)]  # (a released handle is never touched again)
+            if left:
+                keep.append((agent, left, free))
+                continue
+            try:
+                free()
+            except Exception:
+                logger.exception("giving back the memory of a transfer NIXL could not cancel")
+            done += 1
+        with self._lock:
+            self._held[:0] = keep
+            self.freed += done
+        return done
+
+
+def _release_ended(agent, handle) -> bool:
+    """Release `handle` if its transfer is no longer in progress; whether it is released."""
+    try:
+        if agent.check_xfer_state(handle) == "PROC":
+            return False
+        agent.release_xfer_handle(handle)
+        return True
+    except Exception:
+        return False

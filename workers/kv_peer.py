@@ -39,6 +39,7 @@ removed when the new one is added.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -64,8 +65,13 @@ READ_CHUNK_PAGES = 8
 
 
 class StuckRead(RuntimeError):
-    """A READ that NIXL could not cancel: its destination memory stays out of use and the lease
-    is left to expire (a late write must land in memory nobody reads and rows nobody reuses)."""
+    """A READ that NIXL could not cancel (`handles`: its transfer handles): its destination
+    memory stays out of use until the READ ends (`PeerReader.stuck` gives it back then), and the
+    lease is left to expire (a late write must land in memory nobody reads and rows nobody reuses)."""
+
+    def __init__(self, message: str, handles: list | None = None):
+        super().__init__(message)
+        self.handles = handles or []
 
 
 class PeerLeases:
@@ -230,7 +236,9 @@ class PeerReader:
     def __init__(self, offload, pool, tp):
         self.off, self.tp = offload, tp
         self.actors: dict[str, object] = {}  # rank actor name -> handle
-        self.stuck: list = []  # memory of READs NIXL could not cancel: never reused
+        from kvstore.transfer import Unreleased
+
+        self.stuck = Unreleased()  # READs NIXL could not cancel, with their memory until they end
         self.agents: dict[str, str] = {}  # rank actor name -> its NIXL agent, added as a remote
         if pool.use_mla:
             self.heads, self.head_bytes = 1, []
@@ -240,6 +248,8 @@ class PeerReader:
                                pool.v_buffer[0].shape[2] * pool.v_buffer[0].element_size()]
         self.counters = {"pd_pages": 0, "pd_bytes": 0, "pd_transfer_s": 0.0, "pd_failures": 0, "pd_corrupt": 0,
                          "pd_timeouts": 0, "pd_no_rows": 0,
+                         # READs NIXL could not cancel, and those whose memory came back once they ended
+                         "pd_stuck": 0, "pd_stuck_freed": 0,
                          # where the time goes: the prefill rank's answer, the NIXL reads, and the
                          # checksums' time after the last read (the rest runs beside the reads)
                          "pd_locate_s": 0.0, "pd_read_s": 0.0, "pd_verify_s": 0.0}
@@ -248,6 +258,8 @@ class PeerReader:
     def fetch(self, job, source) -> None:
         """Read job.keys' pages (source.keys on the prefill side) into this rank's hand-off
         rows, publishing each good page to the job; stops at the first page it cannot vouch for."""
+        if len(self.stuck):  # READs given up on earlier that have ended since: their memory comes back
+            self.counters["pd_stuck_freed"] += self.stuck.reap()
         start = time.monotonic()
         deadline = job.queued_at + source.timeout_s  # the scheduler's clock started when it set it aside
         keys = list(job.keys)
@@ -292,9 +304,10 @@ class PeerReader:
             try:
                 good = self._read(source, reply["agent"], local, remote, deadline, reply["crcs"][:n],
                                   lend.data, rows, used)
-            except StuckRead:
+            except StuckRead as exc:  # the rows stay taken until the READ ends: a late write lands in rows nobody uses
                 stuck = True
-                self.stuck.append(rows)  # taken for good: a late write lands in rows nobody uses
+                self.counters["pd_stuck"] += 1
+                self.stuck.add(self.off.handoff.agent, exc.handles, functools.partial(lend.give, rows))
                 raise
             except Exception:
                 lend.give(rows)  # (no READ is left in flight: nixl_transfer released it)
@@ -339,9 +352,10 @@ class PeerReader:
                         remote = [(a, src_bytes, reply.get("dev", 0)) for a in reply["addrs"][:n]]
                         n = min(n, self._read(source, reply["agent"], local, remote, deadline, reply["crcs"][:n],
                                               scratch, list(range(n)), src_bytes))
-                    except StuckRead:
+                    except StuckRead as exc:  # kept registered and alive until the READ ends: a late write lands here
                         stuck = True
-                        self.stuck.append((scratch, handle))  # kept registered and alive: a late write lands here
+                        self.counters["pd_stuck"] += 1
+                        self.stuck.add(rows_of.agent, exc.handles, functools.partial(_drop, rows_of.agent, handle, scratch))
                         raise
                     finally:
                         if not stuck:
@@ -424,13 +438,14 @@ class PeerReader:
         rows_of = self.off.handoff
         state, sums, mem = "done", [], mem_of(data)
         chunk = READ_CHUNK_PAGES if mem == "DRAM" else max(1, len(local))
+        unreleased: list = []
         with rows_of.on_stream():  # the sums on this thread's stream, read back on it
             try:
                 for lo in range(0, len(local), chunk):
                     hi = lo + chunk
                     left = deadline - time.monotonic()
                     state = nixl_transfer(rows_of.agent, "READ", local[lo:hi], remote[lo:hi], remote_agent,
-                                          left, mem) if left > 0 else "failed"
+                                          left, mem, unreleased) if left > 0 else "failed"
                     if state != "done":
                         break
                     sums += row_sums(data, rows[lo:hi], width)
@@ -440,7 +455,7 @@ class PeerReader:
                 got = results(sums)  # (waits for the checksums still running)
         self.counters["pd_verify_s"] += time.monotonic() - t1  # what the reads did not hide
         if state == "stuck":
-            raise StuckRead(f"a READ from {source.replica} could not be cancelled")
+            raise StuckRead(f"a READ from {source.replica} could not be cancelled", unreleased)
         if state != "done":
             if t1 < deadline:  # (past it: a timeout, counted by `fetch`)
                 self.counters["pd_failures"] += 1
@@ -460,3 +475,9 @@ class PeerReader:
             job.add(self.off.lend.publish(keys, rows, pin=True))
             self.off._note_progress()
 
+
+def _drop(agent, handle, scratch) -> None:
+    """Deregister a stuck READ's scratch once the READ has ended (the last reference to it goes
+    with the caller's)."""
+    del scratch
+    agent.deregister_memory(handle)

@@ -1,0 +1,75 @@
+"""One NIXL transfer between two real agents in this process (`kvstore.transfer`): a READ whose
+peer stops answering and that the backend could not cancel is held, with the memory it may still
+write, until it ends; then that memory is given back once."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from kvstore.transfer import Unreleased, make_agent, nixl_transfer
+
+PAGE = 1 << 20
+
+
+def _pair(nbytes: int):
+    """A reader agent and a source agent (neither progressed by a thread of its own), each with
+    `nbytes` registered: the source's random, the reader's zeros."""
+    tag = uuid.uuid4().hex[:8]
+    reader, source = make_agent(f"reader-{tag}"), make_agent(f"source-{tag}")
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    dst = torch.zeros_like(src)
+    reader.register_memory(dst)
+    source.register_memory(src)
+    name = reader.add_remote_agent(source.get_agent_metadata())
+    name = name.decode() if isinstance(name, bytes) else name
+    n = nbytes // PAGE
+    local = [(dst.data_ptr() + i * PAGE, PAGE, 0) for i in range(n)]
+    remote = [(src.data_ptr() + i * PAGE, PAGE, 0) for i in range(n)]
+    return reader, source, name, src, dst, local, remote
+
+
+def test_a_read_that_cannot_be_cancelled_keeps_its_memory_until_it_ends():
+    reader, source, name, src, dst, local, remote = _pair(64 * PAGE)
+    # The backend refuses to cancel the READ once (NIXL cancels it on this loopback; a wedged
+    # network path is where it cannot): the handle's first release fails.
+    real_release, refused = reader.release_xfer_handle, []
+
+    def refuse_once(handle):
+        if not refused:
+            refused.append(handle)
+            raise RuntimeError("injected: the backend cannot cancel this transfer")
+        return real_release(handle)
+
+    reader.release_xfer_handle = refuse_once
+    unreleased: list = []
+    # Nothing progresses the source's worker: the READ is still in progress at its deadline.
+    state = nixl_transfer(reader, "READ", local, remote, name, 0.2, unreleased=unreleased)
+    if state == "done":
+        pytest.skip("this machine's UCX transport completed the READ without the source's progress")
+    assert state == "stuck" and unreleased == refused and len(unreleased) == 1
+
+    freed: list = []
+    held = Unreleased()
+    held.add(reader, unreleased, lambda: freed.append(dst))
+    assert held.reap() == 0 and not freed and len(held) == 1  # in progress: its memory stays out of use
+
+    deadline = time.monotonic() + 30
+    while not held.reap() and time.monotonic() < deadline:
+        source.get_new_notifs()  # the source answers again: the READ ends, late
+    assert freed == [dst] and len(held) == 0 and held.freed == 1
+    assert torch.equal(dst, src)  # its bytes landed in the memory that was held for them
+    assert held.reap() == 0 and freed == [dst]  # given back once
+
+
+def test_a_read_the_backend_cancels_is_not_held():
+    """The usual timeout: NIXL cancels the READ at its deadline, so nothing is held."""
+    reader, _source, name, _src, _dst, local, remote = _pair(16 * PAGE)
+    unreleased: list = []
+    state = nixl_transfer(reader, "READ", local, remote, name, 0.2, unreleased=unreleased)
+    if state == "done":
+        pytest.skip("this machine's UCX transport completed the READ without the source's progress")
+    assert state == "failed" and unreleased == []
