@@ -70,7 +70,8 @@ def parse_gemv_configs(text: str) -> tuple[tuple[str, GemvLaunch], ...]:
         shape, _, launch = item.partition(":")
         values = launch.split(",")
         n, x, k = shape.partition("x")
-        if not (x and n.isdigit() and k.isdigit()) or len(values) not in (4, 5, 6) or not all(v.isdigit() for v in values):
+        if (not (x and n.isdigit() and k.isdigit()) or len(values) not in (4, 5, 6) or not all(v.isdigit() for v in values)
+                or len(values) == 6 and values[5] not in ("0", "1")):
             raise ValueError(f"MANTA_GEMV_CONFIGS item {item!r}: want NxK:block_n,block_k,split_k,num_warps[,vec[,prefetch]]")
         out.append((shape, tuple(int(v) for v in values)))
     return tuple(out)

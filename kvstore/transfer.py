@@ -144,13 +144,14 @@ class Unreleased:
     nobody reads."""
 
     def __init__(self) -> None:
-        self._held: list[tuple[object, list, Callable[[], None]]] = []
+        self._held: list[tuple[object, list | None, Callable[[], None]]] = []
         self._lock = threading.Lock()
         self.freed = 0  # transfers whose memory came back
 
     def add(self, agent, handles: Sequence, free: Callable[[], None]) -> None:
+        """Hold a transfer's memory until its `handles` are released; with none known, for good."""
         with self._lock:
-            self._held.append((agent, list(handles), free))
+            self._held.append((agent, list(handles) or None, free))
 
     def __len__(self) -> int:
         with self._lock:
@@ -162,14 +163,19 @@ class Unreleased:
             held, self._held = self._held, []
         keep, done = [], 0
         for agent, handles, free in held:
+            if handles is None:  # (no handle to watch: never known to have ended)
+                keep.append((agent, handles, free))
+                continue
             left = [h for h in handles if not _release_ended(agent, h)]  # (a released handle is never touched again)
             if left:
                 keep.append((agent, left, free))
                 continue
             try:
                 free()
-            except Exception:
+            except Exception:  # kept with no handles left: the next reap tries to give it back again
                 logger.exception("giving back the memory of a transfer NIXL could not cancel")
+                keep.append((agent, [], free))
+                continue
             done += 1
         with self._lock:
             self._held[:0] = keep

@@ -36,7 +36,7 @@ def test_environment_is_read_once_into_a_frozen_object(monkeypatch):
     assert config.kernels.pdl is False
 
 
-@pytest.mark.parametrize("bad", ["4096x4096:64,128,2", "4096x4096:64,128,2,4,16,1,0", "4096:64,128,2,4", "axb:1,2,3,4", "4096x4096:64,x,2,4"])
+@pytest.mark.parametrize("bad", ["4096x4096:64,128,2", "4096x4096:64,128,2,4,16,1,0", "4096x4096:64,128,2,4,16,2", "4096:64,128,2,4", "axb:1,2,3,4", "4096x4096:64,x,2,4"])
 def test_a_bad_launch_list_names_the_item(bad):
     with pytest.raises(ValueError, match="MANTA_GEMV_CONFIGS item"):
         KernelOptions.from_env({"MANTA_GEMV_CONFIGS": bad})

@@ -477,7 +477,7 @@ class PeerReader:
 
 
 def _drop(agent, handle, scratch) -> None:
-    """Deregister a stuck READ's scratch once the READ has ended (the last reference to it goes
-    with the caller's)."""
-    del scratch
+    """Deregister a stuck READ's scratch once the READ has ended. `scratch` is held by the
+    caller's reference until this returns: a failed deregistration raises, and the memory stays
+    referenced (and is tried again) rather than reused while still registered."""
     agent.deregister_memory(handle)
