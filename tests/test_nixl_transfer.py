@@ -86,3 +86,34 @@ def test_a_read_the_backend_cancels_is_not_held():
     held, freed = Unreleased(), []
     held.add(reader, [], lambda: freed.append(1))
     assert held.reap() == 0 and held.reap() == 0 and not freed and len(held) == 1
+
+
+def test_stuck_reads_show_as_a_failure_kind_and_the_memory_still_held():
+    """A decode replica's ranks report `pd_stuck` / `pd_stuck_freed` (workers/kv_peer.py): the
+    metrics show every stuck READ as a transfer failure of kind "stuck", and the ones whose
+    memory is still held as a gauge that falls when they end."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.api.kvstore_metrics import KVStoreCollector
+
+    collector = KVStoreCollector()
+    registry = CollectorRegistry()
+    registry.register(collector)
+
+    def samples():
+        text = generate_latest(registry).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    ranks = [{"pd_stuck": 2, "pd_stuck_freed": 1, "pd_failures": 1}, {"pd_stuck": 1, "pd_stuck_freed": 0}]
+    collector.set("decode-0", {"ranks": ranks})
+    got = samples()
+    assert got[("manta:pd_transfer_failures_total", (("kind", "stuck"), ("replica", "decode-0")))] == 3
+    assert got[("manta:pd_transfer_failures_total", (("kind", "failed"), ("replica", "decode-0")))] == 1
+    assert got[("manta:pd_stuck_reads", (("replica", "decode-0"),))] == 2
+    ranks[0]["pd_stuck_freed"], ranks[1]["pd_stuck_freed"] = 2, 1  # both ended since: their memory came back
+    collector.set("decode-0", {"ranks": ranks})
+    got = samples()
+    assert got[("manta:pd_stuck_reads", (("replica", "decode-0"),))] == 0
+    assert got[("manta:pd_transfer_failures_total", (("kind", "stuck"), ("replica", "decode-0")))] == 3

@@ -36,7 +36,10 @@ replica that pulls pages unless said otherwise:
     manta:pd_transfer_seconds_total{replica}   the ranks' read time (locate, transfer, checksums);
                                                over pd_transfers_total: the mean transfer latency
     manta:pd_transfer_failures_total{replica,kind}  "failed" (dead peer, NIXL error), "timeout"
-                                               (the deadline: the rest is computed), "corrupt" (crc)
+                                               (the deadline: the rest is computed), "corrupt" (crc),
+                                               "stuck" (a READ NIXL could not cancel)
+    manta:pd_stuck_reads{replica}              of those stuck READs, the ones whose memory is still held
+                                               (given back when the READ ends: kvstore.transfer.Unreleased)
 """
 
 from __future__ import annotations
@@ -118,6 +121,9 @@ class KVStoreCollector(Collector):
         pd_fail = CounterMetricFamily("manta:pd_transfer_failures",
                                       "Page transfers from a prefill replica that failed (the decode replica "
                                       "computed the rest).", labels=["replica", "kind"])
+        stuck = GaugeMetricFamily("manta:pd_stuck_reads", "READs from a prefill replica that NIXL could not "
+                                  "cancel whose memory is still held (given back when they end).", labels=["replica"])
+
         def count(family: CounterMetricFamily, labels: list[str], value: float) -> None:
             family.add_metric(labels, self._count.total((family.name, tuple(labels)), value))
 
@@ -152,7 +158,8 @@ class KVStoreCollector(Collector):
                 count(pd["transfer_pages"], [replica], ho.get("fetched_pages", 0))
                 count(pd["transfer_bytes"], [replica], sum(r.get("pd_bytes", 0) for r in ranks))
                 count(pd["transfer_seconds"], [replica], sum(r.get("pd_transfer_s", 0.0) for r in ranks))
-                for kind in ("failures", "timeouts", "corrupt"):
+                stuck.add_metric([replica], sum(r.get("pd_stuck", 0) - r.get("pd_stuck_freed", 0) for r in ranks))
+                for kind in ("failures", "timeouts", "corrupt", "stuck"):
                     count(pd_fail, [replica, {"failures": "failed", "timeouts": "timeout"}.get(kind, kind)],
                           sum(r.get(f"pd_{kind}", 0) for r in ranks))
             store = self._store()
@@ -164,7 +171,7 @@ class KVStoreCollector(Collector):
                 usage.add_metric(["host"], host)
                 usage.add_metric(["handoff"], handoff)
         yield from (written, read, hits, queries, nbytes, errors, dropped, usage, host_adm, warm, warming,
-                    *pd.values(), pd_fail)
+                    *pd.values(), pd_fail, stuck)
 
     def describe(self) -> Iterator[Metric]:
         return self.collect()

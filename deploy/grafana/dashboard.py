@@ -234,7 +234,8 @@ def build() -> dash_b.Dashboard:
         [(_rate("manta:pd_transfer_bytes_total", by="replica"), "{{replica}}")], "Bps", width=12))
     n.panel(timeseries(
         "Prefill→decode transfer failures", "Transfers from a prefill replica that failed per second, by kind "
-        "(failed, timeout, corrupt: the decode replica computed those pages itself).",
+        "(failed, timeout, corrupt: the decode replica computed those pages itself; stuck: NIXL could not cancel the "
+        "READ, whose memory manta:pd_stuck_reads counts until it ends).",
         [(_rate("manta:pd_transfer_failures_total", by="replica, kind"), "{{replica}} {{kind}}")], "reqps",
         width=12))
     n.panel(timeseries(
