@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 
 from cluster.engine import encoder_decoder as encdec
+from cluster.engine.admission import RequestRejected, rejection
 from cluster.engine.fair_share import fair_share, group_of
 from cluster.engine.kv_allocator import PageAllocator, RequestKV, slots_for
 from cluster.engine.kv_loads import Verdict
@@ -49,16 +50,8 @@ from cluster.engine.request import PENDING_TOKEN, FinishReason, Request, Request
 from cluster.engine.step_budget import prompt_backlog
 from workers.forward_batch import ForwardMode
 from workers.messages import NewRequest, ScheduledReq, StepPlan, StepResult, TokenLogprobs
-from workers.request_errors import InvalidRequest, QueueFull
+from workers.request_errors import QueueFull
 from workers.sampling_params import SamplingParamsError
-
-
-class RequestRejected(InvalidRequest):
-    """A request that can never run (too long for the context or the KV cache). `param` names
-    the offending field for the HTTP layer."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message, param)
 
 
 @dataclass
@@ -136,33 +129,11 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Queue a request or raise RequestRejected / QueueFull (nothing is queued then)."""
         req.params.validate()
-        n = len(req.prompt_ids)
-        if req.encoder_ids is not None:
-            problem = encdec.admission_problem(
-                req, max_context_len=self.max_context_len, max_batched_tokens=self.max_batched_tokens,
-                kv_capacity_tokens=self.kv_capacity_tokens, page_size=self.page_size)
-            if problem is not None:
-                raise RequestRejected("prompt", problem)
-        if n == 0:
-            raise RequestRejected("prompt", "the prompt is empty")
-        # A prompt may fill the context when it is only scored (its prompt logprobs, one token
-        # sampled from the whole window and dropped by the server): no token needs a position.
-        scored = req.params.max_tokens == 1 and req.params.prompt_logprobs is not None
-        if n > self.max_context_len or n == self.max_context_len and not (req.is_embedding or scored):
-            generated = "" if req.is_embedding else " including at least one generated token"
-            raise RequestRejected(
-                "prompt", f"the prompt has {n} tokens; this model's context is {self.max_context_len} tokens{generated}"
-            )
-        if n + (0 if req.is_embedding else 1) > self.kv_capacity_tokens:
-            raise RequestRejected(
-                "prompt", f"the prompt has {n} tokens; the KV cache holds {self.kv_capacity_tokens}"
-            )
-        if self.chunk_size is None and n > self.max_batched_tokens:
-            raise RequestRejected(
-                "prompt",
-                f"the prompt has {n} tokens; with chunked prefill off a step computes at most "
-                f"{self.max_batched_tokens}",
-            )
+        rejected = rejection(req, max_context_len=self.max_context_len, kv_capacity_tokens=self.kv_capacity_tokens,
+                             max_batched_tokens=self.max_batched_tokens, chunked=self.chunk_size is not None,
+                             page_size=self.page_size)
+        if rejected is not None:
+            raise rejected
         if req.rid in self.requests:
             raise RequestRejected("request_id", f"duplicate request id {req.rid!r}")
         # A burst arrives between steps, so it waits even for free running slots: those count
