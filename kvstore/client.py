@@ -49,9 +49,9 @@ from kvstore.pages import (
     pool_page_bytes,
     scatter_pages,
 )
-from kvstore.staging import Stage, serialized
+from kvstore.staging import Stage, retire, serialized
 from kvstore.store_link import FAILED, ClientCounters, StoreLink
-from kvstore.transfer import checksums, nixl_transfer
+from kvstore.transfer import Unreleased, checksums, nixl_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class KVStoreClient:
             t = self._buffer[i * area : (i + 1) * area]
             self._free.put(Stage(t, t.numpy()))
         self._tls = threading.local()
+        self._unreleased = Unreleased()  # staging areas of transfers NIXL could not cancel (`staging.retire`)
+        self._extra_regs: list = []  # the areas registered in their place
         self._store_agent: str | None = None
         self._registered_gen = -1
         self._tagless = False  # the store takes no model tags or prompt flags (an older store)
@@ -374,11 +376,18 @@ class KVStoreClient:
         self.counters.errors += 1
         return FAILED
 
-    def _xfer(self, op: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]]) -> bool:
-        """One NIXL transfer staging <-> store DRAM; False (counted) on error or deadline."""
+    def _xfer(self, op: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]],
+              staged: bool = False) -> bool:
+        """One NIXL transfer registered memory (`staged`: the calling thread's staging area) <->
+        store DRAM; False (counted) on error or deadline."""
         assert self.agent is not None
         nbytes = sum(n for _, n, _ in local)
-        if nixl_transfer(self.agent, op, local, remote, self._store_agent, self.timeout_s + nbytes / 100e6) != "done":
+        unreleased: list = []
+        state = nixl_transfer(self.agent, op, local, remote, self._store_agent, self.timeout_s + nbytes / 100e6,
+                              unreleased=unreleased)
+        if state == "stuck" and staged:
+            retire(self, unreleased)
+        if state != "done":
             self.counters.errors += 1
             self._registered_gen = -1  # reconnect before the next transfer
             return False
@@ -396,7 +405,8 @@ class KVStoreClient:
         are added to tally[0] rather than counted (the caller may offer them again), and a
         retry does not count the pages an attempt before it wrote as present."""
         keys = store_keys(chain, self.layout, self.tp_rank)
-        areas = self._staged(len(chain)) if areas is None else areas
+        staged = areas is None
+        areas = self._staged(len(chain)) if staged else areas
         where = [(areas[i], sum(s[:j])) for i, s in enumerate(sizes) for j in range(len(s))]
         flat = [n for s in sizes for n in s]
         reply = self._data_call("reserve", keys, flat)
@@ -417,7 +427,7 @@ class KVStoreClient:
                 off += n
         if not sent:
             self.link.send("release", reply.lease)
-        elif not self._xfer("WRITE", local, remote):
+        elif not self._xfer("WRITE", local, remote, staged=staged):
             self.link.send("release", reply.lease)  # frees the reservation
             return False
         else:
@@ -448,7 +458,8 @@ class KVStoreClient:
         `sizes[i]` from the start of `areas[i]`; default: the staging area, page i at
         i * page_bytes); returns how many arrived intact with the expected key sizes."""
         keys = store_keys(chain, self.layout, self.tp_rank)
-        areas = self._staged(len(chain)) if areas is None else areas
+        staged = areas is None
+        areas = self._staged(len(chain)) if staged else areas
         t0 = time.perf_counter()
         reply = self._data_call("locate", keys)
         t1 = time.perf_counter()
@@ -475,7 +486,7 @@ class KVStoreClient:
                 local.append((base + off, size, 0))
                 remote.append((addr, size, 0))
                 off += size
-        ok = not local or self._xfer("READ", local, remote)
+        ok = not local or self._xfer("READ", local, remote, staged=staged)
         self.link.send("release", reply.lease)
         t2 = time.perf_counter()
         self.counters.read_transfer_s += t2 - t1
@@ -501,7 +512,7 @@ class KVStoreClient:
 
     def close(self) -> None:
         if self.agent is not None:
-            for handle in [self._reg] + [h for _, _, h in self._regions]:
+            for handle in [self._reg, *self._extra_regs] + [h for _, _, h in self._regions]:
                 try:
                     self.agent.deregister_memory(handle)
                 except Exception:

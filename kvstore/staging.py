@@ -13,19 +13,22 @@ import torch
 
 def serialized(method):
     """A data-path call holds one of the client's staging areas for its duration: up to
-    `staging_slots` calls run at once (from different threads), each in its own area."""
+    `staging_slots` calls run at once (from different threads), each in its own area. A call
+    whose transfer NIXL could not cancel swaps its area for a new one (`retire`): the area it
+    held comes back to the pool once that transfer has ended, checked before each call."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         if getattr(self._tls, "stage", None) is not None:  # nested: already holds an area
             return method(self, *args, **kwargs)
-        stage = self._free.get()
-        self._tls.stage = stage
+        if len(self._unreleased):
+            self._unreleased.reap()
+        self._tls.stage = self._free.get()
         errors = self.counters.errors
         try:
             return method(self, *args, **kwargs)
         finally:
-            self._tls.stage = None
+            stage, self._tls.stage = self._tls.stage, None  # (a retired area was swapped for a new one)
             self._free.put(stage)
             failed = self.counters.errors - errors  # attributed to this call's kind, for the metrics
             if failed > 0:
@@ -43,3 +46,17 @@ class Stage:
 
     tensor: torch.Tensor
     np: np.ndarray
+
+
+def retire(client, handles: list) -> None:
+    """The calling thread's staging area may still be written or read by a transfer NIXL could
+    not cancel (`handles`): it leaves the pool until that transfer ends, and the call goes on in
+    a new registered area (the pool is one area larger from then on). Reusing it at once could
+    let late bytes land after a later call checksummed the area, and reach the KV cache or the
+    store with a matching checksum."""
+    old = client._tls.stage
+    tensor = torch.zeros_like(old.tensor, pin_memory=old.tensor.is_pinned())
+    client._extra_regs.append(client.agent.register_memory(tensor))
+    client._tls.stage = Stage(tensor, tensor.numpy())
+    client._unreleased.add(client.agent, handles, functools.partial(client._free.put, old))
+    client.counters.stuck_transfers += 1

@@ -28,6 +28,7 @@ class ClientCounters:
     bytes_read: int = 0  # store -> client
     errors: int = 0  # failed calls, timeouts, failed transfers, bad checksums
     corrupt: int = 0  # pages whose checksum failed after a read
+    stuck_transfers: int = 0  # transfers NIXL could not cancel (their staging area left the pool until they end)
     write_errors: int = 0  # of `errors`, those of writes (batch_set, save_pages)
     read_errors: int = 0  # of `errors`, those of reads (batch_get, load_pages)
     # Where a read's time goes, summed over reads: the store's locate (it reads pages only on

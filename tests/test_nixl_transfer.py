@@ -117,3 +117,58 @@ def test_stuck_reads_show_as_a_failure_kind_and_the_memory_still_held():
     got = samples()
     assert got[("manta:pd_stuck_reads", (("replica", "decode-0"),))] == 0
     assert got[("manta:pd_transfer_failures_total", (("kind", "stuck"), ("replica", "decode-0")))] == 3
+
+
+def test_a_store_client_transfer_that_cannot_be_cancelled_retires_its_staging_area():
+    """The KV store client (`kvstore.client`) READs into its staging area; when NIXL cannot
+    cancel a READ whose peer stopped answering, that area leaves the pool until the READ ends
+    (late bytes must not land after a later call checksummed it), the call goes on in a new
+    one, and no later call waits for it."""
+    from kvstore.client import KVStoreClient
+    from kvstore.staging import serialized
+
+    client = KVStoreClient(None, "mha", 0, 1, page_bytes=PAGE, fingerprint="test", staging_pages=4,
+                           timeout_s=0.2, staging_slots=1)
+    try:
+        tag = uuid.uuid4().hex[:8]
+        peer = make_agent(f"store-{tag}")  # stands for the store's agent, wedged: nothing progresses it
+        src = torch.randint(0, 256, (4 * PAGE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+        peer.register_memory(src)
+        name = client.agent.add_remote_agent(peer.get_agent_metadata())
+        client._store_agent = name.decode() if isinstance(name, bytes) else name
+        real_release, refused = client.agent.release_xfer_handle, []
+
+        def refuse_once(handle):
+            if not refused:
+                refused.append(handle)
+                raise RuntimeError("injected: the backend cannot cancel this transfer")
+            return real_release(handle)
+
+        client.agent.release_xfer_handle = refuse_once
+
+        @serialized
+        def read_staged(self):
+            before = self.staging
+            local = [(before.data_ptr() + i * PAGE, PAGE, 0) for i in range(4)]
+            remote = [(src.data_ptr() + i * PAGE, PAGE, 0) for i in range(4)]
+            return before, self._xfer("READ", local, remote, staged=True), self.staging
+
+        @serialized
+        def area(self):
+            return self.staging
+
+        old, ok, now = read_staged(client)
+        if ok:
+            pytest.skip("this machine's UCX transport completed the READ without the peer's progress")
+        assert refused and client.counters.stuck_transfers == 1 and client.counters.errors == 1
+        assert now.data_ptr() != old.data_ptr()  # the call went on in a new area
+        assert area(client).data_ptr() == now.data_ptr()  # the next call did not wait: the new area
+        assert len(client._unreleased) == 1  # the READ is still in progress: the old area is held
+        deadline = time.monotonic() + 30
+        while len(client._unreleased) and time.monotonic() < deadline:
+            peer.get_new_notifs()  # the peer answers again: the READ ends, late
+            area(client)  # (each call checks the held areas first)
+        assert not len(client._unreleased) and client._free.qsize() == 2  # the old area is back, beside the new
+        assert torch.equal(old, src)  # the late bytes landed in the area that was held for them
+    finally:
+        client.close()
