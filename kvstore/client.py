@@ -217,7 +217,9 @@ class KVStoreClient:
     def read_rows(self, chain: Sequence[str], rows: Sequence[torch.Tensor], key_bytes: Sequence[int]) -> int:
         """Load the leading stored pages of chain straight into host rows (registered with
         `register_rows`), page i's keys packed by `key_bytes` from the start of rows[i];
-        returns how many pages arrived intact (0 on any failure). Rows past that hold garbage."""
+        returns how many pages arrived intact (0 on any failure). Rows past that hold garbage;
+        after a READ NIXL could not cancel they may still be written (`stuck_read`)."""
+        self._tls.stuck = None
         if not chain or not self._valid(chain):
             return 0
         areas = self._areas(rows[: len(chain)])
@@ -226,6 +228,18 @@ class KVStoreClient:
         self.counters.pages_read += n
         self.counters.hit_pages += n
         return n
+
+    def stuck_read(self) -> list | None:
+        """After `read_rows` on this thread: the handles of a READ into its rows that NIXL could
+        not cancel (None: there was none). Those rows may still be written: the caller must not
+        reuse them, and hands the client what gives them back (`hold`)."""
+        handles, self._tls.stuck = getattr(self._tls, "stuck", None), None
+        return handles
+
+    def hold(self, handles: list, give_back) -> None:
+        """Run `give_back` once the READ of `handles` (`stuck_read`) has ended: checked before
+        each data-path call."""
+        self._unreleased.add(self.agent, handles, give_back)
 
     def stage(self, chain: Sequence[str]) -> None:
         """Ask the store to read these pages from its files into its RAM now, ahead of the
@@ -387,6 +401,8 @@ class KVStoreClient:
                               unreleased=unreleased)
         if state == "stuck" and staged:
             retire(self, unreleased)
+        elif state == "stuck" and op == "READ":  # the caller's rows: `stuck_read` tells it to hold them
+            self._tls.stuck = unreleased
         if state != "done":
             self.counters.errors += 1
             self._registered_gen = -1  # reconnect before the next transfer

@@ -172,3 +172,62 @@ def test_a_store_client_transfer_that_cannot_be_cancelled_retires_its_staging_ar
         assert torch.equal(old, src)  # the late bytes landed in the area that was held for them
     finally:
         client.close()
+
+
+def test_a_stuck_read_into_host_rows_holds_them_until_it_ends():
+    """`read_rows` reads straight into a rank's host-tier rows: a READ NIXL cannot cancel leaves
+    them to the caller, told by `stuck_read`, which hands the client what gives them back
+    (`hold`, as workers/kv_offload_io.py and workers/host_warm.py do); that runs once the READ has
+    ended, checked before the next data-path call."""
+    from kvstore.client import KVStoreClient
+    from kvstore.staging import serialized
+
+    client = KVStoreClient(None, "mha", 0, 1, page_bytes=PAGE, fingerprint="test", staging_pages=1,
+                           timeout_s=0.2, staging_slots=1)
+    try:
+        rows = torch.zeros(4, PAGE, dtype=torch.uint8)
+        assert client.register_rows(rows)
+        tag = uuid.uuid4().hex[:8]
+        peer = make_agent(f"store-{tag}")  # the store's agent, wedged
+        src = torch.randint(0, 256, (4 * PAGE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+        peer.register_memory(src)
+        name = client.agent.add_remote_agent(peer.get_agent_metadata())
+        client._store_agent = name.decode() if isinstance(name, bytes) else name
+        real_release, refused = client.agent.release_xfer_handle, []
+
+        def refuse_once(handle):
+            if not refused:
+                refused.append(handle)
+                raise RuntimeError("injected: the backend cannot cancel this transfer")
+            return real_release(handle)
+
+        client.agent.release_xfer_handle = refuse_once
+
+        @serialized
+        def read_into_rows(self):  # what read_rows does once the store located the pages
+            self._tls.stuck = None
+            local = [(rows[i].data_ptr(), PAGE, 0) for i in range(4)]
+            remote = [(src.data_ptr() + i * PAGE, PAGE, 0) for i in range(4)]
+            return self._xfer("READ", local, remote)
+
+        @serialized
+        def nothing(self):
+            return None
+
+        if read_into_rows(client):
+            pytest.skip("this machine's UCX transport completed the READ without the peer's progress")
+        handles = client.stuck_read()
+        assert handles == refused and client.stuck_read() is None  # (told once)
+        given: list = []
+        client.hold(handles, lambda: given.append(True))
+        nothing(client)
+        assert not given  # still in progress: the rows stay out of use
+        deadline = time.monotonic() + 30
+        while not given and time.monotonic() < deadline:
+            peer.get_new_notifs()
+            nothing(client)
+        assert given == [True] and torch.equal(rows.view(-1), src)
+        nothing(client)
+        assert given == [True]
+    finally:
+        client.close()

@@ -34,6 +34,7 @@ would forget the page for good).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -124,11 +125,16 @@ class HostWarm:
         if not rows:
             return False  # the tier filled up (the replica's own pages): done
         chunk = chunk[: len(rows)]
-        n = 0
+        n, held = 0, False
         try:
             n = off.client.read_rows(chunk, [host.data[r] for r in rows], off.key_bytes)
+            stuck = off.client.stuck_read()
+            if stuck:  # the READ may still write these rows: they come back when it has ended
+                off.client.hold(stuck, functools.partial(host.give, rows))
+                held = True
         finally:  # (a raise leaves every row free again)
-            host.give(rows[n:])
+            if not held:
+                host.give(rows[n:])
             # At the least recently used end, ahead of the chunks read before it: the list is
             # most valuable first, so the replica's own pages evict the least valuable first.
             host.publish(chunk[:n], rows[:n], oldest=True, log=self.agreement is None)

@@ -8,6 +8,7 @@ a time, while the store stages the later chunks' files.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -225,7 +226,11 @@ class RankIOThreads:
                 return
             chunk = chunk[: len(rows)]
             n = self.client.read_rows(chunk, [self.host.data[r] for r in rows], self.key_bytes)
-            self.host.give(rows[n:])
+            stuck = self.client.stuck_read()
+            if stuck:  # the READ may still write these rows: they come back when it has ended
+                self.client.hold(stuck, functools.partial(self.host.give, rows))
+            else:
+                self.host.give(rows[n:])
             self.counters["prefetched_pages"] += n
             if not job.add(self.host.publish(chunk[:n], rows[:n], pin=True)):
                 return
