@@ -40,7 +40,8 @@ from kvstore.keys import (
     store_keys,
     validate_keys,
 )
-from kvstore.messages import STORE_NAME, LocateReply, ReserveReply
+from kvstore.messages import STORE_NAME
+from kvstore.page_transfer import read_areas, write_areas
 from kvstore.pages import (
     gather_pages,
     pool_device,
@@ -51,7 +52,7 @@ from kvstore.pages import (
 )
 from kvstore.staging import Stage, retire, serialized
 from kvstore.store_link import FAILED, ClientCounters, StoreLink
-from kvstore.transfer import Unreleased, checksums, nixl_transfer
+from kvstore.transfer import Unreleased, nixl_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class KVStoreClient:
                 for t, n in zip(tensors, sizes[-1]):
                     self.staging[off : off + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
                     off += n
-            ok = self._write_areas(sub, sizes) and ok
+            ok = write_areas(self, sub, sizes) and ok
         return ok
 
     @serialized
@@ -173,7 +174,7 @@ class KVStoreClient:
             sub = chain[start : start + self.staging_pages]
             outs = out_tensors[start : start + len(sub)]
             want = [[t.numel() * t.element_size() for t in ts] for ts in outs]
-            n = self._read_areas(sub, want)
+            n = read_areas(self, sub, want)
             for i in range(n):
                 off = i * self.page_bytes
                 for t, size in zip(outs[i], want[i]):
@@ -224,7 +225,7 @@ class KVStoreClient:
             return 0
         areas = self._areas(rows[: len(chain)])
         self.counters.query_pages += len(chain)
-        n = self._read_areas(chain, [list(key_bytes)] * len(chain), areas)
+        n = read_areas(self, chain, [list(key_bytes)] * len(chain), areas)
         self.counters.pages_read += n
         self.counters.hit_pages += n
         return n
@@ -258,7 +259,7 @@ class KVStoreClient:
             return True
         if not chain or not self._valid(chain):
             return not chain
-        return self._write_areas(chain, [list(key_bytes)] * len(chain), self._areas(rows[: len(chain)]), prompt)
+        return write_areas(self, chain, [list(key_bytes)] * len(chain), self._areas(rows[: len(chain)]), prompt)
 
     # ---------------- KV pool pages ----------------
     @serialized
@@ -284,7 +285,7 @@ class KVStoreClient:
             tally = [0, 0]  # pages refused by this attempt, attempts before it
             while True:
                 tally[0] = 0
-                done = self._write_areas(sub, [sizes] * len(sub), None, prompt - start, tally)
+                done = write_areas(self, sub, [sizes] * len(sub), None, prompt - start, tally)
                 if done or not tally[0] or time.monotonic() > deadline:
                     break
                 tally[1] += 1
@@ -305,7 +306,7 @@ class KVStoreClient:
         loaded = 0
         for start in range(0, len(chain), self.staging_pages):
             sub = chain[start : start + self.staging_pages]
-            n = self._read_areas(sub, [sizes] * len(sub))
+            n = read_areas(self, sub, [sizes] * len(sub))
             if n:
                 self._scatter(pool, page_ids[start : start + n])
             loaded += n
@@ -412,114 +413,6 @@ class KVStoreClient:
     def _staged(self, n: int) -> list[np.ndarray]:
         """The first n page areas of the calling thread's staging area."""
         return [self._np[i * self.page_bytes : (i + 1) * self.page_bytes] for i in range(n)]
-
-    def _write_areas(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None,
-                     prompt: int = 0, tally: list[int] | None = None) -> bool:
-        """Send pages from registered memory: page i's keys packed by `sizes[i]` from the start
-        of `areas[i]` (default: the staging area, page i at i * page_bytes); pages i < `prompt`
-        hold prompt tokens. `tally` ([refused, attempts before]): the pages the store refused
-        are added to tally[0] rather than counted (the caller may offer them again), and a
-        retry does not count the pages an attempt before it wrote as present."""
-        keys = store_keys(chain, self.layout, self.tp_rank)
-        staged = areas is None
-        areas = self._staged(len(chain)) if staged else areas
-        where = [(areas[i], sum(s[:j])) for i, s in enumerate(sizes) for j in range(len(s))]
-        flat = [n for s in sizes for n in s]
-        reply = self._data_call("reserve", keys, flat)
-        if reply is FAILED:
-            return False
-        assert isinstance(reply, ReserveReply)
-        local, remote, sent, views, flags = [], [], [], [], []
-        for i, (key, (area, off), loc) in enumerate(zip(keys, where, reply.locs)):
-            if loc is None:
-                continue
-            views.append(area[off : off + loc.size])
-            sent.append(key)
-            flags.append(i // self.kpp < prompt)
-            base = area.ctypes.data
-            for addr, n in loc.regions:
-                local.append((base + off, n, 0))
-                remote.append((addr, n, 0))
-                off += n
-        if not sent:
-            self.link.send("release", reply.lease)
-        elif not self._xfer("WRITE", local, remote, staged=staged):
-            self.link.send("release", reply.lease)  # frees the reservation
-            return False
-        else:
-            committed = self.link.call("commit", self.name, reply.lease, sent, checksums(views),
-                                       *([] if self._tagless else [flags]))
-            if committed is FAILED or committed != len(sent):
-                if committed is not FAILED:
-                    self.counters.errors += 1
-                return False
-        self.counters.bytes_written += sum(n for _, n, _ in local)
-        done = {k for k, loc in zip(keys, reply.locs) if loc is not None}
-        for p in range(len(chain)):
-            page = keys[p * self.kpp : (p + 1) * self.kpp]
-            present = reply.present[p * self.kpp : (p + 1) * self.kpp]
-            if all(k in done for k in page):
-                self.counters.pages_written += 1
-            elif all(present):
-                self.counters.pages_present += tally is None or not tally[1]
-            elif not all(k in done or here for k, here in zip(page, present)):
-                if tally is None:
-                    self.counters.pages_refused += 1
-                else:
-                    tally[0] += 1
-        return all(p or loc is not None for p, loc in zip(reply.present, reply.locs))
-
-    def _read_areas(self, chain: Sequence[str], sizes: list[list[int]], areas: list[np.ndarray] | None = None) -> int:
-        """Read the leading stored pages into registered memory (page i's keys packed by
-        `sizes[i]` from the start of `areas[i]`; default: the staging area, page i at
-        i * page_bytes); returns how many arrived intact with the expected key sizes."""
-        keys = store_keys(chain, self.layout, self.tp_rank)
-        staged = areas is None
-        areas = self._staged(len(chain)) if staged else areas
-        t0 = time.perf_counter()
-        reply = self._data_call("locate", keys)
-        t1 = time.perf_counter()
-        self.counters.read_locate_s += t1 - t0
-        if reply is FAILED:
-            return 0
-        assert isinstance(reply, LocateReply)
-        n = len(reply.locs) // self.kpp
-        flat = [s for page in sizes[:n] for s in page]
-        good = next((i for i, (loc, s) in enumerate(zip(reply.locs, flat)) if loc.size != s), n * self.kpp)
-        if good < n * self.kpp:
-            logger.warning("kv store client: %s has %d bytes, expected %d", keys[good],
-                           reply.locs[good].size, flat[good])
-            self.counters.errors += 1
-            n = good // self.kpp
-        locs = reply.locs[: n * self.kpp]
-        local, remote, where = [], [], []
-        for i, loc in enumerate(locs):
-            page, j = divmod(i, self.kpp)
-            off = sum(sizes[page][:j])
-            where.append((areas[page], off))
-            base = areas[page].ctypes.data
-            for addr, size in loc.regions:
-                local.append((base + off, size, 0))
-                remote.append((addr, size, 0))
-                off += size
-        ok = not local or self._xfer("READ", local, remote, staged=staged)
-        self.link.send("release", reply.lease)
-        t2 = time.perf_counter()
-        self.counters.read_transfer_s += t2 - t1
-        if not ok:
-            return 0
-        crcs = checksums([area[off : off + loc.size] for loc, (area, off) in zip(locs, where)])
-        self.counters.read_verify_s += time.perf_counter() - t2
-        for i, (loc, crc) in enumerate(zip(locs, crcs)):
-            if crc != loc.checksum:
-                logger.warning("kv store client: checksum mismatch on %s", loc.key)
-                self.counters.errors += 1
-                self.counters.corrupt += 1
-                self.link.send("verify", [loc.key])  # the store deletes its copy if it is bad
-                n = min(n, i // self.kpp)
-                break
-        self.counters.bytes_read += sum(loc.size for loc in locs[: n * self.kpp])
-        return n
 
     # ---------------- metrics ----------------
     def stats(self) -> dict:
