@@ -5,10 +5,13 @@ several transfers run at once without sharing bytes."""
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("kvstore.client")
 
 
 def serialized(method):
@@ -55,8 +58,12 @@ def retire(client, handles: list) -> None:
     let late bytes land after a later call checksummed the area, and reach the KV cache or the
     store with a matching checksum."""
     old = client._tls.stage
-    tensor = torch.zeros_like(old.tensor, pin_memory=old.tensor.is_pinned())
-    client._extra_regs.append(client.agent.register_memory(tensor))
+    client.counters.stuck_transfers += 1
+    try:
+        tensor = torch.zeros_like(old.tensor, pin_memory=old.tensor.is_pinned())
+        client._extra_regs.append(client.agent.register_memory(tensor))
+    except Exception:  # (no memory for it: the area is reused as before, rather than a call raising or waiting)
+        logger.exception("kv store client: no new staging area beside one a stuck transfer may still use")
+        return
     client._tls.stage = Stage(tensor, tensor.numpy())
     client._unreleased.add(client.agent, handles, functools.partial(client._free.put, old))
-    client.counters.stuck_transfers += 1
