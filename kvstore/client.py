@@ -400,7 +400,10 @@ class KVStoreClient:
         unreleased: list = []
         state = nixl_transfer(self.agent, op, local, remote, self._store_agent, self.timeout_s + nbytes / 100e6,
                               unreleased=unreleased)
-        if state == "stuck" and staged:
+        # A stuck READ may still land in our memory; a stuck WRITE only reads it (the store's
+        # copy may then be wrong, which its checksum catches), and a retry must find the bytes
+        # it gathered where they were.
+        if state == "stuck" and op == "READ" and staged:
             retire(self, unreleased)
         elif state == "stuck" and op == "READ":  # the caller's rows: `stuck_read` tells it to hold them
             self._tls.stuck = unreleased

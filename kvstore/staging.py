@@ -17,7 +17,7 @@ logger = logging.getLogger("kvstore.client")
 def serialized(method):
     """A data-path call holds one of the client's staging areas for its duration: up to
     `staging_slots` calls run at once (from different threads), each in its own area. A call
-    whose transfer NIXL could not cancel swaps its area for a new one (`retire`): the area it
+    whose READ NIXL could not cancel swaps its area for a new one (`retire`): the area it
     held comes back to the pool once that transfer has ended, checked before each call."""
 
     @functools.wraps(method)
@@ -52,11 +52,11 @@ class Stage:
 
 
 def retire(client, handles: list) -> None:
-    """The calling thread's staging area may still be written or read by a transfer NIXL could
-    not cancel (`handles`): it leaves the pool until that transfer ends, and the call goes on in
-    a new registered area (the pool is one area larger from then on). Reusing it at once could
-    let late bytes land after a later call checksummed the area, and reach the KV cache or the
-    store with a matching checksum."""
+    """The calling thread's staging area may still be written by a READ NIXL could not cancel
+    (`handles`): it leaves the pool until that READ ends, and the call goes on in a new
+    registered area (the pool is one area larger from then on). Reusing it at once could let
+    late bytes land after a later call checksummed the area, and reach the KV cache or the store
+    with a matching checksum."""
     old = client._tls.stage
     client.counters.stuck_transfers += 1
     try:
