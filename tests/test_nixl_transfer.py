@@ -32,11 +32,11 @@ def _pair(nbytes: int):
     return reader, source, name, src, dst, local, remote
 
 
-def test_a_read_that_cannot_be_cancelled_keeps_its_memory_until_it_ends():
-    reader, source, name, src, dst, local, remote = _pair(64 * PAGE)
-    # The backend refuses to cancel the READ once (NIXL cancels it on this loopback; a wedged
-    # network path is where it cannot): the handle's first release fails.
-    real_release, refused = reader.release_xfer_handle, []
+def _refuse_first_release(agent) -> list:
+    """The backend refuses to cancel `agent`'s next transfer (NIXL cancels it on this loopback; a
+    wedged network path is where it cannot): its handle's first release fails. Returns the list
+    the refused handle goes into."""
+    real_release, refused = agent.release_xfer_handle, []
 
     def refuse_once(handle):
         if not refused:
@@ -44,7 +44,24 @@ def test_a_read_that_cannot_be_cancelled_keeps_its_memory_until_it_ends():
             raise RuntimeError("injected: the backend cannot cancel this transfer")
         return real_release(handle)
 
-    reader.release_xfer_handle = refuse_once
+    agent.release_xfer_handle = refuse_once
+    return refused
+
+
+def _wedged_store(client, seed: int):
+    """An agent standing for the store's, added to `client` as its store, with 4 random pages
+    registered; wedged: nothing progresses it until the test calls its `get_new_notifs`."""
+    peer = make_agent(f"store-{uuid.uuid4().hex[:8]}")
+    src = torch.randint(0, 256, (4 * PAGE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    peer.register_memory(src)
+    name = client.agent.add_remote_agent(peer.get_agent_metadata())
+    client._store_agent = name.decode() if isinstance(name, bytes) else name
+    return peer, src
+
+
+def test_a_read_that_cannot_be_cancelled_keeps_its_memory_until_it_ends():
+    reader, source, name, src, dst, local, remote = _pair(64 * PAGE)
+    refused = _refuse_first_release(reader)
     unreleased: list = []
     # Nothing progresses the source's worker: the READ is still in progress at its deadline.
     state = nixl_transfer(reader, "READ", local, remote, name, 0.2, unreleased=unreleased)
@@ -130,21 +147,8 @@ def test_a_store_client_transfer_that_cannot_be_cancelled_retires_its_staging_ar
     client = KVStoreClient(None, "mha", 0, 1, page_bytes=PAGE, fingerprint="test", staging_pages=4,
                            timeout_s=0.2, staging_slots=1)
     try:
-        tag = uuid.uuid4().hex[:8]
-        peer = make_agent(f"store-{tag}")  # stands for the store's agent, wedged: nothing progresses it
-        src = torch.randint(0, 256, (4 * PAGE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
-        peer.register_memory(src)
-        name = client.agent.add_remote_agent(peer.get_agent_metadata())
-        client._store_agent = name.decode() if isinstance(name, bytes) else name
-        real_release, refused = client.agent.release_xfer_handle, []
-
-        def refuse_once(handle):
-            if not refused:
-                refused.append(handle)
-                raise RuntimeError("injected: the backend cannot cancel this transfer")
-            return real_release(handle)
-
-        client.agent.release_xfer_handle = refuse_once
+        peer, src = _wedged_store(client, seed=9)
+        refused = _refuse_first_release(client.agent)
 
         @serialized
         def read_staged(self):
@@ -187,21 +191,8 @@ def test_a_stuck_read_into_host_rows_holds_them_until_it_ends():
     try:
         rows = torch.zeros(4, PAGE, dtype=torch.uint8)
         assert client.register_rows(rows)
-        tag = uuid.uuid4().hex[:8]
-        peer = make_agent(f"store-{tag}")  # the store's agent, wedged
-        src = torch.randint(0, 256, (4 * PAGE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-        peer.register_memory(src)
-        name = client.agent.add_remote_agent(peer.get_agent_metadata())
-        client._store_agent = name.decode() if isinstance(name, bytes) else name
-        real_release, refused = client.agent.release_xfer_handle, []
-
-        def refuse_once(handle):
-            if not refused:
-                refused.append(handle)
-                raise RuntimeError("injected: the backend cannot cancel this transfer")
-            return real_release(handle)
-
-        client.agent.release_xfer_handle = refuse_once
+        peer, src = _wedged_store(client, seed=3)
+        refused = _refuse_first_release(client.agent)
 
         @serialized
         def read_into_rows(self):  # what read_rows does once the store located the pages
