@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cluster import gil_switch
+from workers import gil_switch
 from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from cluster.engine.ranks import runner_options

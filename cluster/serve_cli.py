@@ -184,7 +184,7 @@ def _listen_socket(host: str, port: int):
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from cluster import gil_switch
+    from workers import gil_switch
     from cluster.api.metrics import ServerMetrics
     from cluster.api.server import build_app
     from cluster.api.shutdown import ShutdownGate

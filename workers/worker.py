@@ -17,7 +17,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from workers import heap
+from workers import gil_switch, heap
 from workers.messages import OverlapCall, StepPlan, StepResult
 from workers.model_runner import ModelRunner, RunnerOptions
 from workers.parallel import TPGroup
@@ -57,6 +57,11 @@ class RankWorker:
         self.runner: ModelRunner | None = None
         self._frozen = False  # this rank counts as a user of workers.heap's frozen heap
         self._stop = threading.Event()
+        # The step thread shares the GIL with the KV offload's I/O thread (prefetch and PD reads,
+        # their checksums, the store's writes) and the actor's own threads (a PD peer's
+        # `pd_locate`, stats): after its forward the step would wait up to CPython's 5 ms switch
+        # interval to run again, a decode step's whole tail on a loaded GPU.
+        gil_switch.apply()
         if opts.device == "cpu":
             # Several ranks share the host's cores: one thread each keeps them from fighting.
             torch.set_num_threads(max(1, int(os.environ.get("MANTA_WORKER_THREADS", "1"))))

@@ -4,7 +4,9 @@ The serving path crosses threads in each of its processes: in the HTTP server, t
 reads a replica's frames while other threads (Ray's, the router's) hold the GIL at times, and
 it may be busy writing a step's worth of chunks; in a replica actor, a connection's reader or
 writer thread (`cluster/replica_channel.py`) needs the GIL while the engine thread plans and
-launches a step. A waiting thread gets the GIL only
+launches a step; in a rank actor (`workers/worker.py`), the step thread comes back from its
+forward while the KV offload's I/O thread or a PD peer's call runs Python. A waiting thread
+gets the GIL only
 when the holder releases it or when the switch interval runs out: CPython's default, 5 ms,
 then lands whole on a request's time to first token at each of those hops. A shorter
 interval lets the waiting thread in sooner, at the cost of more switches while threads
