@@ -26,13 +26,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from workers import gil_switch
 from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from cluster.engine.ranks import runner_options
 from cluster.engine.request import RequestOutput
 from cluster.kv_store_setup import kv_store_stats
 from cluster.replica_channel import Outboxes, ServingListener
+from workers import gil_switch
 from workers.request_errors import RequestError
 from workers.sampling_params import SamplingParams
 

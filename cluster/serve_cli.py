@@ -184,13 +184,12 @@ def _listen_socket(host: str, port: int):
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from workers import gil_switch
     from cluster.api.metrics import ServerMetrics
     from cluster.api.server import build_app
     from cluster.api.shutdown import ShutdownGate
     from cluster.engine.config import ConfigError
     from cluster.launch import ServingCluster
-    from workers import heap
+    from workers import gil_switch, heap
 
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ConfigError("request_timeout", "must be > 0 seconds")
