@@ -139,8 +139,8 @@ class RankKVOffload(RankIOThreads):
 
     # ---------------- one step ----------------
     def run(self, plan, result) -> None:
-        """Saves, then prefetch starts, then loads (see workers.kv_messages for why), then the
-        progress of the prefetches still running."""
+        """Saves, then prefetch starts, then loads (see workers.kv_messages for why), as a step
+        launches. The prefetches' progress goes in the result when it is completed (`report`)."""
         self._unpin_copied()
         self.leases.sweep()
         for rid in plan.finished_rids:
@@ -172,6 +172,12 @@ class RankKVOffload(RankIOThreads):
                 # rather than answer at once (the engine loop would spin on empty steps).
                 self._cv.wait(self.opts.idle_wait_s)
             self._progress = False
+
+    def report(self, result) -> None:
+        """The prefetches' progress (and the host tier's changes) into `result`, as the step's
+        result is completed: on every rank at the same point (the model runner's), after the
+        next step's `run` when steps overlap. Sampled here rather than at launch, the scheduler
+        learns that a prefetch (a PD hand-off's read) has landed a step sooner."""
         jobs = list(self.jobs.values())
         progress = report_progress(self.tp, [j.ready for j in jobs], [j.done.is_set() for j in jobs])
         # (read before the agreement and the changes: a warm that has ended has published all it will)
@@ -426,6 +432,8 @@ class NullKVOffload:
         for load in plan.kv_loads:
             result.kv_loaded[load.rid] = agree_on_pages(self.tp, 0)
             self.jobs.pop(load.rid, None)
+
+    def report(self, result) -> None:
         progress = report_progress(self.tp, [0] * len(self.jobs), [True] * len(self.jobs))
         if self.agreement is not None:
             self.agreement.step(False)

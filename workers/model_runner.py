@@ -279,7 +279,7 @@ class ModelRunner:
             assert self.drafter is not None and isinstance(plan, SpecStepPlan), "TARGET_VERIFY needs a draft model"
             assert isinstance(result, SpecStepResult)
             self._retire_inflight()
-            self._ready.append(self.drafter.verify(plan, t0, result))
+            self._ready.append(self._reported(self.drafter.verify(plan, t0, result)))
             return
         fb = hidden = logits = None
         split = self._split_mixed(plan)
@@ -318,8 +318,15 @@ class ModelRunner:
     def _retire_inflight(self) -> None:
         self._draw_deferred()
         if self._inflight is not None:
-            self._ready.append(self._complete(self._inflight))
+            self._ready.append(self._reported(self._complete(self._inflight)))
             self._inflight = None
+
+    def _reported(self, result: StepResult) -> StepResult:
+        """A completed result with the KV offload's prefetch progress, sampled now (every rank
+        completes its steps at the same points, so its collective lines up)."""
+        if self.kv_offload is not None:
+            self.kv_offload.report(result)
+        return result
 
     def collect(self) -> StepResult:
         """The result of the oldest launched plan not collected yet (waits for it if needed)."""
