@@ -39,11 +39,15 @@ class PendingProbe:
 
     def abandon(self, too_slow: bool = False) -> None:
         """Stop waiting for the answer: it is not needed any more (the request was admitted
-        otherwise, or ended), or `too_slow` (counted as an error, read as a miss)."""
+        otherwise, or ended), or `too_slow` (counted as an error, read as a miss). An answer
+        not needed is still read when it comes: a lookup that fails then (a store that died)
+        counts as an error, and the dead store is looked up again by name."""
         if self.future is not None and not self.future.done():
             if too_slow:
                 self.probe.failed(TimeoutError("store lookup"))
-            self.future.cancel()
+                self.future.cancel()
+            else:
+                self.future.add_done_callback(self.probe.failed_late)
 
 
 class StoreProbe:
@@ -92,6 +96,11 @@ class StoreProbe:
         except Exception as exc:
             self.failed(exc)
             return PendingProbe(self, None, per_page, now)
+
+    def failed_late(self, future) -> None:
+        """The answer of an abandoned lookup (on the thread that completes it): only a failure counts."""
+        if not future.cancelled() and future.exception() is not None:
+            self.failed(future.exception())
 
     def failed(self, exc: BaseException) -> None:
         """A lookup failed: count it; a dead store is looked up again by name next time."""

@@ -621,7 +621,8 @@ def test_dead_hung_or_full_store_never_stops_serving(engines, tmp_path, llama_di
     t0 = time.monotonic()
     assert eng.generate([prompts[1]], greedy(4))[0].token_ids == ref[1].token_ids
     assert time.monotonic() - t0 < 10
-    assert eng.kv_offload.probe.counters.errors >= 1 and errors(eng) >= 1
+    # (the probe's error may come after the request was admitted without its answer)
+    wait_for(lambda: eng.kv_offload.probe.counters.errors >= 1 and errors(eng) >= 1, 10, "the failed probe counted")
     # The replica's report (what the metrics export) catches up with them in the background.
     wait_for(lambda: kv_store_stats(eng)["errors"] >= 1, 10, "the errors in the report")
 
@@ -637,6 +638,23 @@ def test_dead_hung_or_full_store_never_stops_serving(engines, tmp_path, llama_di
         assert eng2.kv_offload.stats.hit_pages == 0 and eng2.kv_offload.probe.counters.errors >= 1
     finally:
         ray.kill(hung)
+
+
+def test_a_lookup_abandoned_then_failed_counts_and_drops_the_dead_store(ray_local):
+    """A request admitted before its store lookup answered abandons the lookup; when the store
+    then dies, the failure still counts as an error (it is what the metrics show) and the dead
+    handle is dropped, so the next lookup finds the store by name again."""
+    from kvstore.probe import StoreProbe
+
+    hung = HungStore.options(namespace=NS).remote()
+    probe = StoreProbe(hung, "mha", 1, namespace=NS)
+    pending = probe.start(chain_keys(list(range(64)), 16, "fp", "mha"))
+    assert not pending.done()
+    pending.abandon()
+    assert probe.counters.errors == 0
+    ray.kill(hung)
+    wait_for(lambda: probe.counters.errors == 1, 10, "the abandoned lookup's failure counted")
+    assert probe.link.store is None
 
 
 # ------------------------------------------------------------------------------------------------
