@@ -59,8 +59,8 @@ class RankWorker:
         self._stop = threading.Event()
         # The step thread shares the GIL with the KV offload's I/O thread (prefetch and PD reads,
         # their checksums, the store's writes) and the actor's own threads (a PD peer's
-        # `pd_locate`, stats): after its forward the step would wait up to CPython's 5 ms switch
-        # interval to run again, a decode step's whole tail on a loaded GPU.
+        # `pd_locate`, stats): back from waiting on its forward, the step could wait up to
+        # CPython's 5 ms switch interval to run again.
         gil_switch.apply()
         if opts.device == "cpu":
             # Several ranks share the host's cores: one thread each keeps them from fighting.
