@@ -12,19 +12,23 @@ from cluster.engine_args import add_engine_args, engine_config_from_args, requir
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from cluster.engine.loop import Engine
-    from workers.sampling_params import SamplingParams
+    from cluster.engine.scheduler import RequestRejected
+    from workers.sampling_params import SamplingParams, SamplingParamsError
 
     config = engine_config_from_args(args)
     require_checkpoint(config.model, config.load_format)
-    engine = Engine(config)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.sampling_seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
     )
-    from cluster.engine.scheduler import RequestRejected
-    from workers.sampling_params import SamplingParamsError
+    try:  # before the model loads: a bad parameter is refused at once
+        params.validate()
+    except SamplingParamsError as exc:
+        print(f"manta generate: invalid request: {exc}", file=sys.stderr)
+        return 2
+    from cluster.engine.loop import Engine
 
+    engine = Engine(config)
     try:
         results = engine.generate(args.prompt, params)
     except (SamplingParamsError, RequestRejected) as exc:

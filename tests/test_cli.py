@@ -28,11 +28,13 @@ def test_make_model_then_generate_json(tmp_path):
         assert len(row["token_ids"]) == 5 and row["finish_reason"] == "length"
 
 
-def test_generate_rejects_bad_parameter_with_its_name(tmp_path):
-    out = tmp_path / "m"
-    assert run("make-model", str(out), "--arch", "llama", "--layers", "1").returncode == 0
-    gen = run("generate", "--model", str(out), "--prompt", "x", "--top-p", "1.5")
-    assert gen.returncode != 0 and "top_p" in gen.stderr
+def test_generate_rejects_bad_parameter_with_its_name(tmp_path_factory):
+    """A sampling parameter out of range: exit 2 naming it, before the model loads."""
+    from tests.fixtures import tiny_model_dir
+
+    gen = run("generate", "--model", str(tiny_model_dir(tmp_path_factory, "llama")), "--prompt", "x", "--top-p", "1.5")
+    assert gen.returncode == 2 and "manta generate: invalid request: top_p" in gen.stderr, gen.stderr
+    assert "Traceback" not in gen.stderr and "KV pool" not in gen.stderr  # (the engine never started)
 
 
 def test_gpus_per_rank_reaches_the_engine_config_and_is_checked():
@@ -112,14 +114,21 @@ def test_serve_refuses_a_quantized_checkpoint_before_starting(tmp_path):
     (["--request-timeout", "-5"], "--request-timeout", "must be > 0"),  # (the HTTP server's)
     (["--model", "/nonexistent/ckpt"], "--model", "/nonexistent/ckpt is not a checkpoint directory"),
 ])
-def test_serve_refuses_an_option_out_of_range_by_its_flag(args, flag, says):
+def test_serve_refuses_an_option_out_of_range_by_its_flag(args, flag, says, monkeypatch, capsys):
     """An option out of range (the engine's, the cluster's, the server's) or a model directory
     that is not there ends `manta serve` at once with a usage error naming the flag the user
-    typed (exit 2, no traceback, no Ray)."""
-    served = run("serve", "--port", "0", *args)
-    assert served.returncode == 2
-    assert f"manta serve: error: {flag}: " in served.stderr and says in served.stderr
-    assert "Traceback" not in served.stderr and "Started a local Ray instance" not in served.stderr
+    typed (exit 2, no traceback, no Ray). In this process, through `manta`'s own `main` (the
+    tests above and below run the command itself): starting the cluster fails the test."""
+    from cluster.cli import main
+    from cluster.launch import ServingCluster
+
+    def started(self):
+        raise AssertionError("the cluster started before the refusal")
+
+    monkeypatch.setattr(ServingCluster, "start", started)
+    assert main(["serve", "--port", "0", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"manta serve: error: {flag}: " in err and says in err, err
 
 
 def test_generate_refuses_a_model_that_is_not_there():
