@@ -2,7 +2,8 @@
 # A wheelhouse: every wheel that manta and its dependencies need, for machines without internet
 # (docs/deploy.md, "Air-gapped"). Run it on a machine with internet and the same OS, CPU
 # architecture and Python minor version as the cluster's machines, copy the folder, install with
-#   pip install --no-index --find-links WHEELHOUSE -e MANTA_CHECKOUT
+#   pip install --no-index --find-links WHEELHOUSE -e MANTA_CHECKOUT   (or uv pip install, as
+#   deploy/ray-cluster.offline.yaml does)
 #
 #   scripts/make_wheelhouse.sh [OUT] [extra pip args...]     # OUT defaults to .wheelhouse
 #
@@ -15,6 +16,7 @@ shift || true
 PY=${PYTHON:-.venv/bin/python}
 TORCH=${TORCH:-torch==$("$PY" -c 'import torch; print(torch.__version__)')}
 mkdir -p "$OUT"
-# setuptools: `pip install -e` builds manta's editable wheel from it, offline too.
-"$PY" -m pip wheel -q --wheel-dir "$OUT" "$@" "$TORCH" "setuptools>=68" wheel .
+# setuptools: `pip install -e` builds manta's editable wheel from it, offline too. uv: the
+# offline cluster file installs with it (deploy/ray-cluster.offline.yaml).
+"$PY" -m pip wheel -q --wheel-dir "$OUT" "$@" "$TORCH" "setuptools>=68" wheel uv .
 echo "wheelhouse: $(ls "$OUT" | wc -l) wheels, $(du -sh "$OUT" | cut -f1) in $OUT"
