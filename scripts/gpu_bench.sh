@@ -61,6 +61,11 @@ mps_start() {  # CUDA MPS for this stage's processes (a user daemon: the GPU's o
   # kernels can fill the GPU while the other's wait (MPS=1 alone: decode steps stretched to 138 ms)
   [ -n "${MPS_PCT:-}" ] && export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_PCT
 }
+mps_clients() {  # under MPS=1: the MPS servers and the GPU's compute processes (MPS clients run inside the server)
+  [ "${MPS:-0}" = 1 ] || return 0
+  echo "MPS servers: $(echo get_server_list | nvidia-cuda-mps-control 2>&1 | tr '\n' ' ')"
+  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>&1 | sed 's/^/  gpu process: /'
+}
 mps_stop() { echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; }
 serve_warmed() {  # wait (up to 180 s) until the replica's ranks have warmed their host tiers from the store
   python3 - "$PORT" <<'PY'
@@ -240,7 +245,7 @@ for s in $stages; do
           if [ "$mode" = mixed ]; then sides="--replicas 2${MIX_SM:+ --sm-percent $MIX_SM}"
           else sides="--prefill-replicas 1 --decode-replicas 1"  # PD_SM="P D": each side's SMs under MPS
             [ -n "${PD_SM:-}" ] && set -- $PD_SM && sides="$sides --prefill-sm-percent $1 --decode-sm-percent $2"; fi
-          serve_start "$mode" $G $sides && { WORK="$PDWORK" http_bench "l8_pd_$mode"; serve_stop; }
+          serve_start "$mode" $G $sides && { mps_clients; WORK="$PDWORK" http_bench "l8_pd_$mode"; serve_stop; }
           grep -E "^manta:pd_(transfer_(bytes|seconds|pages)|transfers)_total" "$OUT/l8_pd_${mode}_metrics.txt" | grep -v " 0.0"
           python3 -c "import json,sys; [print(r['name'], [{k: round(v, 3) for k, v in rk.items() if k.startswith('pd_') and v}
             for rk in ((r.get('stats') or {}).get('kvstore') or {}).get('ranks', [])]) for r in json.load(open(sys.argv[1]))['replicas']]" \
