@@ -49,6 +49,7 @@ from collections import OrderedDict
 import torch
 
 from workers.handoff_rows import dev_of, mem_of, same_memory
+from workers.handoff_speed import ReadSpeed
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +253,9 @@ class PeerReader:
                          "pd_stuck": 0, "pd_stuck_freed": 0,
                          # where the time goes: the prefill rank's answer, the NIXL reads, and the
                          # checksums' time after the last read (the rest runs beside the reads)
-                         "pd_locate_s": 0.0, "pd_read_s": 0.0, "pd_verify_s": 0.0}
+                         "pd_locate_s": 0.0, "pd_read_s": 0.0, "pd_verify_s": 0.0,
+                         "pd_slow_reads": 0}  # GPU memory read at TCP's pace (workers/handoff_speed.py)
+        self.speed = ReadSpeed()
 
     # ---------------- one prefetch ----------------
     def fetch(self, job, source) -> None:
@@ -460,6 +463,8 @@ class PeerReader:
             if t1 < deadline:  # (past it: a timeout, counted by `fetch`)
                 self.counters["pd_failures"] += 1
             return 0
+        self.speed.add(source.replica, mem, sum(n for _, n, _ in local), t1 - t0, time.monotonic())
+        self.counters["pd_slow_reads"] = self.speed.slow
         good = next((i for i, (a, b) in enumerate(zip(got, crcs)) if a != b), len(crcs))
         if good < len(crcs):
             logger.warning("kv peer: page %d from %s fails its checksum; the rest is computed here",
