@@ -14,7 +14,7 @@ MIB = 1 << 20
 def test_gpu_memory_at_tcp_pace_is_said_once_per_replica(caplog):
     speed = ReadSpeed()
     caplog.set_level(logging.WARNING, logger="workers.handoff_speed")
-    # last session's lent H200: 256 MiB in 0.6 s
+    # the lent H200 host of 2026-11-28 (BENCHMARKS.md): 256 MiB in 0.6 s
     msg = speed.add("replica-0", "VRAM", 256 * MIB, 0.6, now=100.0)
     assert msg is not None and "replica-0" in msg and "0.45 GB/s" in msg
     assert "nixl_read_bench.py --device cuda" in msg and "--pd-memory host" in msg

@@ -48,8 +48,9 @@ class ReadSpeed:
         self._warned[replica] = now
         msg = (f"PD hand-offs from {replica} read GPU memory at {gb_s:.2f} GB/s: NIXL's UCX found no CUDA IPC "
                f"or GPUDirect RDMA lane to its ranks and moves GPU memory over TCP. A 256 MiB prompt (2,048 "
-               f"tokens of an 8B model) takes {0.256 / gb_s:.1f} s to move, longer than its prefill, so this "
-               "decode replica will compute most prompts itself. Check the transport with "
+               f"tokens of an 8B model) takes {(256 << 20) / 1e9 / gb_s:.1f} s to move (its prefill takes tens of "
+               "ms on a GPU), so under load this decode replica falls behind and computes most prompts itself. "
+               "Check the transport with "
                "`python3 scripts/nixl_read_bench.py --device cuda` (docs/deploy.md); between hosts without "
                "GPUDirect RDMA, serve with --pd-memory host")
         logger.warning(msg)
