@@ -13,8 +13,13 @@ import argparse
 import functools
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python3 scripts/...` from anywhere
+from attention.gpu_prefill import _aten_flash  # noqa: E402 - the prefill's own call
 
 HEADS, KV_HEADS, D = 32, 8, 128
 CASES = [(1, 2048), (4, 2048), (1, 8192), (2, 4096), (3, 1000)]  # (prompts, tokens each)
@@ -39,7 +44,7 @@ def time_ms(fn, reps: int = 20) -> float:
 
 
 def flash(q, k, v, cu, n, scale):
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, n, n, 0.0, True, False, scale=scale)[0]
+    return _aten_flash(q, k, v, cu, cu, n, n, scale, True)
 
 
 def cudnn(q, k, v, cu, n, scale):
@@ -69,8 +74,7 @@ def prefixed(q, k, v, prefix, scale, how):
     if how == "fa":
         cu_q = torch.tensor([0, n], device="cuda", dtype=torch.int32)
         cu_k = torch.tensor([0, total], device="cuda", dtype=torch.int32)
-        return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, n, total, 0.0, True, False,
-                                                       scale=scale)[0]
+        return _aten_flash(q, k, v, cu_q, cu_k, n, total, scale, True)
     tq, tk, tv = (x.transpose(0, 1)[None] for x in (q, k, v))
     if how == "cudnn-bias":
         mask = torch.ones(n, total, device="cuda", dtype=torch.bool).tril(diagonal=total - n)
