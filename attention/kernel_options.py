@@ -20,10 +20,6 @@ What is left to choose is what a user or a benchmark needs:
   (`workers.prompt_graphs`); off, eagerly (the baseline).
 - `gemv_configs` (`MANTA_GEMV_CONFIGS="NxK:block_n,block_k,split_k,num_warps[,vec[,prefetch]];..."`): launches to
   try for given product shapes (tuning).
-- `decode_tiles` (`MANTA_DECODE_TILES=0`): 16-bit products of decode batches (2-64 rows) of
-  the shapes `workers.layers.decode_tiles` has launches for on its Triton tile kernel; off, cuBLAS.
-- `tile_configs` (`MANTA_TILE_CONFIGS="NxK[s]:block_n,block_k,num_warps,num_stages,split_k,swap;..."`,
-  `s` for a product with the SiLU·up prologue): launches for `decode_tiles` (tuning).
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """
@@ -47,17 +43,13 @@ class KernelOptions:
     mixed_split: bool = True
     prompt_graphs: bool = True
     gemv_configs: tuple[tuple[str, GemvLaunch], ...] = ()  # ("NxK", launch)
-    decode_tiles: bool = True
-    tile_configs: tuple[tuple[str, tuple[int, ...]], ...] = ()  # ("NxK" or "NxKs", launch)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:
         return cls(one_row_gemv=environ.get("MANTA_GEMV") != "0", pdl=environ.get("MANTA_PDL") != "0",
                    mixed_split=environ.get("MANTA_MIXED_SPLIT") != "0",
                    prompt_graphs=environ.get("MANTA_PROMPT_GRAPHS") != "0",
-                   gemv_configs=parse_gemv_configs(environ.get("MANTA_GEMV_CONFIGS", "")),
-                   decode_tiles=environ.get("MANTA_DECODE_TILES") != "0",
-                   tile_configs=parse_tile_configs(environ.get("MANTA_TILE_CONFIGS", "")))
+                   gemv_configs=parse_gemv_configs(environ.get("MANTA_GEMV_CONFIGS", "")))
 
     def gemv_launch(self, n: int, k: int) -> GemvLaunch | None:
         shape = f"{n}x{k}"
@@ -69,9 +61,6 @@ class KernelOptions:
                  f"prompt graphs {'on' if self.prompt_graphs else 'off'}"]
         if self.gemv_configs:
             parts.append("GEMV launches " + "; ".join(f"{s}:{','.join(map(str, c))}" for s, c in self.gemv_configs))
-        parts.append(f"decode tiles {'on' if self.decode_tiles else 'off'}")
-        if self.tile_configs:
-            parts.append("tile launches " + "; ".join(f"{s}:{','.join(map(str, c))}" for s, c in self.tile_configs))
         return ", ".join(parts)
 
 
@@ -84,20 +73,6 @@ def parse_gemv_configs(text: str) -> tuple[tuple[str, GemvLaunch], ...]:
         if (not (x and n.isdigit() and k.isdigit()) or len(values) not in (4, 5, 6) or not all(v.isdigit() for v in values)
                 or len(values) == 6 and values[5] not in ("0", "1")):
             raise ValueError(f"MANTA_GEMV_CONFIGS item {item!r}: want NxK:block_n,block_k,split_k,num_warps[,vec[,prefetch]]")
-        out.append((shape, tuple(int(v) for v in values)))
-    return tuple(out)
-
-
-def parse_tile_configs(text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    out = []
-    for item in filter(None, text.split(";")):
-        shape, _, launch = item.partition(":")
-        values = launch.split(",")
-        n, x, k = shape.removesuffix("s").partition("x")
-        if (not (x and n.isdigit() and k.isdigit()) or len(values) != 6 or not all(v.isdigit() for v in values)
-                or values[5] not in ("0", "1")):
-            raise ValueError(f"MANTA_TILE_CONFIGS item {item!r}: want NxK[s]:block_n,block_k,num_warps,num_stages,"
-                             "split_k,swap")
         out.append((shape, tuple(int(v) for v in values)))
     return tuple(out)
 

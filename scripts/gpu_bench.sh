@@ -14,7 +14,6 @@
 # l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts) gemms (the 8B layer's four products alone, TFLOP/s).
 # FP8 (issue 25): l8fp8prof (the 8B shape's FP8 step by kernel, batch 64 and 1) dsv2fp8prof (block FP8 DeepSeek's batch-1 step by kernel) l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
 # ab (AB_OLD=DIR: an older tree's workers/ and attention/ against this one, AB_FLAGS, `python3 -P`)
-# tilesab (bf16 products of decode batches on the tile kernel: the probe's launches, then the step off / on)
 # gemvfp8ab (the step's FP8 one-row launches swept on this GPU, then batch 1 with the fastest against FP8_LAUNCH's)
 # (`bench_gemv --fp8`) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
@@ -164,15 +163,6 @@ for s in $stages; do
           [ "$v" = old ] && pp="$AB_OLD:$PYTHONPATH" || pp="$PYTHONPATH"
           PYTHONPATH="$pp" python3 -P -m cluster.cli bench latency --model /tmp/l8 $F ${AB_FLAGS:-} --steps 32 --input-len 512 \
             --out "$OUT/ab_${i}_$v.json" 2>&1 | grep "^batch"; done ;;
-    tilesab) build /tmp/l8 --preset llama-3.1-8b  # bf16 decode-batch products on the tile kernel (decode_tiles): the
-        # probe's launches (`bf16_decode_gemm_probe.py --emit`), then the step off / on / on / off at TILE_BATCHES
-        python3 scripts/bf16_decode_gemm_probe.py --m ${TILE_M:-16 64} --only ${TILE_SHAPES:-o down_silu} \
-          --emit "$OUT/tile_configs.txt" --out "$OUT/tile_probe.json"
-        tc=$(cat "$OUT/tile_configs.txt" 2>/dev/null); echo "launches: ${tc:-none}"
-        i=0; for v in off on on off; do i=$((i + 1)); echo "--- $v"
-          [ "$v" = on ] && e="MANTA_TILE_CONFIGS=$tc" || e="MANTA_DECODE_TILES=0"
-          env "$e" $M bench latency --model /tmp/l8 $F --batch ${TILE_BATCHES:-8 32 64} --steps 32 --input-len 512 \
-            --out "$OUT/tiles_${i}_$v.json" 2>&1 | grep "^batch"; done ;;
     l8) build /tmp/l8 --preset llama-3.1-8b
         $M bench latency --model /tmp/l8 $F --batch 1 64 --steps 48 --input-len 512 --out "$OUT/l8_latency.json" ;;
     l8fp8) build /tmp/l8 --preset llama-3.1-8b  # the same checkpoint quantized at load: per-channel FP8 weights

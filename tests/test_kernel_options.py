@@ -95,12 +95,3 @@ def test_the_rank_installs_the_engines_options(tmp_path_factory):
         assert one_row.enabled()
     finally:
         kernel_options.install(KernelOptions())
-
-
-def test_tile_configs_are_parsed_and_refused_with_the_item():
-    opts = KernelOptions.from_env({"MANTA_TILE_CONFIGS": "4096x4096:32,256,4,4,1,0;4096x14336s:32,128,4,3,2,1"})
-    assert opts.tile_configs == (("4096x4096", (32, 256, 4, 4, 1, 0)), ("4096x14336s", (32, 128, 4, 3, 2, 1)))
-    assert "4096x14336s:32,128,4,3,2,1" in opts.describe()
-    for bad in ("4096x4096:32,256,4,4,1", "4096:32,256,4,4,1,0", "4096x4096:32,256,4,4,1,2"):
-        with pytest.raises(ValueError, match="MANTA_TILE_CONFIGS item"):
-            KernelOptions.from_env({"MANTA_TILE_CONFIGS": bad})

@@ -190,14 +190,10 @@ def _gemv_kernel(X, W, S, B, Y, N, K, KB, stride_wn, stride_sn,
 
 @triton.jit
 def _gemm_kernel(X, W, SW, SX, B, Y, Part, Counters, M, N, K, KB, SPLIT_K,
-                 stride_xm, stride_wn, stride_swn, stride_sxm, stride_sxk, stride_ym, INTER,
+                 stride_xm, stride_wn, stride_swn, stride_sxm, stride_sxk, stride_ym,
                  A8: tl.constexpr, PER_CHANNEL: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-                 GROUP_M: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr = True,
-                 SILU_MUL: tl.constexpr = False):
-    """The tile kernel. SCALED = False: a 16-bit weight without scales (`decode_tiles`).
-    SILU_MUL: x is silu(X[:, :K]) * X[:, INTER:INTER + K] (a gate_up product's two halves),
-    rounded as `silu_mul.silu_and_mul` rounds, formed per tile as it is loaded."""
+                 GROUP_M: tl.constexpr, PDL: tl.constexpr):
     pdl.launch_dependents(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -226,11 +222,6 @@ def _gemm_kernel(X, W, SW, SX, B, Y, Part, Counters, M, N, K, KB, SPLIT_K,
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kmask = k0 + ck < k_hi
         x = tl.load(x_ptr + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        if SILU_MUL:
-            up = tl.load(x_ptr + INTER + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
-            x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
         w = tl.load(w_ptr + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
         if A8:
             if PER_CHANNEL:
@@ -251,7 +242,7 @@ def _gemm_kernel(X, W, SW, SX, B, Y, Part, Counters, M, N, K, KB, SPLIT_K,
                 acc = tl.dot(x, tl.trans(wd), acc)
     if SWAP:
         acc = tl.trans(acc)
-    if PER_CHANNEL and SCALED:
+    if PER_CHANNEL:
         acc = acc * tl.load(SW + rn * stride_swn, mask=nmask, other=0.0)[None, :]
         if A8:
             acc = acc * tl.load(SX + rm * stride_sxm, mask=mmask, other=0.0)[:, None]
@@ -365,7 +356,7 @@ def gemm(x, weight, scale, block_k, bias=None, a8: bool = False, config: TileCon
     use_pdl = pdl.enabled(x.device)
     _gemm_kernel[(tiles, cfg.split_k)](
         x, weight, scale, sx, bias if bias is not None else scale, y, part, counters, m, n, k, kb, cfg.split_k,
-        x.stride(0), weight.stride(0), scale.stride(0), sx.stride(0), sx.stride(1) if kb > 1 else 0, y.stride(0), 0,
+        x.stride(0), weight.stride(0), scale.stride(0), sx.stride(0), sx.stride(1) if kb > 1 else 0, y.stride(0),
         A8=a8, PER_CHANNEL=kb == 1, SCALE_K=block_k if kb > 1 else 1, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SWAP=cfg.swap, GROUP_M=8, PDL=use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)

@@ -3,10 +3,8 @@
 Each takes the unfused path's arguments and runs one `workers.layers.gemv` kernel when
 `applies` (one row, CUDA, bf16/fp16; a weight of that dtype, or FP8 with one scale per row;
 the kernel options' `one_row_gemv`, which `MANTA_GEMV=0` turns off for comparisons), else the
-torch ops the CPU path and larger batches use (with, for decode batches of up to 64 rows, the
-tile kernel where `workers.layers.decode_tiles` has a launch for the shape: o_proj, and down with
-the SiLU·up in its loads). This module imports no Triton: the kernel modules are imported on
-the first CUDA call.
+torch ops the CPU path and larger batches use. This module imports no Triton: the kernel module
+is imported on the first CUDA call.
 
 Without tensor parallelism down_proj also adds its output to the residual stream and sums its
 squares (`linear_add` -> `Summed`), and the next layer's qkv product normalises with those sums
@@ -23,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from attention import kernel_options
-from workers.layers import decode_tiles, fp8, fused, gemv_launch
+from workers.layers import fp8, fused, gemv_launch
 
 
 def enabled() -> bool:
@@ -44,11 +42,8 @@ def applies(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              scale: torch.Tensor | None) -> torch.Tensor:
-    """The unfused product: F.linear (or, for decode batches of the shapes `decode_tiles` has
-    launches for, its tile kernel), or an FP8 weight's with its per-row `scale`."""
+    """The unfused product: F.linear, or an FP8 weight's with its per-row `scale`."""
     if scale is None:
-        if decode_tiles.applies(x, weight):
-            return decode_tiles.linear(x, weight, bias)
         return F.linear(x, weight, bias)
     return fp8.linear(x, weight, scale, weight.shape[1], bias)
 
@@ -137,8 +132,6 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if applies(gate_up, weight, scale):
         gemv = _gemv()
         return gemv.gemv(gate_up, weight, bias, mode=gemv.SILU_MUL, scale=scale)[0]
-    if scale is None and decode_tiles.applies(gate_up, weight, silu_mul=True):
-        return decode_tiles.linear(gate_up, weight, bias, silu_mul=True)
     return _product(fused.silu_and_mul(gate_up), weight, bias, scale)
 
 
