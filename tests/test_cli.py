@@ -1,4 +1,7 @@
-"""The `manta` command line: make-model then generate, as a user runs them."""
+"""The `manta` command line: make-model then generate, as a user runs them (a python process
+each), and `manta serve`'s and `manta bench`'s refusals through `cluster.cli.main` in this
+process (the same code from argv on; a process per refusal costs seconds of imports), with
+tripwires on Ray and the cluster starting."""
 
 from __future__ import annotations
 
@@ -11,6 +14,30 @@ import pytest
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def tripwires(monkeypatch):
+    """For `manta serve` refusals run in this process through `cluster.cli.main` (a python
+    process per refusal costs seconds of imports): starting Ray or the cluster fails the test."""
+    import ray
+
+    from cluster.launch import ServingCluster
+
+    def started(*args, **kwargs):
+        raise AssertionError("Ray or the cluster started before the refusal")
+
+    monkeypatch.setattr(ServingCluster, "start", started)
+    monkeypatch.setattr(ray, "init", started)
+
+
+def _tiny_copy(tmp_path):
+    """A copy of the shared tiny Llama checkpoint, to edit."""
+    import shutil
+
+    from tests.fixtures import tiny_model_dir
+
+    return shutil.copytree(tiny_model_dir(None, "llama"), tmp_path / "m")
 
 
 def test_make_model_then_generate_json(tmp_path):
@@ -28,13 +55,20 @@ def test_make_model_then_generate_json(tmp_path):
         assert len(row["token_ids"]) == 5 and row["finish_reason"] == "length"
 
 
-def test_generate_rejects_bad_parameter_with_its_name(tmp_path_factory):
+def test_generate_rejects_bad_parameter_with_its_name(tmp_path_factory, monkeypatch, capsys):
     """A sampling parameter out of range: exit 2 naming it, before the model loads."""
+    from cluster.cli import main
+    from cluster.engine.loop import Engine
     from tests.fixtures import tiny_model_dir
 
-    gen = run("generate", "--model", str(tiny_model_dir(tmp_path_factory, "llama")), "--prompt", "x", "--top-p", "1.5")
-    assert gen.returncode == 2 and "manta generate: invalid request: top_p" in gen.stderr, gen.stderr
-    assert "Traceback" not in gen.stderr and "KV pool" not in gen.stderr  # (the engine never started)
+    def loaded(*args, **kwargs):
+        raise AssertionError("the engine started before the refusal")
+
+    monkeypatch.setattr(Engine, "__init__", loaded)
+    rc = main(["generate", "--model", str(tiny_model_dir(tmp_path_factory, "llama")), "--prompt", "x", "--top-p", "1.5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "manta generate: invalid request: top_p" in err, err
+    assert "Traceback" not in err
 
 
 def test_gpus_per_rank_reaches_the_engine_config_and_is_checked():
@@ -84,18 +118,18 @@ def test_an_sm_limit_on_an_in_process_engine_is_refused(tmp_path_factory):
         make_worker_group(EngineConfig(model=str(tiny_model_dir(tmp_path_factory, "llama")), sm_percent=50))
 
 
-def test_serve_refuses_a_quantized_checkpoint_before_starting(tmp_path):
+def test_serve_refuses_a_quantized_checkpoint_before_starting(tmp_path, tripwires, capsys):
     """`manta serve` on a checkpoint in a quantized format it cannot load (GPTQ) exits at once
     (no Ray, no replica) naming the format."""
-    out = tmp_path / "m"
-    assert run("make-model", str(out), "--arch", "llama", "--layers", "1").returncode == 0
+    out = _tiny_copy(tmp_path)
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (out / "config.json").write_text(json.dumps(cfg))
-    served = run("serve", "--model", str(out), "--port", "0")
-    assert served.returncode == 2
-    assert "quantized checkpoint manta cannot load" in served.stderr and "'gptq', bits 4" in served.stderr
-    assert "Started a local Ray instance" not in served.stderr
+    from cluster.cli import main
+
+    assert main(["serve", "--model", str(out), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "quantized checkpoint manta cannot load" in err and "'gptq', bits 4" in err, err
 
 
 @pytest.mark.parametrize("args,flag,says", [
@@ -114,53 +148,57 @@ def test_serve_refuses_a_quantized_checkpoint_before_starting(tmp_path):
     (["--request-timeout", "-5"], "--request-timeout", "must be > 0"),  # (the HTTP server's)
     (["--model", "/nonexistent/ckpt"], "--model", "/nonexistent/ckpt is not a checkpoint directory"),
 ])
-def test_serve_refuses_an_option_out_of_range_by_its_flag(args, flag, says, monkeypatch, capsys):
+def test_serve_refuses_an_option_out_of_range_by_its_flag(args, flag, says, tripwires, capsys):
     """An option out of range (the engine's, the cluster's, the server's) or a model directory
     that is not there ends `manta serve` at once with a usage error naming the flag the user
-    typed (exit 2, no traceback, no Ray). In this process, through `manta`'s own `main` (the
-    tests above and below run the command itself): starting the cluster fails the test."""
+    typed (exit 2, no traceback, no Ray)."""
     from cluster.cli import main
-    from cluster.launch import ServingCluster
 
-    def started(self):
-        raise AssertionError("the cluster started before the refusal")
-
-    monkeypatch.setattr(ServingCluster, "start", started)
     assert main(["serve", "--port", "0", *args]) == 2
     err = capsys.readouterr().err
     assert f"manta serve: error: {flag}: " in err and says in err, err
 
 
-def test_generate_refuses_a_model_that_is_not_there():
-    gen = run("generate", "--model", "/nonexistent/ckpt", "--prompt", "x")
-    assert gen.returncode == 2 and "manta generate: error: --model: /nonexistent/ckpt" in gen.stderr
-    assert "Traceback" not in gen.stderr
+def test_generate_refuses_a_model_that_is_not_there(capsys):
+    from cluster.cli import main
+
+    assert main(["generate", "--model", "/nonexistent/ckpt", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "manta generate: error: --model: /nonexistent/ckpt" in err and "Traceback" not in err, err
 
 
-def test_bench_against_no_server_says_so(tmp_path):
+def test_bench_against_no_server_says_so(tmp_path_factory, capsys):
     """`manta bench serve --url` where nothing listens: exit 1 naming the URL, no traceback."""
     import socket
 
-    out = tmp_path / "m"
-    assert run("make-model", str(out), "--arch", "llama", "--layers", "1").returncode == 0
+    from cluster.cli import main
+    from tests.fixtures import tiny_model_dir
+
     with socket.socket() as s:  # a port nothing listens on once it is closed
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    bench = run("bench", "serve", "--model", str(out), "--url", url, "--num-prompts", "2", "--input-len", "8")
-    assert bench.returncode == 1 and f"manta bench serve: error: the warm-up requests to {url} failed" in bench.stderr
-    assert "Traceback" not in bench.stderr
+    rc = main(["bench", "serve", "--model", str(tiny_model_dir(tmp_path_factory, "llama")), "--url", url,
+               "--num-prompts", "2", "--input-len", "8"])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"manta bench serve: error: the warm-up requests to {url} failed" in err, err
+    assert "Traceback" not in err
 
 
-def test_serve_on_a_port_in_use_says_so_before_starting():
+def test_serve_on_a_port_in_use_says_so_before_starting(tripwires, capsys):
     """Another process listens on the port: `manta serve` exits 2 naming it, before Ray and the
     replicas start (it used to start them all, then fail to bind)."""
     import socket
+
+    from cluster.cli import main
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        served = run("serve", "--port", str(port))
-    assert served.returncode == 2 and f"manta serve: error: --port: cannot listen on 127.0.0.1:{port}" in served.stderr
-    assert "Traceback" not in served.stderr and "Started a local Ray instance" not in served.stderr
+        rc = main(["serve", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"manta serve: error: --port: cannot listen on 127.0.0.1:{port}" in err, err
+    assert "Traceback" not in err
+
+
