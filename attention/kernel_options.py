@@ -20,6 +20,8 @@ What is left to choose is what a user or a benchmark needs:
   (`workers.prompt_graphs`); off, eagerly (the baseline).
 - `gemv_configs` (`MANTA_GEMV_CONFIGS="NxK:block_n,block_k,split_k,num_warps[,vec[,prefetch]];..."`): launches to
   try for given product shapes (tuning).
+- `decode_zero_bias` (`MANTA_ZERO_BIAS=0`): long-K and wide 16-bit products of decode batches
+  through cuBLASLt's bias epilogue with a zero bias (`workers.layers.lt_bias`); off, plain `F.linear`.
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """
@@ -43,13 +45,15 @@ class KernelOptions:
     mixed_split: bool = True
     prompt_graphs: bool = True
     gemv_configs: tuple[tuple[str, GemvLaunch], ...] = ()  # ("NxK", launch)
+    decode_zero_bias: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:
         return cls(one_row_gemv=environ.get("MANTA_GEMV") != "0", pdl=environ.get("MANTA_PDL") != "0",
                    mixed_split=environ.get("MANTA_MIXED_SPLIT") != "0",
                    prompt_graphs=environ.get("MANTA_PROMPT_GRAPHS") != "0",
-                   gemv_configs=parse_gemv_configs(environ.get("MANTA_GEMV_CONFIGS", "")))
+                   gemv_configs=parse_gemv_configs(environ.get("MANTA_GEMV_CONFIGS", "")),
+                   decode_zero_bias=environ.get("MANTA_ZERO_BIAS") != "0")
 
     def gemv_launch(self, n: int, k: int) -> GemvLaunch | None:
         shape = f"{n}x{k}"
@@ -58,7 +62,8 @@ class KernelOptions:
     def describe(self) -> str:
         parts = [f"one-row GEMV {'on' if self.one_row_gemv else 'off'}", f"PDL {'on' if self.pdl else 'off'}",
                  f"MIXED split {'on' if self.mixed_split else 'off'}",
-                 f"prompt graphs {'on' if self.prompt_graphs else 'off'}"]
+                 f"prompt graphs {'on' if self.prompt_graphs else 'off'}",
+                 f"decode zero bias {'on' if self.decode_zero_bias else 'off'}"]
         if self.gemv_configs:
             parts.append("GEMV launches " + "; ".join(f"{s}:{','.join(map(str, c))}" for s, c in self.gemv_configs))
         return ", ".join(parts)

@@ -20,10 +20,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import fp8, fused, one_row
+from workers.layers import fp8, fused, lt_bias, one_row
 from workers.parallel import TPGroup, divide, kv_head_placement, shard_range
 
 if TYPE_CHECKING:
@@ -92,7 +91,7 @@ def matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torc
     w = layer.weight
     if fp8.is_fp8(w):
         return fp8.linear(x, w, layer.weight_scale, layer.block_k, bias)
-    return F.linear(x, w, bias)
+    return lt_bias.linear(x, w, bias)
 
 
 def product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

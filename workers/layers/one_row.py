@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from attention import kernel_options
-from workers.layers import fp8, fused, gemv_launch
+from workers.layers import fp8, fused, gemv_launch, lt_bias
 
 
 def enabled() -> bool:
@@ -44,7 +43,7 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              scale: torch.Tensor | None) -> torch.Tensor:
     """The unfused product: F.linear, or an FP8 weight's with its per-row `scale`."""
     if scale is None:
-        return F.linear(x, weight, bias)
+        return lt_bias.linear(x, weight, bias)
     return fp8.linear(x, weight, scale, weight.shape[1], bias)
 
 
