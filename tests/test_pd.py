@@ -155,7 +155,9 @@ def _check_pd(pd: PD, seeds: range, length: int = 53) -> None:
     pd.wait_idle()
 
 
-@pytest.mark.parametrize("arch,prefill_tp,decode_tp", [("llama", 1, 1), ("llama", 2, 1), ("llama", 1, 2),
+# (Llama at TP 1 on both sides opens test_disaggregated_faults_end_with_the_right_tokens, with
+# the same checks, before its faults: a cluster of its own here would repeat it.)
+@pytest.mark.parametrize("arch,prefill_tp,decode_tp", [("llama", 2, 1), ("llama", 1, 2),
                                                        ("deepseek_v2", 1, 1), ("deepseek_v2", 2, 1)])
 def test_disaggregated_greedy_equals_transformers(ray_local, tmp_path, arch, prefill_tp, decode_tp):
     pd = PD(str(tiny_model_dir(None, arch)), tmp_path / "kv", prefill_tp, decode_tp)
@@ -317,7 +319,9 @@ def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
     # A 4 s deadline: a first contact between the ranks (NIXL metadata) on a loaded CI machine fits it.
     pd = PD(str(tiny_model_dir(None, "llama")), tmp_path / "kv", 1, 1, pd_transfer_timeout_s=4.0)
     try:
-        _check_pd(pd, range(2))
+        _check_pd(pd, range(4))  # first without faults: TP 1 on both sides equals transformers
+        ranks = pd.rank_stats(pd.decode)
+        assert sum(r["pd_pages"] for r in ranks) > 0 and sum(r["pd_corrupt"] for r in ranks) == 0
 
         pd.fault("corrupt")  # one page's checksum goes out wrong: the pages from it on are computed
         _check_pd_faulted(pd, range(10, 12), "pd_corrupt")
