@@ -87,7 +87,8 @@ def make_param(
 
 
 def matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ layer.weight.T (+ bias): F.linear, or the FP8 product of a quantized layer."""
+    """x @ layer.weight.T (+ bias): F.linear (with cuBLASLt's zero bias where `lt_bias` applies),
+    or the FP8 product of a quantized layer."""
     w = layer.weight
     if fp8.is_fp8(w):
         return fp8.linear(x, w, layer.weight_scale, layer.block_k, bias)

@@ -10,10 +10,14 @@ us, but 62.7 against 63.3 at 32 rows. At 128 rows, and for qkv and o, the plain 
 fast or faster. The whole decode step (`manta bench latency`, same day, off / on / on / off, p50):
 batch 64 6.183 / 6.014 / 6.015 / 6.227 ms (-2.9%), batch 32 5.533 / 5.475 / 5.477 / 5.544 ms
 (-1.1%), but batch 8 4.901 / 4.985 / 4.960 / 4.891 ms (+1.5%) with the first rule (long K from 2
-rows). So: long-K products (K >= 8,192) at 32-64 rows, and wide ones (N >= 16,384) at 33-64 rows,
-take a zero bias; with that rule batch 64 went 6.137 / 6.173 -> 5.948 / 5.961 ms (74.5 -> 77.0% of
-its roofline), batch 32 -1.2%, batch 1 and 8 unchanged (BENCHMARKS.md, 2026-11-29). Adding 0 in the epilogue changes no value; only the kernel, and
-so the order of the sums, differs. `decode_zero_bias` (`MANTA_ZERO_BIAS=0`) turns it off.
+rows). So: long-K products (K >= 8,192) at 32-64 rows, and wide ones (N >= 16,384) at 33-64
+rows, take a zero bias. With that rule batch 64 went 6.137 / 6.173 -> 5.948 / 5.961 ms (74.5 ->
+77.0% of its roofline), batch 32 -1.2%, batch 1 and 8 unchanged (BENCHMARKS.md, 2026-11-29).
+
+Adding 0 in the epilogue changes no value; only the kernel, and so the order of the sums,
+differs. Prompt pieces of 32-64 tokens take it too (same shapes). A zero bias first asked for
+inside a CUDA graph capture is not made there: that graph keeps the plain product.
+`decode_zero_bias` (`MANTA_ZERO_BIAS=0`) turns it off.
 
 Imports no Triton; CPU products never take it.
 """

@@ -41,7 +41,8 @@ def applies(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              scale: torch.Tensor | None) -> torch.Tensor:
-    """The unfused product: F.linear, or an FP8 weight's with its per-row `scale`."""
+    """The unfused product: F.linear (with cuBLASLt's zero bias where `lt_bias` applies), or an
+    FP8 weight's with its per-row `scale`."""
     if scale is None:
         return lt_bias.linear(x, weight, bias)
     return fp8.linear(x, weight, scale, weight.shape[1], bias)
