@@ -137,13 +137,13 @@ def test_bench_serve_reports_the_replicas_steps_over_its_run(served):
 
 def test_idle_cluster_uses_no_cpu(served):
     """After the load above: every manta process (server, replica, rank, KV store) averages
-    under 5% of one core over 15 s."""
+    under 5% of one core over 30 s."""
     pids = served.manta_pids()
     assert {k.split("-")[0] for k in pids} >= {"server", "Replica", "RankWorker", "KVStore"}, pids
     time.sleep(3)  # let the last streams' bookkeeping settle
     start = {k: cpu_seconds(p) for k, p in pids.items()}
     t0 = time.monotonic()
-    time.sleep(15)  # ~1% each on the CPU VM; a 100 Hz CPU tick is 0.07% of 15 s
+    time.sleep(30)
     wall = time.monotonic() - t0
     usage = {k: (cpu_seconds(p) - start[k]) / wall for k, p in pids.items()}
     print({k: f"{100 * u:.1f}%" for k, u in usage.items()})
