@@ -1,9 +1,10 @@
 """Which cuBLAS kernel runs the 8B shape's bf16 products (o_proj 4,096 x 4,096 by default;
 `--shapes NxK ...`) at decode batches, and how long it takes, for the input forms a step can
 hand it: a contiguous [M, K] row block, a [M, K / 128, 128] head view flattened, and with a zero
-bias (`torch.addmm` / `F.linear`: cuBLASLt's path, other heuristics). Each timed in a CUDA graph over weight copies larger than L2, kernels named
-by the profiler. `python3 scripts/o_proj_probe.py [--m 32 64 128] [--shapes 6144x4096 ...]`
-(issue 26: the 2026-11-27 batch-64 profile named a 17 us kernel o_proj; it was qkv's).
+bias (`torch.addmm` / `F.linear`: cuBLASLt's path, other heuristics). Each timed in a CUDA graph
+over weight copies larger than L2, kernels named by the profiler.
+`python3 scripts/decode_gemm_kernels_probe.py [--m 32 64 128] [--shapes 6144x4096 ...]` (issue 26:
+the 2026-11-27 batch-64 profile named a 17 us kernel o_proj; it was qkv's).
 """
 
 from __future__ import annotations
