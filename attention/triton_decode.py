@@ -68,17 +68,25 @@ def choose_num_splits(programs_per_split: int, max_context: int, device: torch.d
 
 # At least this many (request, KV head) programs: the many-small-programs launch of stage 1.
 MANY_PROGRAMS = 1024
+# (request, KV head) programs, inclusive, where 32-token blocks on two warps with three stages
+# beat the default launch: B=72-96 at 8 KV heads.
+MID_PROGRAMS = (576, 768)
 
 
 def stage1_launch(programs_per_split: int, dtype: torch.dtype,
                   cache_dtype: torch.dtype | None = None) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages) of stage 1 for products in `dtype` over a cache of
     `cache_dtype` (default: the same). From the sweeps on the H200 (`bench_kernels --sweep`,
-    Llama-8B heads; BENCHMARKS.md, 2026-11-28):
-    - bf16, below MANY_PROGRAMS: 64-token blocks on four warps, two stages (B=64, ctx 544: the
-      best, 42.2 us). Past it, 32-token blocks on two warps with two stages: the best at B=128
-      (ctx 1,024: 134.5 us; ctx 1,536: 195.6) and B=256 (ctx 1,024: 257.5), 2% off it at B=192
-      (ctx 1,536). Three stages there had cost 7-24% (167.3, 241.0, 278.5 us).
+    Llama-8B heads; BENCHMARKS.md, 2026-11-28 and 2026-11-29):
+    - bf16, the default: 64-token blocks on four warps, two stages. The best at B=56-64 (ctx 544:
+      42.2-42.5 us at B=64; ctx 1,536: 101.9), and within 1% of it at B=112-120 (ctx 1,024-2,048).
+    - bf16 at MID_PROGRAMS: 32-token blocks on two warps, three stages. The best or within 1% of
+      it at B=72 (ctx 544: 53.5 us against the default's 61.4), B=80 (ctx 544 / 1,024: 54.2 /
+      93.6 against 64.9 / 108.7) and B=96 (ctx 544 / 1,536: 58.4 / 147.7 against 69.6 / 167.1).
+      At B=112 (896 programs) it lost to the default, so the band stops at B=96.
+    - bf16 past MANY_PROGRAMS: 32-token blocks on two warps with two stages: the best at B=128
+      (ctx 544: 76.0 us; ctx 1,024: 134.5; ctx 1,536: 195.6) and B=256 (ctx 1,024: 257.5), 2% off it
+      at B=192 (ctx 1,536). Three stages there had cost 7-24% (167.3, 241.0, 278.5 us).
     - An FP8 cache (widened to float16, `decode_dtype`): 64-token blocks on two warps with three
       stages at every batch: the best at B=128 (ctx 1,024: 100.2 us) and B=192 (ctx 1,536: 209.8,
       where 32-token blocks took 265.6), within 2% of it at B=64 (ctx 544: 34.2)."""
@@ -88,6 +96,8 @@ def stage1_launch(programs_per_split: int, dtype: torch.dtype,
         return DECODE_BLOCK_N, 2, 3
     if programs_per_split >= MANY_PROGRAMS:
         return 32, 2, 2
+    if MID_PROGRAMS[0] <= programs_per_split <= MID_PROGRAMS[1]:
+        return 32, 2, 3
     return DECODE_BLOCK_N, 4, 2
 
 

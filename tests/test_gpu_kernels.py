@@ -199,14 +199,18 @@ def test_paged_decode_merges_in_last_program_or_merge_kernel(monkeypatch, counte
     assert int(arrival_counters(q.device, 1).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("requests,launch", [(130, (32, 2, 2)), (80, (32, 2, 3))], ids=["many", "mid"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_paged_decode_many_programs(page_size):
-    """Past MANY_PROGRAMS (request, KV head) programs stage 1 takes its other launch (32-token
-    blocks, two warps, two stages): 130 requests x 8 KV heads of mixed lengths, bf16."""
-    from attention.triton_decode import MANY_PROGRAMS, stage1_launch
+def test_paged_decode_many_programs(page_size, requests, launch):
+    """Past MANY_PROGRAMS (request, KV head) programs, and within MID_PROGRAMS, stage 1 takes
+    its other launches (32-token blocks on two warps; two stages, three): 130 and 80 requests x
+    8 KV heads of mixed lengths, bf16."""
+    from attention.triton_decode import MANY_PROGRAMS, MID_PROGRAMS, stage1_launch
 
-    lens = [1 + (i * 37) % 300 for i in range(130)]
-    assert len(lens) * 8 >= MANY_PROGRAMS and stage1_launch(len(lens) * 8, torch.bfloat16) == (32, 2, 2)
+    lens = [1 + (i * 37) % 300 for i in range(requests)]
+    programs = len(lens) * 8
+    assert programs >= MANY_PROGRAMS or MID_PROGRAMS[0] <= programs <= MID_PROGRAMS[1]
+    assert stage1_launch(programs, torch.bfloat16) == launch
     kc, vc, pt, tt = paged_cache(lens, 8, 128, 128, page_size, torch.bfloat16, seed=11)
     q = torch.randn(len(lens), 32, 128).bfloat16().to(DEVICE)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
