@@ -76,10 +76,13 @@ def test_tp_ranks_on_one_gpu_are_refused_with_the_reason(ray_local, tmp_path_fac
     assert ray.available_resources().get("GPU") == 1.0
 
 
-async def _collect(router, prompt, max_tokens):
+async def _collect(router, prompt, max_tokens, streaming: dict | None = None):
+    """The request's outputs; `streaming[prompt]` is the replica of its latest output."""
     outs = []
     async for out in router.generate_stream(prompt, greedy(max_tokens)):
         outs.append(out)
+        if streaming is not None:
+            streaming[prompt] = out.replica
     return outs
 
 
@@ -105,10 +108,13 @@ def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
         async def scenario():
             await router.start()
             # Load: long generations spread over both replicas.
-            tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400)) for i in range(8)]
-            while router.replicas["replica-0"].inflight < 4:  # killed while its requests stream
+            streaming: dict[str, str] = {}
+            tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400, streaming)) for i in range(8)]
+            # Killed while its requests stream: with no token yet, a request is retried elsewhere
+            # (a loaded machine can take longer than any fixed wait to stream the first).
+            until = time.monotonic() + 60
+            while list(streaming.values()).count("replica-0") < 2 and time.monotonic() < until:
                 await asyncio.sleep(0.005)
-            await asyncio.sleep(0.1)
             victim = ray.get_actor("manta-replica-0-rank0", namespace="manta-test")
             ray.kill(victim)
             t0 = time.monotonic()
