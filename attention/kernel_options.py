@@ -20,8 +20,9 @@ What is left to choose is what a user or a benchmark needs:
   (`workers.prompt_graphs`); off, eagerly (the baseline).
 - `gemv_configs` (`MANTA_GEMV_CONFIGS="NxK:block_n,block_k,split_k,num_warps[,vec[,prefetch]];..."`): launches to
   try for given product shapes (tuning).
-- `decode_zero_bias` (`MANTA_ZERO_BIAS=0`): long-K and wide 16-bit products of decode batches
-  through cuBLASLt's bias epilogue with a zero bias (`workers.layers.lt_bias`); off, plain `F.linear`.
+- `decode_zero_bias` (`MANTA_ZERO_BIAS=0`): the 16-bit products of decode batches for which cuBLASLt's
+  heuristic picks a faster kernel, through its bias epilogue with a zero bias (`workers.layers.lt_bias`
+  says which); off, plain `F.linear`.
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """

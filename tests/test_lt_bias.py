@@ -16,9 +16,11 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("m,n,k,takes", [(64, 512, 8192, True), (32, 300, 8200, True), (31, 300, 8200, False), (65, 512, 8192, False),
-                                         (1, 512, 8192, False), (48, 16384, 256, True), (32, 16384, 256, False),
-                                         (64, 4096, 4096, False)])
+@pytest.mark.parametrize("m,n,k,takes", [(64, 512, 8192, True), (32, 300, 8200, True), (31, 300, 8200, False), (96, 512, 8192, True),
+                                         (97, 512, 8192, False), (1, 512, 8192, False), (48, 16384, 256, True),
+                                         (32, 16384, 256, False), (65, 16384, 256, False), (64, 4096, 4096, False),
+                                         (96, 4096, 4096, True), (81, 300, 1000, True), (96, 6144, 4096, False),
+                                         (128, 4096, 4096, False)])
 def test_which_products_take_a_zero_bias_and_what_they_give(m, n, k, takes, monkeypatch):
     from attention import kernel_options
     from workers.layers import lt_bias, one_row

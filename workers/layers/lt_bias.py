@@ -14,6 +14,14 @@ rows). So: long-K products (K >= 8,192) at 32-64 rows, and wide ones (N >= 16,38
 rows, take a zero bias. With that rule batch 64 went 6.137 / 6.173 -> 5.948 / 5.961 ms (74.5 ->
 77.0% of its roofline), batch 32 -1.2%, batch 1 and 8 unchanged (BENCHMARKS.md, 2026-11-29).
 
+Batches of 65-96 requests replay the 96-row decode graph (`workers/cuda_graph.py`'s sizes). At
+96 rows (same probe, 2026-11-29, later session) down ran split-K 37.3 us plain and 33.2 with a
+zero bias (72 / 80 rows: 35.7 / 36.2 against 32.7 / 32.5), and o (4,096 x 4,096) 15.8 us plain, a
+128 x 32 tile, against 12.3 (at 72 / 80 rows the plain product picks a faster tile, 12.1 / 12.3,
+and the bias costs 0.0-0.3 us); gate/up and qkv were as fast or faster plain at 72-96. At 128
+rows down and o were faster plain (37.0 / 14.1 against 38.9 / 14.3 us). So long-K products also
+take it up to 96 rows, and products of at most 4,096 x 4,096 at 81-96 rows.
+
 Adding 0 in the epilogue changes no value; only the kernel, and so the order of the sums,
 differs. Prompt pieces of 32-64 tokens take it too (same shapes). A zero bias first asked for
 inside a CUDA graph capture is not made there: that graph keeps the plain product.
@@ -47,7 +55,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     m = x.shape[0]
     n, k = weight.shape
-    fits = (k >= 8192 and 32 <= m <= 64) or (n >= 16384 and 33 <= m <= 64)
+    fits = (k >= 8192 and 32 <= m <= 96) or (n >= 16384 and 33 <= m <= 64) or (max(n, k) <= 4096 and 81 <= m <= 96)
     return fits and kernel_options.current().decode_zero_bias
 
 
