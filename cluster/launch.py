@@ -146,7 +146,13 @@ class ServingCluster:
         self.kv_store = store if created else None
         roles = {self._new_name(): role for role in opts.roles()}
         handles = {n: self._spawn(n, role) for n, role in roles.items()}
-        infos = {n: ray.get(h.info.remote()) for n, h in handles.items()}  # waits for readiness
+        try:
+            infos = {n: ray.get(h.info.remote()) for n, h in handles.items()}  # waits for readiness
+        except Exception:
+            # One replica could not start: nothing of this cluster is left behind (in a Ray
+            # instance that outlives it, its names and placement groups would refuse the next).
+            self.shutdown(now=True)
+            raise
         for n, info in infos.items():
             _log_replica(n, info, opts.placement_strategy, opts.nic)
         _warn_shared_gpus(infos)
@@ -191,7 +197,7 @@ class ServingCluster:
         actor = self.actors.pop(name, None)
         if actor is None:
             return False
-        _stop_actor(actor)
+        _retire_replicas({name: actor})
         logger.info("replica %s stopped", name)
         return True
 
@@ -250,8 +256,7 @@ class ServingCluster:
             info = ray.get(actor.info.remote(), timeout=ready_timeout_s)
         except Exception:
             self.actors.pop(name, None)
-            _stop_actor(actor)
-            _remove_placement_group(name)  # (it may still be waiting for GPUs it would then hold)
+            _retire_replicas({name: actor})  # (its group may still be waiting for GPUs it would then hold)
             raise
         self.infos[name] = info
         _log_replica(name, info, self.options.placement_strategy, self.options.nic)
@@ -313,10 +318,8 @@ class ServingCluster:
         tier to files), then Ray if this cluster started it. `now`: kill them without either
         (the operator asked twice)."""
         drain_s = self.options.engine.kv_drain_timeout_s if self.kv_store is not None else 0.0
-        names = list(self.actors)
-        _stop_actors([self.actors.pop(name) for name in names], timeout_s=0 if now else 10 + drain_s)
-        for name in names:  # a replica killed before its own shutdown ran left its group behind
-            _remove_placement_group(name)
+        _retire_replicas({name: self.actors.pop(name) for name in list(self.actors)},
+                         timeout_s=0 if now else 10 + drain_s)
         if self.kv_store is not None:
             _stop_actors([self.kv_store], timeout_s=0 if now else 30)
             self.kv_store = None
@@ -377,10 +380,6 @@ def _describe_kv_store() -> str:
         return f"unreachable ({type(exc).__name__}: {exc})"
 
 
-def _stop_actor(actor, timeout_s: float = 30) -> None:
-    _stop_actors([actor], timeout_s)
-
-
 def pd_sides_sharing_gpus(infos: dict[str, dict], among: str | None = None) -> list[str]:
     """Each prefill replica that shares a GPU with a decode replica (`among`: only pairs with
     that replica), said as "prefill replica P and decode replica D share GPU g of node ip" (from
@@ -424,6 +423,24 @@ def _remove_placement_group(replica: str) -> None:
         remove_placement_group(get_placement_group(f"{replica}-pg"))
     except Exception:  # none left (the replica never placed one, or removed it itself)
         pass
+
+
+def _retire_replicas(actors: dict[str, object], timeout_s: float = 30) -> None:
+    """Stop replica actors (name -> handle; see `_stop_actors`), wait until Ray reports them
+    dead, then remove their placement groups. In that order: a replica killed in its
+    `__init__`, or one whose group was rebuilding, could otherwise place a group after it was
+    looked for; and one killed before its own shutdown ran leaves its group behind."""
+    _stop_actors(list(actors.values()), timeout_s)
+    pings = []
+    for actor in actors.values():
+        try:
+            pings.append(actor.ping.remote())  # fails once the actor is dead
+        except Exception:
+            pass
+    if pings:
+        ray.wait(pings, num_returns=len(pings), timeout=15)
+    for name in actors:
+        _remove_placement_group(name)
 
 
 def _stop_actors(actors: list, timeout_s: float = 30) -> None:

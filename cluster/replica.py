@@ -82,6 +82,8 @@ class Replica:
         self._group_args = dict(placement_strategy=placement_strategy, nic=nic, cpus_per_rank=cpus_per_rank)
         self.healthy = False
         self.unhealthy_reason: str | None = "starting"
+        self.closed = False  # shutdown() began: the group is not rebuilt from here on
+        self._life = threading.Lock()  # a group rebuild (restart) and shutdown, one at a time
         self.engine: Engine | None = None
         self.started_at = time.time()
         self.restarts = 0
@@ -105,7 +107,7 @@ class Replica:
 
     def _monitor(self, group) -> None:
         reason = group.wait_for_death()
-        if reason is None or group is not self.group:
+        if reason is None or group is not self.group or self.closed:
             return
         logger.error("replica %s: %s", self.name, reason)
         self.healthy, self.unhealthy_reason = False, reason
@@ -113,6 +115,8 @@ class Replica:
             self.engine.fail_all(f"replica {self.name} lost a worker: {reason}", close=True)
         # Self-heal: tear the group down and build a new one (with backoff between tries).
         for attempt in range(5):
+            if self.closed:
+                return
             try:
                 self.restart()
                 return
@@ -122,18 +126,22 @@ class Replica:
                 time.sleep(2.0 * (attempt + 1))
 
     def restart(self) -> bool:
-        """Tear the TP group down and build it again (after a rank died)."""
-        old = self.engine
-        self.healthy, self.unhealthy_reason = False, "restarting"
-        self.restarts += 1
-        if old is not None:
-            old.fail_all(f"replica {self.name} restarting", close=True)
-            try:
-                old.shutdown()
-            except Exception:
-                logger.exception("shutdown of the old engine failed")
-        self._start()
-        return True
+        """Tear the TP group down and build it again (after a rank died). False, and nothing
+        built, once the replica is shutting down."""
+        with self._life:
+            if self.closed:
+                return False
+            old = self.engine
+            self.healthy, self.unhealthy_reason = False, "restarting"
+            self.restarts += 1
+            if old is not None:
+                old.fail_all(f"replica {self.name} restarting", close=True)
+                try:
+                    old.shutdown()
+                except Exception:
+                    logger.exception("shutdown of the old engine failed")
+            self._start()
+            return True
 
     # ---------------- serving ----------------
     def serving_channel(self) -> tuple[str, int, bytes]:
@@ -238,10 +246,12 @@ class Replica:
         return True
 
     def shutdown(self) -> None:
+        self.closed = True
         self.healthy, self.unhealthy_reason = False, "shut down"
         if self._listener is not None:
             self._listener.close()
-        if self.engine is not None:
-            self.engine.fail_all(f"replica {self.name} shut down", close=True)
-            self.engine.shutdown()
-            self.engine = None
+        with self._life:  # a rebuild under way finishes first, and its engine is shut down here
+            if self.engine is not None:
+                self.engine.fail_all(f"replica {self.name} shut down", close=True)
+                self.engine.shutdown()
+                self.engine = None

@@ -42,8 +42,11 @@ def test_tp2_ray_actors_equal_tp1_and_transformers(ray_local, tmp_path_factory, 
         engine = Engine(config, workers=group)
         assert engine.overlap  # launch/collect as OverlapCalls through the step channel
         tp2 = run_staggered(engine, PROMPTS, greedy())
+        # Ranks stopped by shutdown() did not die: the replica's monitor must not rebuild them.
+        waiter = concurrent.futures.ThreadPoolExecutor(1).submit(group.wait_for_death)
     finally:
         group.shutdown()
+    assert waiter.result(timeout=30) is None and group.failed is None
     tp1 = Engine(EngineConfig(model=str(d), page_size=4)).generate(PROMPTS, greedy())
     for prompt, a, b in zip(PROMPTS, tp2, tp1):
         assert a.token_ids == b.token_ids == hf_greedy(d, engine.tokenize(prompt), len(a.token_ids))
@@ -74,6 +77,28 @@ def test_tp_ranks_on_one_gpu_are_refused_with_the_reason(ray_local, tmp_path_fac
             break
         time.sleep(0.1)
     assert ray.available_resources().get("GPU") == 1.0
+
+
+def test_a_replica_that_cannot_start_leaves_nothing_behind(ray_local, tmp_path_factory):
+    """replica-0 cannot place its group (a group of that name is left in this namespace), while
+    replica-1 is still loading: start() raises Ray's reason, and neither replica's actor nor
+    group is left to refuse the next cluster here (CI, stop 54: one test's leftovers failed the
+    five after it)."""
+    from ray.util import get_placement_group, placement_group, remove_placement_group
+
+    squatter = placement_group([{"CPU": 0.01}], name="replica-0-pg")
+    ray.get(squatter.ready(), timeout=30)
+    d = tiny_model_dir(tmp_path_factory, "llama")
+    cluster = ServingCluster(ClusterOptions(engine=EngineConfig(model=str(d)), replicas=2), ServerMetrics())
+    try:
+        with pytest.raises(ray.exceptions.RayError, match="name 'replica-0-pg' already exists"):
+            cluster.start()
+        assert not cluster.actors
+        assert not [a for a in ray.util.list_named_actors() if a.startswith("manta-replica-")]
+        with pytest.raises(ValueError):
+            get_placement_group("replica-1-pg")
+    finally:
+        remove_placement_group(squatter)
 
 
 async def _collect(router, prompt, max_tokens, streaming: dict | None = None):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -110,6 +109,7 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
         # One never-returning call per rank: it fails the moment its actor dies.
         self.hold_refs = [w.hold.remote() for w in self.workers]
         self._dead: str | None = None
+        self._closing = False  # shutdown() began: ranks that die from here on were stopped by it
         self._failed = threading.Event()  # a rank died, failed or hung (or the group shut down)
         self._watch_lock = threading.Lock()
         self._watcher: threading.Thread | None = None
@@ -137,7 +137,8 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
         return self._dead
 
     def _died(self, why: str) -> None:
-        self._dead = self._dead or why
+        if not self._closing:  # a rank stopped by shutdown() did not die
+            self._dead = self._dead or why
         self._failed.set()
 
     def _wait(self, handle: None) -> StepResult | None:
@@ -184,7 +185,11 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
         return {"kind": "ray", "tp_size": self.tp_size, "step_channel": "tcp",
                 "attention": self.attention, "ranks": self.placements}
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """Stop the ranks: each is asked to (its process group and KV store agent close), then
+        killed once its `hold()` returned or after `grace_s`. Their deaths are not reported as
+        failures (`wait_for_death` returns None), so the replica does not rebuild the group."""
+        self._closing = True
         if self.channel is not None:
             self.channel.close()  # each rank's step loop ends
         for w in self.workers:
@@ -192,7 +197,9 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
                 w.shutdown.remote()
             except Exception:
                 pass
-        time.sleep(0.05)
+        holds = getattr(self, "hold_refs", [])
+        if holds:
+            ray.wait(holds, num_returns=len(holds), timeout=grace_s)
         for w in self.workers:
             try:
                 ray.kill(w)
