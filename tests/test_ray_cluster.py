@@ -215,15 +215,18 @@ def test_a_collected_request_whose_replica_fails_runs_again_elsewhere(ray_local,
 
 
 async def _stop_while_streaming(router, pid: int) -> tuple[float, list, list]:
-    """6 long requests over the two replicas; `pid` gets SIGSTOP while replica-0 streams 3 of
-    them. (Seconds until every request ended, their outputs, 5 later requests' outputs.)"""
+    """6 long requests over the two replicas; `pid` gets SIGSTOP once replica-0 streams 2 of
+    them (with no token yet, a request is retried elsewhere, and a loaded machine can take
+    longer than any fixed wait to stream the first). (Seconds until every request ended, their
+    outputs, 5 later requests' outputs.)"""
     import os
     import signal
 
-    tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400)) for i in range(6)]
-    while router.replicas["replica-0"].inflight < 3:
+    streaming: dict[str, str] = {}
+    tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400, streaming)) for i in range(6)]
+    until = time.monotonic() + 60
+    while list(streaming.values()).count("replica-0") < 2 and time.monotonic() < until:
         await asyncio.sleep(0.005)
-    await asyncio.sleep(0.1)
     os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
     results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
