@@ -83,7 +83,7 @@ def test_a_replica_that_cannot_start_leaves_nothing_behind(ray_local, tmp_path_f
     """replica-0 cannot place its group (a group of that name is left in this namespace), while
     replica-1 is still loading: start() raises Ray's reason, and neither replica's actor nor
     group is left to refuse the next cluster here (CI, stop 54: one test's leftovers failed the
-    five after it)."""
+    six after it)."""
     from ray.util import get_placement_group, placement_group, remove_placement_group
 
     squatter = placement_group([{"CPU": 0.01}], name="replica-0-pg")

@@ -130,7 +130,7 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
             self.channel.send(msg)
         except RankFailed as exc:
             self._died(f"a TP rank failed: {exc}")
-            raise WorkerDied(self._dead) from exc
+            raise WorkerDied(self._dead or "the TP group was shut down") from exc
 
     @property
     def failed(self) -> str | None:
@@ -149,7 +149,7 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
             return self.channel.recv()
         except RankFailed as exc:
             self._died(f"a TP rank failed: {exc}")
-            raise WorkerDied(self._dead) from exc
+            raise WorkerDied(self._dead or "the TP group was shut down") from exc
 
     def wait_for_death(self, timeout: float | None = None) -> str | None:
         """Block until a rank dies or the step channel finds one failed or hung (returns why),
