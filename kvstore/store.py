@@ -107,7 +107,9 @@ class KVStore(StoreFiles):
         self.pending: dict[str, tuple[int, list[int], int]] = {}  # key -> (lease, slots, size)
         self.ram_lru: OrderedDict[str, None] = OrderedDict()
         self.files = FileTier(self.root, file_bytes, self.agent, self.agent_name, fsync)
-        self.dirty: OrderedDict[str, None] = OrderedDict()  # committed, in RAM only
+        self.dirty: OrderedDict[str, None] = OrderedDict()  # committed, in RAM only, no write begun
+        self._writing = 0  # pages the write-behind flusher is writing now (taken off `dirty`)
+        self._flush_io = threading.Lock()  # one flush at a time: flush() waits for the batch in flight
         self.leases: dict[int, _Lease] = {}
         self.clients: dict[str, str] = {}  # client name -> its NIXL agent name
         self.client_tags: dict[str, str] = {}  # client name -> the model tag of its pages
@@ -175,7 +177,7 @@ class KVStore(StoreFiles):
                          "configured_bytes": self.files.configured, "pages": len(self.files),
                          "write_errors": self.files.write_errors, "skipped_writes": self.files.skipped_writes},
                 "pages": len(self.index), "pending": len(self.pending), "leases": len(self.leases),
-                "dirty": len(self.dirty), "clients": len(self.clients),
+                "dirty": len(self.dirty) + self._writing, "clients": len(self.clients),
                 "counters": dict(self.counters), "writes_by_client": dict(self.writes_by_client),
             }
 
@@ -208,8 +210,9 @@ class KVStore(StoreFiles):
             self.ram.reset()
 
     def flush(self) -> int:
-        """Write every RAM-only page to the file tier now; returns how many were written."""
-        with self._lock:
+        """Write every RAM-only page to the file tier now, after the write-behind batch in
+        flight has landed; returns how many this call wrote."""
+        with self._flush_io, self._lock:
             return self._flush_some(len(self.dirty))
 
     def shutdown(self) -> None:

@@ -43,6 +43,8 @@ class StoreFiles:
     dirty: OrderedDict[str, None]
     counters: Counter[str]
     _lock: threading.RLock
+    _flush_io: threading.Lock  # held by a flush from taking dirty pages until they are written
+    _writing: int
     _stop: threading.Event
     _loading_keys: set[str]  # pages whose files a locate is reading outside the lock
     _loaded: threading.Condition  # a read of claimed pages ended
@@ -198,14 +200,15 @@ class StoreFiles:
         while not self._stop.wait(interval):
             try:
                 while self.dirty and not self._stop.is_set():
-                    with self._lock:
-                        batch = self._take_dirty(16)
-                    if not batch:
-                        break  # the disk refuses: try again next round
-                    done = [self.files.write_bytes(key, regions, e.size, e.checksum, e.tag, e.prompt)
-                            for key, e, regions in batch]
-                    with self._lock:
-                        self._flushed(batch, done)
+                    with self._flush_io:
+                        with self._lock:
+                            batch = self._take_dirty(16)
+                        if not batch:
+                            break  # the disk refuses: try again next round
+                        done = [self.files.write_bytes(key, regions, e.size, e.checksum, e.tag, e.prompt)
+                                for key, e, regions in batch]
+                        with self._lock:
+                            self._flushed(batch, done)
             except Exception:
                 logger.exception("kv store flusher")
 
@@ -228,9 +231,11 @@ class StoreFiles:
             self.files.used += file_bytes(entry.size)  # reserved until `_flushed`
             entry.pins += 1
             out.append((key, entry, self.ram.regions(entry.slots, entry.size)))
+        self._writing += len(out)
         return out
 
     def _flushed(self, batch: list[tuple[str, Entry, tuple]], done: list[bool]) -> None:
+        self._writing -= len(batch)
         for (key, entry, _), ok in zip(batch, done):
             entry.pins = max(0, entry.pins - 1)
             if ok and self.index.get(key) is entry and entry.slots is not None:
