@@ -6,6 +6,10 @@ token_table[i, :kv_lens[i]]), and a causal mask is bottom-right aligned: query r
 0 .. kv_lens[i] - q_lens[i] + r.
 
 Implementations, best first (`select_prefill` picks one per process at start-up):
+- "triton_varlen" (Hopper GPUs, unless the `triton_prefill` kernel option is off):
+  `attention.triton_varlen.varlen_attention` on K/V gathered into ragged tensors, which an
+  H200 ran 1.3-1.5x faster than ATen's FlashAttention at the 8B model's prompt shapes
+  (BENCHMARKS.md); on other GPUs it is unmeasured, and the list below applies;
 - "flash_attn": `flash_attn.flash_attn_varlen_func` on K/V gathered into ragged tensors
   (its causal mask is bottom-right aligned since flash-attn 2.1);
 - "torch_varlen": `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10, ATen's FlashAttention)
@@ -17,7 +21,7 @@ Implementations, best first (`select_prefill` picks one per process at start-up)
 - "triton": `paged_extend_triton` below, which reads K/V straight from the paged cache
   (any dtype, any head dims, GQA);
 - "sdpa": `torch_ops.paged_extend_sdpa`, one SDPA call per request.
-The two FlashAttention paths need fp16/bf16, equal q/k and v head dims and head dim <= 256; other
+The three varlen paths need fp16/bf16, equal q/k and v head dims and head dim <= 256; other
 calls go to the Triton kernel.
 """
 
@@ -33,12 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
-from attention import torch_ops
+from attention import kernel_options, torch_ops, triton_varlen
 from attention.triton_decode import LOG2E, compute_dtype, dot_precision, paged_decode
 
 logger = logging.getLogger(__name__)
 
-PREFILL_IMPLS = ("flash_attn", "torch_varlen", "triton", "sdpa")
+PREFILL_IMPLS = ("flash_attn", "triton_varlen", "torch_varlen", "triton", "sdpa")
 
 # flash-attn 2's paged KV cache wants pages of a multiple of 256 tokens
 # ("Paged KV cache block size must be divisible by 256"); smaller pages use Triton decode.
@@ -235,10 +239,11 @@ class RaggedFlashExtend:
     def __init__(self, impl: str, direct: bool | None = None):
         """direct (torch_varlen): call `_aten_flash` instead of the wrapper; None: where
         `aten_flash_ok` says so, decided at the first call."""
-        if impl not in ("flash_attn", "torch_varlen"):
+        if impl not in ("flash_attn", "torch_varlen", "triton_varlen"):
             raise ValueError(f"not a varlen FlashAttention: {impl!r}")
         self.impl = impl
-        self._varlen = _flash_attn_varlen if impl == "flash_attn" else _torch_varlen
+        self._varlen = {"flash_attn": _flash_attn_varlen, "torch_varlen": _torch_varlen,
+                        "triton_varlen": triton_varlen.varlen_attention}[impl]
         self._direct = direct if impl == "torch_varlen" else False
         self._plans = _PlanCache()
 
@@ -252,6 +257,8 @@ class RaggedFlashExtend:
             self._direct = aten_flash_ok(str(q.device))
         if self._direct:
             return _aten_flash(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scaling, causal)
+        if self.impl == "triton_varlen":  # takes the strided q as it is
+            return self._varlen(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scaling, causal)
         if not q.is_contiguous():  # e.g. a slice of a fused qkv projection
             q = q.contiguous()
         return self._varlen(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scaling, causal)
@@ -454,11 +461,22 @@ def torch_varlen_bottom_right(device: torch.device | str) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=4)
 def select_prefill(device: str) -> tuple[str, Callable]:
-    """(name, extend callable) of the best prefill on `device`, decided once per device."""
+    """(name, extend callable) of the best prefill on `device` under this process's kernel
+    options, decided once per (device, options)."""
+    return _select_prefill(device, kernel_options.current().triton_prefill)
+
+
+def hopper(device: str) -> bool:
+    return torch.cuda.get_device_capability(torch.device(device)) == (9, 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _select_prefill(device: str, triton_prefill: bool) -> tuple[str, Callable]:
     if not device.startswith("cuda"):
         return "sdpa", torch_ops.paged_extend_sdpa
+    if triton_prefill and hopper(device):
+        return "triton_varlen", RaggedFlashExtend("triton_varlen")
     if flash_attn_available():
         return "flash_attn", RaggedFlashExtend("flash_attn")
     if torch_varlen_available() and torch_varlen_bottom_right(device):

@@ -23,6 +23,9 @@ What is left to choose is what a user or a benchmark needs:
 - `decode_zero_bias` (`MANTA_ZERO_BIAS=0`): the 16-bit products of decode batches for which cuBLASLt's
   heuristic picks a faster kernel, through its bias epilogue with a zero bias (`workers.layers.lt_bias`
   says which); off, plain `F.linear`.
+- `triton_prefill` (`MANTA_TRITON_PREFILL=0`): prompt attention on a Hopper GPU through the
+  Triton varlen kernel (`attention.triton_varlen`); off, ATen's FlashAttention (or flash-attn's
+  where installed), as on other GPUs.
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """
@@ -47,6 +50,7 @@ class KernelOptions:
     prompt_graphs: bool = True
     gemv_configs: tuple[tuple[str, GemvLaunch], ...] = ()  # ("NxK", launch)
     decode_zero_bias: bool = True
+    triton_prefill: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:
@@ -54,7 +58,8 @@ class KernelOptions:
                    mixed_split=environ.get("MANTA_MIXED_SPLIT") != "0",
                    prompt_graphs=environ.get("MANTA_PROMPT_GRAPHS") != "0",
                    gemv_configs=parse_gemv_configs(environ.get("MANTA_GEMV_CONFIGS", "")),
-                   decode_zero_bias=environ.get("MANTA_ZERO_BIAS") != "0")
+                   decode_zero_bias=environ.get("MANTA_ZERO_BIAS") != "0",
+                   triton_prefill=environ.get("MANTA_TRITON_PREFILL") != "0")
 
     def gemv_launch(self, n: int, k: int) -> GemvLaunch | None:
         shape = f"{n}x{k}"
@@ -64,7 +69,8 @@ class KernelOptions:
         parts = [f"one-row GEMV {'on' if self.one_row_gemv else 'off'}", f"PDL {'on' if self.pdl else 'off'}",
                  f"MIXED split {'on' if self.mixed_split else 'off'}",
                  f"prompt graphs {'on' if self.prompt_graphs else 'off'}",
-                 f"decode zero bias {'on' if self.decode_zero_bias else 'off'}"]
+                 f"decode zero bias {'on' if self.decode_zero_bias else 'off'}",
+                 f"Triton prefill {'on' if self.triton_prefill else 'off'}"]
         if self.gemv_configs:
             parts.append("GEMV launches " + "; ".join(f"{s}:{','.join(map(str, c))}" for s, c in self.gemv_configs))
         return ", ".join(parts)

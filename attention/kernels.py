@@ -1,9 +1,9 @@
 """Kernel selection: one decision at start-up, logged, used for the life of the backend.
 
 CPU: torch SDPA and torch references. CUDA:
-- extend (ragged prefill): flash_attn varlen | torch varlen_attn | Triton paged prefill
-  (`attention.gpu_prefill.select_prefill`; shapes the FlashAttention paths cannot take fall
-  back to the Triton kernel inside the call);
+- extend (ragged prefill): the Triton varlen kernel on Hopper | flash_attn varlen | torch
+  varlen_attn | Triton paged prefill (`attention.gpu_prefill.select_prefill`; shapes the varlen
+  paths cannot take fall back to the Triton paged kernel inside the call);
 - decode: flash_attn_with_kvcache when flash_attn is installed and the page size is a multiple
   of 256, else the Triton split-K paged decode (`attention.triton_decode`);
 - mla_decode: the Triton absorbed MLA decode (`attention.triton_mla_decode`).
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attention import torch_ops
+from attention import kernel_options, torch_ops
 
 
 def _pages_to_token_table(page_table: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -115,11 +115,12 @@ def select_kernels(device: str, page_size: int = 1) -> KernelSet:
             extend=torch_ops.paged_extend_sdpa,
             decode=torch_ops.paged_decode_sdpa,
         )
-    return _select_cuda(str(device), page_size)
+    return _select_cuda(str(device), page_size, kernel_options.current().triton_prefill)
 
 
 @functools.lru_cache(maxsize=8)
-def _select_cuda(device: str, page_size: int) -> KernelSet:
+def _select_cuda(device: str, page_size: int, triton_prefill: bool) -> KernelSet:
+    """(`triton_prefill`, the kernel option, is part of the key: `select_prefill` reads it.)"""
     # Imported here: the GPU modules need triton, which CPU-only installs may lack.
     from attention import gpu_prefill
     from attention.triton_decode import paged_decode

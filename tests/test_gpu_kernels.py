@@ -294,7 +294,7 @@ def _flash_impls() -> list[str]:
         impls.append("flash_attn")
     if gpu_prefill.torch_varlen_available():
         impls += ["torch_varlen", "torch_varlen_direct"]
-    return impls
+    return impls + ["triton_varlen"]
 
 
 @gpu_only
@@ -331,6 +331,34 @@ def test_flash_extend(impl, shape, heads, kv_heads, dim, strided):
     assert_close(got, ref_attention(q, kc, vc, tt, q_lens, kv_lens, scale, True), torch.bfloat16)
     got = ext(q, kc, vc, tt, q_lens, kv_lens, scale, False)
     assert_close(got, ref_attention(q, kc, vc, tt, q_lens, kv_lens, scale, False), torch.bfloat16)
+
+
+@gpu_only
+@pytest.mark.parametrize("dim", [80, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_varlen_reads_only_its_own_columns(dim, causal):
+    """q, K and V as slices of wider rows whose other columns are NaN (the other heads of a
+    fused product; for 80 a head dim the kernel pads to 128): any read outside a head's own
+    columns, or an unwritten output row, shows as NaN. Prompts of odd lengths, with and
+    without a cached prefix, several query blocks each."""
+    from attention.triton_varlen import varlen_attention
+
+    q_lens, kv_lens, heads, kv_heads = [1, 300, 129, 7], [40, 300, 1000, 7], 8, 2
+    g = torch.Generator().manual_seed(dim)
+
+    def wide(tokens, h):
+        x = torch.full((tokens, h + 1, 128 + dim), float("nan"))
+        x[:, :h, :dim] = torch.randn(tokens, h, dim, generator=g)
+        return x.to(torch.bfloat16).to(DEVICE)[:, :h, :dim]
+
+    q, k, v = wide(sum(q_lens), heads), wide(sum(kv_lens), kv_heads), wide(sum(kv_lens), kv_heads)
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)  # noqa: E731
+    got = varlen_attention(q, k, v, cu(q_lens), cu(kv_lens), max(q_lens), max(kv_lens), dim**-0.5, causal)
+    table = torch.zeros(len(kv_lens), max(kv_lens), dtype=torch.long, device=DEVICE)
+    for i, (start, n) in enumerate(zip(cu(kv_lens)[:-1].tolist(), kv_lens)):
+        table[i, :n] = torch.arange(start, start + n, device=DEVICE)
+    want = torch_ops.paged_attention_ref(q, k, v, table, q_lens, kv_lens, dim**-0.5, causal)
+    assert_close(got, want, torch.bfloat16)
 
 
 @gpu_only
