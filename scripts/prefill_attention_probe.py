@@ -1,10 +1,12 @@
-"""Prefill attention on a GPU: ATen's FlashAttention (what `attention/gpu_prefill.py` calls) against
-cuDNN's fused attention (`aten::_cudnn_attention_forward`, ragged through cumulative lengths), on
-the 8B shape's causal prompts (32 q heads, 8 K/V heads, head size 128, bf16). Each candidate is
-checked against the FlashAttention output before it is timed (CUDA events, the median of 20 after
-warm-up). A candidate that fails prints why and is skipped.
+"""Prefill attention on a GPU: ATen's FlashAttention against the Triton varlen kernel
+(`attention/triton_varlen.py`, the launches in LAUNCHES) and cuDNN's fused attention through SDPA
+(one prompt); with --cudnn also cuDNN's ragged form (`aten::_cudnn_attention_forward`, which
+rebuilds its graph each call) and, after a cached prefix, cuDNN with a bias mask or over prefix
+and chunk apart. The shapes are the 8B model's causal prompts (32 q heads, 8 K/V heads, head
+size 128, bf16). Each candidate is checked against the FlashAttention output before it is timed
+(CUDA events, the median of 20 after warm-up). A candidate that fails prints why and is skipped.
 
-    python3 scripts/prefill_attention_probe.py [--out FILE.json]
+    python3 scripts/prefill_attention_probe.py [--cudnn] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python3 scripts/...` from anywhere
 from attention.gpu_prefill import _aten_flash  # noqa: E402 - the prefill's own call
+from attention.triton_varlen import VarlenLaunch, varlen_attention  # noqa: E402
+
+# the launches the H200 sweep compared (BENCHMARKS.md, 2026-11-29); the first is the default
+LAUNCHES = [VarlenLaunch(128, 64, 8, 3), VarlenLaunch(64, 64, 4, 3), VarlenLaunch(128, 128, 8, 3),
+            VarlenLaunch(128, 64, 8, 4)]
 
 HEADS, KV_HEADS, D = 32, 8, 128
 CASES = [(1, 2048), (4, 2048), (1, 8192), (2, 4096), (3, 1000)]  # (prompts, tokens each)
@@ -52,6 +59,10 @@ def cudnn(q, k, v, cu, n, scale):
                                                    scale=scale)[0]
 
 
+def triton_varlen(q, k, v, cu, n, scale, launch=None):
+    return varlen_attention(q, k, v, cu, cu, n, n, scale, True, launch)
+
+
 def sdpa_cudnn(q, k, v, cu, n, scale):
     """One prompt only: [1, H, S, D] views through SDPA's cuDNN backend, GQA by enable_gqa."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -71,9 +82,11 @@ def prefixed(q, k, v, prefix, scale, how):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     n, total = q.shape[0], k.shape[0]
-    if how == "fa":
+    if how == "fa" or how.startswith("triton"):
         cu_q = torch.tensor([0, n], device="cuda", dtype=torch.int32)
         cu_k = torch.tensor([0, total], device="cuda", dtype=torch.int32)
+        if how.startswith("triton"):
+            return varlen_attention(q, k, v, cu_q, cu_k, n, total, scale, True, LAUNCHES[int(how[6:] or 0)])
         return _aten_flash(q, k, v, cu_q, cu_k, n, total, scale, True)
     tq, tk, tv = (x.transpose(0, 1)[None] for x in (q, k, v))
     if how == "cudnn-bias":
@@ -98,6 +111,7 @@ def prefixed(q, k, v, prefix, scale, how):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--cudnn", action="store_true", help="also cuDNN's ragged form and its prefix variants")
     a = ap.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), "cudnn", torch.backends.cudnn.version())
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -110,7 +124,10 @@ def main() -> None:
         scale = D ** -0.5
         want = flash(q, k, v, cu, n, scale).float()
         flops = causal_tflop(prompts, n)
-        for name, fn in (("flash (aten)", flash), ("cudnn ragged", cudnn), ("sdpa cudnn (1 prompt)", sdpa_cudnn)):
+        tri = [(f"triton {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}",
+                functools.partial(triton_varlen, launch=c)) for c in LAUNCHES]
+        extra = [("cudnn ragged", cudnn)] if a.cudnn else []
+        for name, fn in [("flash (aten)", flash), ("sdpa cudnn (1 prompt)", sdpa_cudnn)] + extra + tri:
             if name.startswith("sdpa") and prompts != 1:
                 continue
             try:
@@ -133,7 +150,7 @@ def main() -> None:
         scale = D ** -0.5
         want = prefixed(q, k, v, prefix, scale, "fa").float()
         flops = 4 * HEADS * D * n * (prefix + (n + 1) / 2) / 1e12
-        for how in ("fa", "cudnn-bias", "cudnn-split"):
+        for how in ["fa"] + [f"triton{i}" for i in range(len(LAUNCHES))] + (["cudnn-bias", "cudnn-split"] if a.cudnn else []):
             try:
                 err = (prefixed(q, k, v, prefix, scale, how).float() - want).abs().max().item()
                 if err > 3e-2:
