@@ -2,7 +2,16 @@
 GPU's dense bf16 peak, so a prefill MFU can be split into what the GEMMs could reach and what
 the rest of the step costs.
 
-    python3 scripts/prefill_gemms.py [--tokens 1024 2048] [--hidden 4096 --inter 14336 --qkv 6144]
+    python3 scripts/prefill_gemms.py [--tokens 1024 2048] [--hidden 4096 --inter 14336 --qkv 6144] [--zero-bias]
+
+The figures here do not carry over to a model's step as they are. On an H200, products of
+2,048 rows ran at 778-785 TFLOP/s here against 712-715 at 8,192 rows. Yet the prefill step with
+its 8,192-row products cut into 2,048-row pieces was 0.6-0.8% slower (BENCHMARKS.md, 2026-11-29).
+One likely reason is that each product here repeats on the same x and weight, so part of its
+working set may stay in the 50 MB L2 between calls. Not verified.
+
+--zero-bias also times each product with a zero bias (cuBLASLt's bias epilogue, whose heuristic
+picks other kernels; what `workers/layers/lt_bias.py` does for some decode batches).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--inter", type=int, default=14336)
     ap.add_argument("--qkv", type=int, default=6144)
+    ap.add_argument("--zero-bias", action="store_true", help="also each product with a zero bias")
     a = ap.parse_args()
     shapes = {"qkv": (a.qkv, a.hidden), "o": (a.hidden, a.hidden), "gate_up": (2 * a.inter, a.hidden),
               "down": (a.hidden, a.inter)}
@@ -47,6 +57,10 @@ def main() -> None:
             total_flop += flop
             total_ms += ms
             row.append(f"{name} {ms * 1e3:6.1f} us {flop / ms / 1e9:5.0f} TF/s")
+            if a.zero_bias:
+                zero = torch.zeros(n, device=dev, dtype=torch.bfloat16)
+                zb = time_ms(lambda x=x, w=w, zero=zero: F.linear(x, w, zero))
+                row[-1] += f" (zero bias {zb * 1e3:6.1f} us {flop / zb / 1e9:5.0f})"
         print(f"M={m:5d}: " + " | ".join(row) + f" | layer {total_ms * 1e3:6.1f} us {total_flop / total_ms / 1e9:5.0f} TF/s")
 
 
