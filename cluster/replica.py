@@ -115,10 +115,8 @@ class Replica:
             self.engine.fail_all(f"replica {self.name} lost a worker: {reason}", close=True)
         # Self-heal: tear the group down and build a new one (with backoff between tries).
         for attempt in range(5):
-            if self.closed:
-                return
             try:
-                self.restart()
+                self.restart()  # builds nothing (False) once the replica is shutting down
                 return
             except Exception as exc:
                 logger.exception("replica %s: restart %d failed", self.name, attempt + 1)

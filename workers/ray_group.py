@@ -77,6 +77,8 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
                                                          strategy=placement_strategy, name=f"{name}-pg")
         ready, _ = ray.wait([self.pg.ready()], timeout=ready_timeout_s)
         self.channel: StepChannel | None = None  # set once the ranks are up (shutdown may come first)
+        self.hold_refs: list = []  # one never-returning call per rank, once they are up
+        self._closing = False  # shutdown() began: ranks that die from here on were stopped by it
         if not ready:
             remove_placement_group(self.pg)
             raise RuntimeError(f"placement group for {tp_size} ranks ({bundle} each, {placement_strategy}) "
@@ -109,7 +111,6 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
         # One never-returning call per rank: it fails the moment its actor dies.
         self.hold_refs = [w.hold.remote() for w in self.workers]
         self._dead: str | None = None
-        self._closing = False  # shutdown() began: ranks that die from here on were stopped by it
         self._failed = threading.Event()  # a rank died, failed or hung (or the group shut down)
         self._watch_lock = threading.Lock()
         self._watcher: threading.Thread | None = None
@@ -197,9 +198,8 @@ class RayWorkerGroup(RemoteOverlap, WorkerGroup):
                 w.shutdown.remote()
             except Exception:
                 pass
-        holds = getattr(self, "hold_refs", [])
-        if holds:
-            ray.wait(holds, num_returns=len(holds), timeout=grace_s)
+        if self.hold_refs:
+            ray.wait(self.hold_refs, num_returns=len(self.hold_refs), timeout=grace_s)
         for w in self.workers:
             try:
                 ray.kill(w)
