@@ -111,6 +111,18 @@ async def _collect(router, prompt, max_tokens, streaming: dict | None = None):
     return outs
 
 
+async def _long_requests_streaming_on_replica0(router, n: int) -> list:
+    """`n` long requests over the two replicas (tasks), returned once replica-0 streams 2 of them
+    or after 60 s: a request with no token yet is retried elsewhere when its replica fails, and
+    a loaded machine can take longer than any fixed wait to stream the first."""
+    streaming: dict[str, str] = {}
+    tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400, streaming)) for i in range(n)]
+    until = time.monotonic() + 60
+    while list(streaming.values()).count("replica-0") < 2 and time.monotonic() < until:
+        await asyncio.sleep(0.005)
+    return tasks
+
+
 @contextlib.contextmanager
 def _two_replicas(tmp_path_factory):
     """Two TP=1 replicas of the tiny Llama behind a round-robin router: (cluster, router,
@@ -132,14 +144,8 @@ def test_dead_worker_is_noticed_and_routed_around(ray_local, tmp_path_factory):
     with _two_replicas(tmp_path_factory) as (cluster, router, metrics):
         async def scenario():
             await router.start()
-            # Load: long generations spread over both replicas.
-            streaming: dict[str, str] = {}
-            tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400, streaming)) for i in range(8)]
-            # Killed while its requests stream: with no token yet, a request is retried elsewhere
-            # (a loaded machine can take longer than any fixed wait to stream the first).
-            until = time.monotonic() + 60
-            while list(streaming.values()).count("replica-0") < 2 and time.monotonic() < until:
-                await asyncio.sleep(0.005)
+            # Load: long generations spread over both replicas; killed while its requests stream.
+            tasks = await _long_requests_streaming_on_replica0(router, 8)
             victim = ray.get_actor("manta-replica-0-rank0", namespace="manta-test")
             ray.kill(victim)
             t0 = time.monotonic()
@@ -216,17 +222,11 @@ def test_a_collected_request_whose_replica_fails_runs_again_elsewhere(ray_local,
 
 async def _stop_while_streaming(router, pid: int) -> tuple[float, list, list]:
     """6 long requests over the two replicas; `pid` gets SIGSTOP once replica-0 streams 2 of
-    them (with no token yet, a request is retried elsewhere, and a loaded machine can take
-    longer than any fixed wait to stream the first). (Seconds until every request ended, their
-    outputs, 5 later requests' outputs.)"""
+    them. (Seconds until every request ended, their outputs, 5 later requests' outputs.)"""
     import os
     import signal
 
-    streaming: dict[str, str] = {}
-    tasks = [asyncio.create_task(_collect(router, f"{PROMPTS[i % 5]} {i}", 400, streaming)) for i in range(6)]
-    until = time.monotonic() + 60
-    while list(streaming.values()).count("replica-0") < 2 and time.monotonic() < until:
-        await asyncio.sleep(0.005)
+    tasks = await _long_requests_streaming_on_replica0(router, 6)
     os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
     results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
