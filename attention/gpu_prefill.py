@@ -6,8 +6,9 @@ token_table[i, :kv_lens[i]]), and a causal mask is bottom-right aligned: query r
 0 .. kv_lens[i] - q_lens[i] + r.
 
 Implementations, best first (`select_prefill` picks one per process at start-up):
-- "triton_varlen" (Hopper GPUs, unless the `triton_prefill` kernel option is off):
-  `attention.triton_varlen.varlen_attention` on K/V gathered into ragged tensors, which an
+- "triton_varlen" (Hopper GPUs, unless the `triton_prefill` kernel option is off; head dims
+  past 128 go to what would run without it): `attention.triton_varlen.varlen_attention` on K/V
+  gathered into ragged tensors, which an
   H200 ran 1.3-1.5x faster than ATen's FlashAttention at the 8B model's prompt shapes
   (BENCHMARKS.md); on other GPUs it is unmeasured, and the list below applies;
 - "flash_attn": `flash_attn.flash_attn_varlen_func` on K/V gathered into ragged tensors
@@ -236,12 +237,14 @@ class RaggedFlashExtend:
     q: [sum(q_lens), H, D]; k_cache: [slots, Hkv, D]; v_cache: [slots, Hkv, Dv]
     returns [sum(q_lens), H, Dv]."""
 
-    def __init__(self, impl: str, direct: bool | None = None):
+    def __init__(self, impl: str, direct: bool | None = None, wide: Callable | None = None):
         """direct (torch_varlen): call `_aten_flash` instead of the wrapper; None: where
-        `aten_flash_ok` says so, decided at the first call."""
+        `aten_flash_ok` says so, decided at the first call. wide (triton_varlen): the extend for
+        head dims past `triton_varlen.MAX_HEAD_DIM` (default: the Triton paged prefill)."""
         if impl not in ("flash_attn", "torch_varlen", "triton_varlen"):
             raise ValueError(f"not a varlen FlashAttention: {impl!r}")
         self.impl = impl
+        self._wide = wide or paged_extend_triton
         self._varlen = {"flash_attn": _flash_attn_varlen, "torch_varlen": _torch_varlen,
                         "triton_varlen": triton_varlen.varlen_attention}[impl]
         self._direct = direct if impl == "torch_varlen" else False
@@ -250,6 +253,8 @@ class RaggedFlashExtend:
     def __call__(self, q, k_cache, v_cache, token_table, q_lens, kv_lens, scaling, causal=True):
         if not flash_shapes_ok(q, k_cache, v_cache, widen=True) or min(kv_lens, default=1) == 0:
             return paged_extend_triton(q, k_cache, v_cache, token_table, q_lens, kv_lens, scaling, causal)
+        if self.impl == "triton_varlen" and q.shape[-1] > triton_varlen.MAX_HEAD_DIM:
+            return self._wide(q, k_cache, v_cache, token_table, q_lens, kv_lens, scaling, causal)
         plan = self._plans.get(token_table, q_lens, kv_lens)
         k = k_cache[plan.kv_slots].to(q.dtype)  # (an FP8 cache widened; its scales are the caller's)
         v = v_cache[plan.kv_slots].to(q.dtype)
@@ -475,8 +480,8 @@ def hopper(device: str) -> bool:
 def _select_prefill(device: str, triton_prefill: bool) -> tuple[str, Callable]:
     if not device.startswith("cuda"):
         return "sdpa", torch_ops.paged_extend_sdpa
-    if triton_prefill and hopper(device):
-        return "triton_varlen", RaggedFlashExtend("triton_varlen")
+    if triton_prefill and hopper(device):  # (heads wider than it takes: what would run without it)
+        return "triton_varlen", RaggedFlashExtend("triton_varlen", wide=_select_prefill(device, False)[1])
     if flash_attn_available():
         return "flash_attn", RaggedFlashExtend("flash_attn")
     if torch_varlen_available() and torch_varlen_bottom_right(device):

@@ -362,6 +362,22 @@ def test_triton_varlen_reads_only_its_own_columns(dim, causal):
 
 
 @gpu_only
+def test_triton_varlen_extend_sends_wide_heads_elsewhere():
+    """Head dims past what the Triton varlen kernel was measured on (256: Qwen3-Next) go to the
+    extend the device would use without it; the kernel itself refuses them."""
+    from attention.triton_varlen import varlen_attention
+
+    q, kc, vc, tt, q_lens, kv_lens = extend_case("long_prefix", 4, 2, 256, 16, torch.bfloat16)
+    ext = gpu_prefill.RaggedFlashExtend("triton_varlen", wide=gpu_prefill._select_prefill(DEVICE, False)[1])
+    for causal in (True, False):
+        got = ext(q, kc, vc, tt, q_lens, kv_lens, 256**-0.5, causal)
+        assert_close(got, ref_attention(q, kc, vc, tt, q_lens, kv_lens, 256**-0.5, causal), torch.bfloat16)
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="head dim 256"):
+        varlen_attention(q[:3], kc[:3], vc[:3], cu, cu, 3, 3, 1.0, True)
+
+
+@gpu_only
 def test_aten_flash_probe_passes_where_torch_varlen_does():
     """On a GPU whose varlen_attn passed its probe, the direct call must too (the prefill's
     three copies a layer depend on it); a failure here says the fallback is in use."""
