@@ -121,6 +121,8 @@ def bench_prefill() -> list[str]:
         impls["flash_attn"] = gpu_prefill.RaggedFlashExtend("flash_attn")
     if gpu_prefill.torch_varlen_available() and gpu_prefill.torch_varlen_bottom_right("cuda"):
         impls["torch_varlen"] = gpu_prefill.RaggedFlashExtend("torch_varlen")
+    if gpu_prefill.hopper("cuda"):
+        impls["triton_varlen"] = gpu_prefill.RaggedFlashExtend("triton_varlen")
     rows = []
     for name, (q_lens, kv_lens) in cases.items():
         pages = [triton.cdiv(k, page_size) for k in kv_lens]

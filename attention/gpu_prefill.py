@@ -6,9 +6,9 @@ token_table[i, :kv_lens[i]]), and a causal mask is bottom-right aligned: query r
 0 .. kv_lens[i] - q_lens[i] + r.
 
 Implementations, best first (`select_prefill` picks one per process at start-up):
-- "triton_varlen" (Hopper GPUs, unless the `triton_prefill` kernel option is off; head dims
-  past 128 go to what would run without it): `attention.triton_varlen.varlen_attention` on K/V
-  gathered into ragged tensors, which an
+- "triton_varlen" (Hopper GPUs, unless the `triton_prefill` kernel option is off; calls it does
+  not take, `triton_varlen.takes`: head dims other than 128, go to what would run without it):
+  `attention.triton_varlen.varlen_attention` on K/V gathered into ragged tensors, which an
   H200 ran 1.3-1.5x faster than ATen's FlashAttention at the 8B model's prompt shapes
   (BENCHMARKS.md); on other GPUs it is unmeasured, and the list below applies;
 - "flash_attn": `flash_attn.flash_attn_varlen_func` on K/V gathered into ragged tensors
@@ -22,7 +22,7 @@ Implementations, best first (`select_prefill` picks one per process at start-up)
 - "triton": `paged_extend_triton` below, which reads K/V straight from the paged cache
   (any dtype, any head dims, GQA);
 - "sdpa": `torch_ops.paged_extend_sdpa`, one SDPA call per request.
-The three varlen paths need fp16/bf16, equal q/k and v head dims and head dim <= 256; other
+The varlen paths need fp16/bf16, equal q/k and v head dims and head dim <= 256; other
 calls go to the Triton kernel.
 """
 
@@ -43,7 +43,7 @@ from attention.triton_decode import LOG2E, compute_dtype, dot_precision, paged_d
 
 logger = logging.getLogger(__name__)
 
-PREFILL_IMPLS = ("flash_attn", "triton_varlen", "torch_varlen", "triton", "sdpa")
+PREFILL_IMPLS = ("triton_varlen", "flash_attn", "torch_varlen", "triton", "sdpa")
 
 # flash-attn 2's paged KV cache wants pages of a multiple of 256 tokens
 # ("Paged KV cache block size must be divisible by 256"); smaller pages use Triton decode.
@@ -240,7 +240,7 @@ class RaggedFlashExtend:
     def __init__(self, impl: str, direct: bool | None = None, wide: Callable | None = None):
         """direct (torch_varlen): call `_aten_flash` instead of the wrapper; None: where
         `aten_flash_ok` says so, decided at the first call. wide (triton_varlen): the extend for
-        head dims past `triton_varlen.MAX_HEAD_DIM` (default: the Triton paged prefill)."""
+        calls `triton_varlen.takes` refuses (default: the Triton paged prefill)."""
         if impl not in ("flash_attn", "torch_varlen", "triton_varlen"):
             raise ValueError(f"not a varlen FlashAttention: {impl!r}")
         self.impl = impl
@@ -253,9 +253,9 @@ class RaggedFlashExtend:
     def __call__(self, q, k_cache, v_cache, token_table, q_lens, kv_lens, scaling, causal=True):
         if not flash_shapes_ok(q, k_cache, v_cache, widen=True) or min(kv_lens, default=1) == 0:
             return paged_extend_triton(q, k_cache, v_cache, token_table, q_lens, kv_lens, scaling, causal)
-        if self.impl == "triton_varlen" and q.shape[-1] > triton_varlen.MAX_HEAD_DIM:
-            return self._wide(q, k_cache, v_cache, token_table, q_lens, kv_lens, scaling, causal)
         plan = self._plans.get(token_table, q_lens, kv_lens)
+        if self.impl == "triton_varlen" and not triton_varlen.takes(q, k_cache.shape[1], plan.max_k):
+            return self._wide(q, k_cache, v_cache, token_table, q_lens, kv_lens, scaling, causal)
         k = k_cache[plan.kv_slots].to(q.dtype)  # (an FP8 cache widened; its scales are the caller's)
         v = v_cache[plan.kv_slots].to(q.dtype)
         if self._direct is None:
@@ -466,22 +466,29 @@ def torch_varlen_bottom_right(device: torch.device | str) -> bool:
         return False
 
 
-def select_prefill(device: str) -> tuple[str, Callable]:
-    """(name, extend callable) of the best prefill on `device` under this process's kernel
-    options, decided once per (device, options)."""
-    return _select_prefill(device, kernel_options.current().triton_prefill)
+def select_prefill(device: str, triton_prefill: bool | None = None) -> tuple[str, Callable]:
+    """(name, extend callable) of the best prefill on `device`, decided once per (device,
+    `triton_prefill`: the kernel option, this process's unless given)."""
+    if triton_prefill is None:
+        triton_prefill = kernel_options.current().triton_prefill
+    return _select_prefill(device, triton_prefill)
 
 
 def hopper(device: str) -> bool:
-    return torch.cuda.get_device_capability(torch.device(device)) == (9, 0)
+    try:
+        return torch.cuda.get_device_capability(torch.device(device)) == (9, 0)
+    except Exception:  # noqa: BLE001 - no such device: not one
+        return False
 
 
 @functools.lru_cache(maxsize=8)
 def _select_prefill(device: str, triton_prefill: bool) -> tuple[str, Callable]:
     if not device.startswith("cuda"):
         return "sdpa", torch_ops.paged_extend_sdpa
-    if triton_prefill and hopper(device):  # (heads wider than it takes: what would run without it)
-        return "triton_varlen", RaggedFlashExtend("triton_varlen", wide=_select_prefill(device, False)[1])
+    if triton_prefill and hopper(device):  # (calls it does not take: what would run without it)
+        wide_name, wide = select_prefill(device, False)
+        dims = "/".join(map(str, triton_varlen.MEASURED_HEAD_DIMS))
+        return f"triton_varlen (head dim {dims}; others {wide_name})", RaggedFlashExtend("triton_varlen", wide=wide)
     if flash_attn_available():
         return "flash_attn", RaggedFlashExtend("flash_attn")
     if torch_varlen_available() and torch_varlen_bottom_right(device):

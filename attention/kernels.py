@@ -120,13 +120,13 @@ def select_kernels(device: str, page_size: int = 1) -> KernelSet:
 
 @functools.lru_cache(maxsize=8)
 def _select_cuda(device: str, page_size: int, triton_prefill: bool) -> KernelSet:
-    """(`triton_prefill`, the kernel option, is part of the key: `select_prefill` reads it.)"""
+    """(`triton_prefill`, the kernel option, is part of the key and what the prefill is chosen by.)"""
     # Imported here: the GPU modules need triton, which CPU-only installs may lack.
     from attention import gpu_prefill
     from attention.triton_decode import paged_decode
     from attention.triton_mla_decode import mla_decode
 
-    prefill_name, extend = gpu_prefill.select_prefill(device)
+    prefill_name, extend = gpu_prefill.select_prefill(device, triton_prefill)
     if gpu_prefill.flash_attn_available() and page_size % gpu_prefill.FLASH_ATTN_PAGE_MULTIPLE == 0:
         decode_name, decode_paged = "flash_attn_with_kvcache", gpu_prefill.flash_attn_decode_paged
     else:

@@ -3,8 +3,10 @@
 The arguments are `attention.gpu_prefill._aten_flash`'s: q [Tq, H, D] (rows at any stride, e.g. a
 slice of the fused qkv product), k and v [Tk, Hkv, D] gathered per request in batch order,
 cumulative lengths cu_q / cu_k [B + 1] int32. Request b's queries are the *last* q_len of its
-kv_len positions, and the causal mask is bottom-right aligned: query r sees keys 0 .. kv_len -
-q_len + r. GQA: query head h reads K/V head h // (H / Hkv).
+kv_len positions (so a causal call needs kv_len >= q_len, as every caller's has), and the causal
+mask is bottom-right aligned: query r sees keys 0 .. kv_len - q_len + r. GQA: query head h reads
+K/V head h // (H / Hkv). The last dim of q, k, v is contiguous; offsets within one request's K/V
+are 32-bit (`varlen_attention` refuses a request whose K/V span 2^31 elements).
 
 Why it exists: ATen's FlashAttention (FA2) reaches ~170-320 TFLOP/s on an H200 at the prompt
 shapes of the 8B model (BENCHMARKS.md); this kernel is FA2's algorithm written for Triton's
@@ -37,10 +39,11 @@ class VarlenLaunch:
 
 
 DEFAULT_LAUNCH = VarlenLaunch()
-# Head dims up to 128 (padded to a power of two) are what the GPU tests and the H200 runs covered;
-# `gpu_prefill.RaggedFlashExtend` sends wider heads (Qwen3-Next's 256) to the FlashAttention it
-# would use without this kernel.
+# The GPU tests cover head dims up to 128 (padded to a power of two); the H200 runs measured 128
+# only. `gpu_prefill.RaggedFlashExtend` sends the kernel the measured dims (`takes`), others to
+# the FlashAttention the GPU would use without it (a padded dim does masked, wider dots).
 MAX_HEAD_DIM = 128
+MEASURED_HEAD_DIMS = (128,)
 
 
 @triton.jit
@@ -127,16 +130,30 @@ def _varlen_fwd_kernel(
                  mask=qmask[:, None] & dmask[None, :])
 
 
-def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal, launch: VarlenLaunch | None = None
-                     ) -> torch.Tensor:
-    """`_aten_flash`'s arguments and result ([Tq, H, D] in q's dtype, D <= MAX_HEAD_DIM); see the
-    module docstring."""
+def takes(q: torch.Tensor, kv_heads: int, max_k: int) -> bool:
+    """Whether the prefill sends this call here: fp16/bf16, a measured head dim, q's last dim
+    contiguous, and each request's gathered K/V ([kv_len, kv_heads, D]) within 32-bit offsets."""
+    d = q.shape[-1]
+    return (q.dtype in (torch.float16, torch.bfloat16) and d in MEASURED_HEAD_DIMS and q.stride(-1) == 1
+            and max_k * kv_heads * d < 2**31)
+
+
+def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal, launch: VarlenLaunch | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """`_aten_flash`'s arguments and result ([Tq, H, D] in q's dtype, D <= MAX_HEAD_DIM; into
+    `out` if given); see the module docstring."""
     total, heads, d = q.shape
-    out = torch.empty(total, heads, d, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(total, heads, d, dtype=q.dtype, device=q.device)
     if total == 0:
         return out
-    if d > MAX_HEAD_DIM or q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"varlen_attention: head dim {d} ({q.dtype}); takes fp16/bf16 up to {MAX_HEAD_DIM}")
+    if d > MAX_HEAD_DIM or q.dtype not in (torch.float16, torch.bfloat16) or not k.dtype == v.dtype == q.dtype:
+        raise ValueError(f"varlen_attention: head dim {d}, {q.dtype} q, {k.dtype} K/V; takes fp16/bf16 up to "
+                         f"{MAX_HEAD_DIM}, K/V as q")
+    if not q.stride(-1) == k.stride(-1) == v.stride(-1) == out.stride(-1) == 1 or tuple(out.shape) != (total, heads, d):
+        raise ValueError("varlen_attention: q, k, v and out need a contiguous last dim (and out q's shape)")
+    if max_k * max(k.stride(0), v.stride(0)) >= 2**31:
+        raise ValueError(f"varlen_attention: {max_k} keys of a request span 2^31 elements of K/V (32-bit offsets)")
     cfg = launch or DEFAULT_LAUNCH
     block_d = max(16, triton.next_power_of_2(d))
     grid = (heads, triton.cdiv(max(max_q, 1), cfg.block_m), cu_q.shape[0] - 1)

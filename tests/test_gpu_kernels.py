@@ -294,7 +294,7 @@ def _flash_impls() -> list[str]:
         impls.append("flash_attn")
     if gpu_prefill.torch_varlen_available():
         impls += ["torch_varlen", "torch_varlen_direct"]
-    return impls + ["triton_varlen"]
+    return impls + (["triton_varlen"] if gpu_prefill.hopper(DEVICE) else [])  # (measured and chosen on Hopper only)
 
 
 @gpu_only
@@ -338,10 +338,14 @@ def test_flash_extend(impl, shape, heads, kv_heads, dim, strided):
 @pytest.mark.parametrize("causal", [True, False])
 def test_triton_varlen_reads_only_its_own_columns(dim, causal):
     """q, K and V as slices of wider rows whose other columns are NaN (the other heads of a
-    fused product; for 80 a head dim the kernel pads to 128): any read outside a head's own
-    columns, or an unwritten output row, shows as NaN. Prompts of odd lengths, with and
-    without a cached prefix, several query blocks each."""
+    fused product; for 80 a head dim the kernel pads to 128), and a NaN-poisoned output: any read
+    outside a head's own columns, or an unwritten output row, shows as NaN. Prompts of odd
+    lengths, with and without a cached prefix, several query blocks each (Hopper: what the
+    kernel's launch was sized for)."""
     from attention.triton_varlen import varlen_attention
+
+    if not gpu_prefill.hopper(DEVICE):
+        pytest.skip("the Triton varlen kernel runs on Hopper GPUs")
 
     q_lens, kv_lens, heads, kv_heads = [1, 300, 129, 7], [40, 300, 1000, 7], 8, 2
     g = torch.Generator().manual_seed(dim)
@@ -353,7 +357,8 @@ def test_triton_varlen_reads_only_its_own_columns(dim, causal):
 
     q, k, v = wide(sum(q_lens), heads), wide(sum(kv_lens), kv_heads), wide(sum(kv_lens), kv_heads)
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)  # noqa: E731
-    got = varlen_attention(q, k, v, cu(q_lens), cu(kv_lens), max(q_lens), max(kv_lens), dim**-0.5, causal)
+    got = varlen_attention(q, k, v, cu(q_lens), cu(kv_lens), max(q_lens), max(kv_lens), dim**-0.5, causal,
+                           out=poisoned(q.shape, torch.bfloat16))
     table = torch.zeros(len(kv_lens), max(kv_lens), dtype=torch.long, device=DEVICE)
     for i, (start, n) in enumerate(zip(cu(kv_lens)[:-1].tolist(), kv_lens)):
         table[i, :n] = torch.arange(start, start + n, device=DEVICE)
@@ -368,7 +373,7 @@ def test_triton_varlen_extend_sends_wide_heads_elsewhere():
     from attention.triton_varlen import varlen_attention
 
     q, kc, vc, tt, q_lens, kv_lens = extend_case("long_prefix", 4, 2, 256, 16, torch.bfloat16)
-    ext = gpu_prefill.RaggedFlashExtend("triton_varlen", wide=gpu_prefill._select_prefill(DEVICE, False)[1])
+    ext = gpu_prefill.RaggedFlashExtend("triton_varlen", wide=gpu_prefill.select_prefill(DEVICE, False)[1])
     for causal in (True, False):
         got = ext(q, kc, vc, tt, q_lens, kv_lens, 256**-0.5, causal)
         assert_close(got, ref_attention(q, kc, vc, tt, q_lens, kv_lens, 256**-0.5, causal), torch.bfloat16)

@@ -94,7 +94,7 @@ def _extends() -> list[str]:
         impls.append("flash_attn")
     if gpu_prefill.torch_varlen_available() and gpu_prefill.torch_varlen_bottom_right("cuda"):
         impls.append("torch_varlen")
-    return impls + ["triton_varlen"]
+    return impls + (["triton_varlen"] if gpu_prefill.hopper("cuda") else [])
 
 
 @pytest.mark.parametrize("impl", _extends())
