@@ -23,9 +23,9 @@ What is left to choose is what a user or a benchmark needs:
 - `decode_zero_bias` (`MANTA_ZERO_BIAS=0`): the 16-bit products of decode batches for which cuBLASLt's
   heuristic picks a faster kernel, through its bias epilogue with a zero bias (`workers.layers.lt_bias`
   says which); off, plain `F.linear`.
-- `triton_prefill` (`MANTA_TRITON_PREFILL=0`): prompt attention on a Hopper GPU through the
-  Triton varlen kernel (`attention.triton_varlen`); off, ATen's FlashAttention (or flash-attn's
-  where installed), as on other GPUs.
+- `triton_prefill` (`MANTA_TRITON_PREFILL=0`): prompt attention of head dim 128 on a Hopper GPU
+  through the Triton varlen kernel (`attention.triton_varlen`); off, ATen's FlashAttention (or
+  flash-attn's where installed), as for other head dims and on other GPUs.
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """
