@@ -211,13 +211,18 @@ def test_prefix_prefilled_on_one_replica_is_loaded_by_another(no_store_after, tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["mla", "mha"])
-def test_tp2_keys_per_page_and_writer_ranks(no_store_after, tmp_path, llama_dir, mla_dir, layout):
+def test_tp2_keys_per_page_and_writer_ranks(no_store_after, tmp_path, llama_dir, mla_dir, layout, monkeypatch):
     """MLA at TP=2: one key per page, every write from rank 0; MHA: two keys per page per rank.
     After the radix cache is dropped and another prompt has pushed the first one out of the
     ranks' host tiers, reloading it reads every page back from the store on both ranks (MLA
     rank 1 reading the keys rank 0 wrote) and the ranks agree on the count; once more, and it
-    comes from the host tiers, loaded by the plan that admits it."""
+    comes from the host tiers, loaded by the plan that admits it. The scheduler waits up to 5 s
+    for the store's answer, not the engine's 0.1 s: on a loaded CI machine the store answered
+    later once, the reload counted a miss (`probe_timeouts`), and this test is about the keys."""
+    from cluster.engine import kv_offload
     from cluster.engine.loop import Engine
+
+    monkeypatch.setattr(kv_offload, "PROBE_WAIT_S", 5.0)
     from cluster.engine.ranks import runner_options
     from workers.model_config import ModelConfig
     from workers.ray_group import RayWorkerGroup
