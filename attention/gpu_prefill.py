@@ -262,10 +262,8 @@ class RaggedFlashExtend:
             self._direct = aten_flash_ok(str(q.device))
         if self._direct:
             return _aten_flash(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scaling, causal)
-        if self.impl == "triton_varlen":  # takes the strided q as it is
-            return self._varlen(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scaling, causal)
-        if not q.is_contiguous():  # e.g. a slice of a fused qkv projection
-            q = q.contiguous()
+        if self.impl != "triton_varlen" and not q.is_contiguous():  # e.g. a slice of a fused qkv
+            q = q.contiguous()  # projection (the Triton kernel takes it strided)
         return self._varlen(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scaling, causal)
 
 
