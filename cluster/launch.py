@@ -439,8 +439,25 @@ def _retire_replicas(actors: dict[str, object], timeout_s: float = 30) -> None:
             pass
     if pings:
         ray.wait(pings, num_returns=len(pings), timeout=15)
+    _wait_for_ranks_gone(list(actors), timeout_s=15)
     for name in actors:
         _remove_placement_group(name)
+
+
+def _wait_for_ranks_gone(replicas: list[str], timeout_s: float) -> None:
+    """Wait until no rank actor of these replicas (`manta-<replica>-rank<i>`) is still named:
+    Ray kills a dead replica's ranks with it, but a moment later, and a named rank left alive
+    refuses the next cluster's rank of that name (CI, 2026-11-29: `manta-replica-1-rank0` still
+    listed right after a failed start)."""
+    prefixes = tuple(f"manta-{name}-rank" for name in replicas)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if not any(a.startswith(prefixes) for a in ray.util.list_named_actors()):
+                return
+        except Exception:
+            return
+        time.sleep(0.1)
 
 
 def _stop_actors(actors: list, timeout_s: float = 30) -> None:
