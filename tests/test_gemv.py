@@ -102,6 +102,39 @@ def test_gemv_equals_unfused_ops(mode, residual, n, k, config):
     assert int(counters.abs().sum()) == 0  # every split launch leaves its counters at zero
 
 
+def _glu_reference(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up of a [gate | up] product computed in float32, rounded as the unfused ops."""
+    return fused._silu_and_mul(y.to(dtype)).float()
+
+
+@pytest.mark.parametrize("mode,residual", [(gemv.PLAIN, False), (gemv.ADD_RMS, True)])
+@pytest.mark.parametrize("n,k", [(2, 64), (74, 1000), (260, 768)])
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=lambda c: f"{c.block_n}x{c.block_k}s{c.split_k}{'d' if c.use_dot else ''}v{c.vec}"
+                                       f"{'' if c.prefetch else 'np'}")
+def test_gate_up_product_with_the_activation_in_its_epilogue(mode, residual, n, k, config):
+    """`glu`: a [gate | up] product whose programs take gate row j beside up row j and write
+    silu(gate) * up: the unfused product then `silu_and_mul`, for odd half-widths (37, 130
+    rows of each), bias or none, split K and tensor-core launches."""
+    dtype = torch.bfloat16
+    x, w, b, r, nw = _inputs(mode, n, k, dtype, bias=n % 4 == 2, residual=residual, seed=n * k + 11)
+    y, s = gemv.gemv(x, w, b, mode=mode, residual=r, norm_weight=nw, eps=1e-5, glu=True, config=config)
+    want, want_s = _reference(mode, x, w, b, r, nw, 1e-5)
+    assert y.shape == (1, n // 2) and y.dtype == dtype
+    torch.testing.assert_close(y.float(), _glu_reference(want, dtype), **TOL)
+    if want_s is not None:
+        _assert_same_rounded_sum(s, want_s)
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+def test_glu_arguments_are_checked():
+    x, w, *_ = _inputs(gemv.PLAIN, 9, 64, torch.bfloat16, False, False, 0)
+    with pytest.raises(ValueError, match="even number of rows"):
+        gemv.gemv(x, w, glu=True)
+    with pytest.raises(ValueError, match="out_dtype"):
+        gemv.gemv(x, w[:8], glu=True, out_dtype=torch.float32)
+
+
 @pytest.mark.parametrize("k", [64, 1000, 4096])
 @pytest.mark.parametrize("residual", [True, False])
 def test_one_row_norm_kernel_equals_unfused(k, residual):
@@ -335,6 +368,31 @@ def test_gemv_fp8_weight_equals_dequantized_product(mode, residual, n, k, config
     if want_s is not None:
         _assert_same_rounded_sum(res_sum, want_s)
     assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+@gpu_only
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("config", [None, gemv.GemvConfig(4, 1024, 1, vec=16, prefetch=False),
+                                    gemv.GemvConfig(8, 64, 2, vec=16)],
+                         ids=lambda c: "default" if c is None else f"{c.block_n}x{c.block_k}s{c.split_k}")
+def test_fp8_gate_up_with_the_activation_in_its_epilogue(wide, config):
+    """An FP8 [gate | up] weight with row scales, `glu`: each row's scale is applied before the
+    activation (the dequantized product, then `silu_and_mul`); through `one_row`'s entry point
+    (the norm kernel, then the product, for wide outputs) with the default launch."""
+    n, k, dtype = (2 * 8200 if wide else 2 * 37), 512, torch.bfloat16
+    x, w, b, r, nw = _inputs(gemv.ADD_RMS, n, k, dtype, bias=False, residual=True, seed=n + 3)
+    q, s, wd = _fp8(w)
+    if config is None:
+        y, res_sum = one_row.add_rms_norm_linear(x, r, nw, 1e-5, q, None, scale=s, glu=True)
+    else:
+        y, res_sum = gemv.gemv(x, q, mode=gemv.ADD_RMS, residual=r, norm_weight=nw, eps=1e-5, scale=s, glu=True,
+                               config=config)
+    want, want_s = _reference(gemv.ADD_RMS, x, wd, None, r, nw, 1e-5)
+    assert y.shape == (1, n // 2)
+    torch.testing.assert_close(y.float(), _glu_reference(want, dtype), **TOL)
+    _assert_same_rounded_sum(res_sum, want_s)
+    off = one_row.add_rms_norm_linear(x.cpu(), r.cpu(), nw.cpu(), 1e-5, q.cpu(), None, scale=s.cpu(), glu=True)[0]
+    torch.testing.assert_close(off.float(), _glu_reference(want, dtype).cpu(), **TOL)  # the unfused path
 
 
 @gpu_only

@@ -20,6 +20,12 @@ as the unfused add, is written in place of y, and each block of rows writes the 
 its s^2 (`square_sums`, one per block); the next product's `NORM` prologue adds those up for
 its 1/rms. A decoder layer at batch 1 then needs no full-row prologue for its qkv product.
 
+A gate/up product ([gate | up] rows, N = 2 x inter) may finish the MLP's activation (`glu`): its
+programs take gate row j and up row j side by side, and the epilogue writes silu(gate) * up,
+rounded as the unfused ops, so the output is [1, inter] and the down product's prologue is plain.
+Computing the SiLU in the down product's prologue instead repeats it, and reads the 2 x inter
+input, in every one of that product's programs.
+
 A qkv product may also finish RoPE and the K/V-cache write (`rope`, a `one_row.RopeKV`): its
 programs take rotation pairs (j, j + head_dim/2) of one head side by side, so the epilogue
 rotates q and k heads and writes k and v heads to the caches at the step's slot. That is
@@ -143,6 +149,21 @@ def _store_rows(X, Y, B, Res, SqOut, y, res, rows, rmask, pid_n, HAS_BIAS: tl.co
 
 
 @triton.jit
+def _store_glu(Y, B, y, rows, pid_n, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, HALF_N):
+    """A gate/up product's rows (gate j and up j interleaved, see GLU): bias, rounding to Y's
+    dtype (as F.linear), then silu(gate) * up rounded as `fused.silu_and_mul` (and the SILU_MUL
+    prologue), stored at j."""
+    P: tl.constexpr = BLOCK_N // 2
+    if HAS_BIAS:
+        y += tl.load(B + rows, mask=rows < 2 * HALF_N, other=0.0).to(tl.float32)
+    dtype = Y.dtype.element_ty
+    g, u = tl.split(tl.reshape(y.to(dtype).to(tl.float32), (P, 2)))
+    s = (g * tl.sigmoid(g)).to(dtype)
+    j = pid_n * P + tl.arange(0, P)
+    tl.store(Y + j, (s.to(tl.float32) * u).to(dtype), mask=j < HALF_N)
+
+
+@triton.jit
 def _store_rope(Y, B, KC, VC, y, cos, sin, loc, pid_n, stride_kcs, stride_kch, stride_vcs, stride_vch,
                 HAS_BIAS: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_N: tl.constexpr):
@@ -184,7 +205,8 @@ def _gemv_kernel(
     N, K, stride_wn, eps, n_sq, stride_cos, stride_kcs, stride_kch, stride_vcs, stride_vch,
     MODE: tl.constexpr, HAS_R: tl.constexpr, WRITE_S: tl.constexpr, HAS_BIAS: tl.constexpr,
     ADD_RES: tl.constexpr, SQ_BLOCK: tl.constexpr,
-    ROPE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, W_SCALED: tl.constexpr,
+    ROPE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, GLU: tl.constexpr,
+    W_SCALED: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
     VEC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
@@ -196,9 +218,15 @@ def _gemv_kernel(
         i = tl.arange(0, BLOCK_N)
         g0 = pid_n * (BLOCK_N // 2)
         rows = (g0 // HALF) * (2 * HALF) + g0 % HALF + i // 2 + (i % 2) * HALF
+        rmask = rows < N
+    elif GLU:  # gate row j and up row j (N / 2 + j) side by side
+        i = tl.arange(0, BLOCK_N)
+        pair = pid_n * (BLOCK_N // 2) + i // 2  # (not `j`: the split-K loop below binds that name)
+        rows = pair + (i % 2) * (N // 2)
+        rmask = pair < N // 2
     else:
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
+        rmask = rows < N
     chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * chunk
     k_hi = tl.minimum(k_lo + chunk, K)
@@ -301,6 +329,8 @@ def _gemv_kernel(
             if ROPE:
                 _store_rope(Y, B, KC, VC, total, cos, sin, loc, pid_n, stride_kcs, stride_kch, stride_vcs,
                             stride_vch, HAS_BIAS, HQ, HK, HALF, BLOCK_N)
+            elif GLU:
+                _store_glu(Y, B, total, rows, pid_n, HAS_BIAS, BLOCK_N, N // 2)
             else:
                 _store_rows(X, Y, B, Res, SqOut, total, res, rows, rmask, pid_n, HAS_BIAS, ADD_RES)
             tl.atomic_xchg(Counters + pid_n, 0)
@@ -314,6 +344,8 @@ def _gemv_kernel(
         if ROPE:
             _store_rope(Y, B, KC, VC, y, cos, sin, loc, pid_n, stride_kcs, stride_kch, stride_vcs, stride_vch,
                         HAS_BIAS, HQ, HK, HALF, BLOCK_N)
+        elif GLU:
+            _store_glu(Y, B, y, rows, pid_n, HAS_BIAS, BLOCK_N, N // 2)
         else:
             _store_rows(X, Y, B, Res, SqOut, y, res, rows, rmask, pid_n, HAS_BIAS, ADD_RES)
 
@@ -363,6 +395,7 @@ def gemv(
     eps: float = 0.0,
     square_sums: torch.Tensor | None = None,
     rope: RopeKV | None = None,
+    glu: bool = False,
     out_dtype: torch.dtype | None = None,
     scale: torch.Tensor | None = None,
     config: GemvConfig | None = None,
@@ -372,14 +405,18 @@ def gemv(
     residual sum [1, K] for ADD_RMS with a residual, else None). NORM takes x's `square_sums`
     (from `gemv_add`) and the norm's weight. With `rope` the weight is a qkv projection's:
     the output's q and k heads come out rotated and its k and v heads are written to the
-    caches (`one_row.RopeKV`). `out_dtype` (PLAIN): y rounded to x's dtype, stored as this
-    (float32 logits without a cast kernel)."""
+    caches (`one_row.RopeKV`). With `glu` the weight is a gate/up projection's ([gate | up],
+    N even) and the output is silu(gate) * up, [1, N / 2]. `out_dtype` (PLAIN): y rounded to
+    x's dtype, stored as this (float32 logits without a cast kernel)."""
     if mode == NORM and square_sums is None:
         raise ValueError("gemv: NORM needs the square sums of its input row (gemv_add's)")
-    if out_dtype not in (None, x.dtype) and (mode != PLAIN or rope is not None):
+    if out_dtype not in (None, x.dtype) and (mode != PLAIN or rope is not None or glu):
         raise ValueError("gemv: out_dtype is for plain products")
+    if glu and (rope is not None or mode == SILU_MUL or weight.shape[0] % 2):
+        raise ValueError(f"gemv: glu takes a gate/up weight of an even number of rows ({weight.shape[0]}), "
+                         "without rope or a SiLU prologue")
     return _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, None, config, rope, out_dtype,
-                   scale)
+                   scale, glu)
 
 
 def gemv_add(
@@ -400,7 +437,8 @@ def gemv_add(
     if residual.numel() != weight.shape[0] or residual.dtype != x.dtype:
         raise ValueError(f"gemv_add: residual of {residual.numel()} {residual.dtype} for {weight.shape[0]} "
                          f"{x.dtype} outputs")
-    return _launch(x, weight, bias, mode, None, None, 0.0, None, residual.contiguous(), config, None, None, scale)
+    return _launch(x, weight, bias, mode, None, None, 0.0, None, residual.contiguous(), config, None, None, scale,
+                   False)
 
 
 def _rope_args(rope: RopeKV | None, n: int, block_n: int, dtype: torch.dtype) -> tuple[list, dict, int]:
@@ -438,7 +476,8 @@ def _check_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         raise ValueError(f"gemv: a {weight.dtype} weight for a {x.dtype} input")
 
 
-def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_to, config, rope, out_dtype, scale):
+def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_to, config, rope, out_dtype, scale,
+            glu):
     n, k = weight.shape
     x = x.contiguous()
     _check_weight(x, weight, scale)
@@ -454,10 +493,10 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
     rope_ptrs, rope_consts, block_n = _rope_args(rope, n, cfg.block_n, x.dtype)
     if block_n != cfg.block_n:
         cfg = replace(cfg, block_n=block_n, use_dot=cfg.use_dot and block_n >= 16)
-    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
+    y = torch.empty(1, n // 2 if glu else n, dtype=out_dtype or x.dtype, device=x.device)
     has_r = mode == ADD_RMS and residual is not None
     s = torch.empty_like(x) if has_r else None
-    blocks = triton.cdiv(n, cfg.block_n)
+    blocks = triton.cdiv(n // 2, cfg.block_n // 2) if glu else triton.cdiv(n, cfg.block_n)
     part = sq_part = counters = y
     if cfg.split_k > 1:
         part = torch.empty(cfg.split_k, n, dtype=torch.float32, device=x.device)
@@ -475,7 +514,7 @@ def _launch(x, weight, bias, mode, residual, norm_weight, eps, square_sums, add_
         *[p if p is not None else y for p in rope_ptrs[:6]],
         n, k, weight.stride(0), eps, n_sq, *rope_ptrs[6:],
         MODE=mode, HAS_R=has_r, WRITE_S=has_r, HAS_BIAS=bias is not None,
-        ADD_RES=add_to is not None, SQ_BLOCK=triton.next_power_of_2(n_sq), **rope_consts, W_SCALED=fp8,
+        ADD_RES=add_to is not None, SQ_BLOCK=triton.next_power_of_2(n_sq), **rope_consts, GLU=glu, W_SCALED=fp8,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, VEC=cfg.vec,
         PREFETCH=cfg.prefetch, PDL=use_pdl,

@@ -103,26 +103,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None,
-                        rope: RopeKV | None = None, *, scale: torch.Tensor | None = None
+                        rope: RopeKV | None = None, *, scale: torch.Tensor | None = None, glu: bool = False,
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(RMSNorm(x + residual)), x + residual); residual None: (linear(RMSNorm(x)), x).
     Where `gemv` applies: one kernel, or for wide outputs a one-row norm kernel and a plain
     product (`gemv_launch.fuse_norm`); else the fused-elementwise norm and F.linear. With `rope` (a
-    qkv product) the q, k heads come out rotated and k, v are in the caches."""
+    qkv product) the q, k heads come out rotated and k, v are in the caches; with `glu` (a gate/up
+    product) the first output is silu(gate) * up, in the product's epilogue where `gemv` applies."""
     if applies(x, weight, scale):
         gemv = _gemv()
         if gemv_launch.fuse_norm(*weight.shape):
             y, s = gemv.gemv(x, weight, bias, mode=gemv.ADD_RMS, residual=residual, norm_weight=norm_weight, eps=eps,
-                             rope=rope, scale=scale)
+                             rope=rope, glu=glu, scale=scale)
         else:
             h, s = gemv.add_rms_norm(x, residual, norm_weight, eps)
-            y = gemv.gemv(h, weight, bias, rope=rope, scale=scale)[0]
+            y = gemv.gemv(h, weight, bias, rope=rope, glu=glu, scale=scale)[0]
         return y, (x if s is None else s)
     if residual is None:
         h, s = fused.rms_norm(x, norm_weight, eps), x
     else:
         h, s = fused.add_rms_norm(x, residual, norm_weight, eps)
     y = _product(h, weight, bias, scale)
+    if glu:
+        y = fused.silu_and_mul(y)
     return (y if rope is None else _rope_kv(y, rope)), s
 
 
