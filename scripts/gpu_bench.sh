@@ -142,7 +142,7 @@ for s in $stages; do
     gemvfp8) python3 -m workers.layers.bench_gemv --fp8 --out "$OUT/gemv_sweep_fp8.json" 2>&1 | grep -v Warning ;;
     gemvfp8ab) build /tmp/l8 --preset llama-3.1-8b  # this GPU's fastest FP8 one-row launches (the step's four products), then
         # FP8 batch 1 with FP8_LAUNCH's and with them (MANTA_GEMV_CONFIGS), default / swept / default
-        python3 -m workers.layers.bench_gemv --fp8 --only 5 6 8 9 --emit-configs "$OUT/gemv_fp8_best.txt" \
+        python3 -m workers.layers.bench_gemv --fp8 --only 5 6 10 11 --emit-configs "$OUT/gemv_fp8_best.txt" \
           --out "$OUT/gemv_sweep_fp8_step.json" 2>&1 | grep -v Warning; echo "best: $(cat "$OUT/gemv_fp8_best.txt")"
         ab_batch1 _fp8 "--quantization fp8" "MANTA_GEMV=1" "MANTA_GEMV_CONFIGS=$(cat "$OUT/gemv_fp8_best.txt")" \
           "MANTA_GEMV=1" ;;

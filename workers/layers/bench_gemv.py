@@ -45,6 +45,9 @@ SHAPES = [
     ("gate_up_proj", gemv.NORM, 28672, 4096),
     ("down_proj+add", gemv.SILU_MUL, 4096, 14336),
     ("gate_up_plain", gemv.PLAIN, 28672, 4096),  # after the one-row norm kernel (`gemv_launch.fuse_norm`)
+    # FP8's MLP at batch 1: gate/up writing silu(gate) * up (`glu`), then a plain down + add
+    ("gate_up_glu", gemv.PLAIN, 28672, 4096),
+    ("down_proj_plain+add", gemv.PLAIN, 4096, 14336),
 ]
 # --shapes deepseek: the one-row products of a DeepSeek-V2-Lite layer (hidden 2,048; the shared
 # experts' 2 x 1,408 intermediate; the MoE experts run on the grouped GEMM, `bench_moe`)
@@ -183,7 +186,8 @@ def bench_shape(name: str, mode: int, n: int, k: int, quick: bool, copy_gbs: flo
     if mode == gemv.PLAIN:
         for cfg in dict.fromkeys([*sweep_configs(k, quick, fp8), default]):
             try:
-                us = time_in_graph(lambda w, cfg=cfg: gemv.gemv(h, w, scale=scale, config=cfg), weights, calls)
+                us = time_in_graph(lambda w, cfg=cfg: gemv.gemv(h, w, scale=scale, glu=name.endswith("_glu"),
+                                                                config=cfg), weights, calls)
             except Exception as e:  # noqa: BLE001 - a launch that does not fit (registers, shared memory): skip it
                 print(f"  skip {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
                 continue

@@ -122,8 +122,9 @@ def logged_choice(n: int, k: int, device: torch.device, mode: int, adds: bool, f
 def best_launches(results: list[dict]) -> str:
     """The fastest Triton launch of each N x K in `bench_gemv`'s results, as `MANTA_GEMV_CONFIGS`
     reads it (`bench_gemv --emit-configs`). The override is per shape, whatever the prologue:
-    sweep only the products a model step runs (`--only 5 6 8 9`: the 8B step's qkv + norm,
-    o_proj + add, gate/up, down + SiLU + add)."""
+    sweep only the products a model step runs (`--only 5 6 8 9`: the 8B bf16 step's qkv + norm,
+    o_proj + add, down + SiLU + add, gate/up; `--fp8 --only 5 6 10 11`: the FP8 step's, whose
+    gate/up writes silu(gate) * up and whose down is plain + add)."""
     best: dict[str, dict] = {}
     for r in results:
         if r["config"] is None or not r["kind"].startswith("triton") or r["kind"] == "triton-norm+plain":
