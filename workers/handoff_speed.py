@@ -51,7 +51,7 @@ class ReadSpeed:
                f"tokens of an 8B model) takes {(256 << 20) / 1e9 / gb_s:.1f} s to move (its prefill takes tens of "
                "ms on a GPU), so under load this decode replica falls behind and computes most prompts itself. "
                "Check the transport with "
-               "`python3 scripts/nixl_read_bench.py --device cuda` (docs/deploy.md); between hosts without "
-               "GPUDirect RDMA, serve with --pd-memory host")
+               "`python3 scripts/nixl_read_bench.py --device cuda` (docs/deploy.md), or serve with --pd-memory host "
+               "(pinned host memory: 3.7 GB/s READs on such a one-GPU host)")
         logger.warning(msg)
         return msg
