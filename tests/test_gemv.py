@@ -114,8 +114,8 @@ def _glu_reference(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
                                        f"{'' if c.prefetch else 'np'}")
 def test_gate_up_product_with_the_activation_in_its_epilogue(mode, residual, n, k, config):
     """`glu`: a [gate | up] product whose programs take gate row j beside up row j and write
-    silu(gate) * up: the unfused product then `silu_and_mul`, for odd half-widths (37, 130
-    rows of each), bias or none, split K and tensor-core launches."""
+    silu(gate) * up: the unfused product then `silu_and_mul`, for half-widths that no block of
+    rows divides (37, 130 rows of each), bias or none, split K and tensor-core launches."""
     dtype = torch.bfloat16
     x, w, b, r, nw = _inputs(mode, n, k, dtype, bias=n % 4 == 2, residual=residual, seed=n * k + 11)
     y, s = gemv.gemv(x, w, b, mode=mode, residual=r, norm_weight=nw, eps=1e-5, glu=True, config=config)

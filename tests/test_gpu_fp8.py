@@ -89,14 +89,24 @@ def test_gpu_bf16_fp8_kernels_close_to_float32(dirs, name, prompts, bound):
 def test_gpu_batch1_fp8_takes_the_fused_one_row_kernels(dirs, monkeypatch):
     """A per-channel FP8 Llama at batch 1 in bf16: every product goes through the fused one-row
     kernel on FP8 weights (`workers.layers.gemv`, norms, SiLU, RoPE and the residual add in its
-    prologues and epilogues; eager steps, to read each one's logits), and each step's logits stay as close to float32 as the unfused FP8
-    products' (`MANTA_GEMV=0`), up to the first token where either run leaves float32's."""
+    prologues and epilogues, SiLU·up in gate/up's epilogue; eager steps, to read each one's logits), and each
+    step's logits stay as close to float32 as the unfused FP8 products' (`MANTA_GEMV=0`), up to the first
+    token where either run leaves float32's."""
+    import inspect
+
     from attention.kernel_options import KernelOptions
     from workers.layers import gemv
 
-    scaled = []
+    launches = []  # (an FP8 weight with row scales, the SiLU·up epilogue) of each one-row launch
     launch = gemv._launch
-    monkeypatch.setattr(gemv, "_launch", lambda *a: scaled.append(a[-1] is not None) or launch(*a))
+    names = list(inspect.signature(launch).parameters)
+
+    def spy(*a):
+        args = dict(zip(names, a))
+        launches.append((args["scale"] is not None, args["glu"]))
+        return launch(*a)
+
+    monkeypatch.setattr(gemv, "_launch", spy)
 
     def run(dtype: str, fused: bool = True) -> tuple[list[torch.Tensor], list[int]]:
         engine = Engine(EngineConfig(model=str(dirs["llama_channel"]), device="cuda", dtype=dtype, page_size=4,
@@ -109,12 +119,14 @@ def test_gpu_batch1_fp8_takes_the_fused_one_row_kernels(dirs, monkeypatch):
         return [t.float().cpu() for t in captured], out[0].token_ids
 
     ref_logits, ref_tokens = run("float32")
-    assert not any(scaled)  # float32: the dequantize-and-multiply path
+    assert not launches  # float32: the dequantize-and-multiply path
     got = {}
     for fused in (True, False):
-        scaled.clear()
+        launches.clear()
         got[fused] = run("bfloat16", fused)
-        assert any(scaled) == fused  # (the LM head stays bf16)
+        assert any(s for s, _ in launches) == fused  # (the LM head stays bf16)
+        assert any(s and glu for s, glu in launches) == fused  # gate/up finishing SiLU·up
+        assert not any(glu and not s for s, glu in launches)  # (bf16 keeps SiLU in down's prologue)
     for logits, tokens in got.values():
         same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
         for step in range(min(same + 1, len(tokens))):  # the prefill, then decode steps on the same tokens as float32

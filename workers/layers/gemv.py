@@ -24,7 +24,8 @@ A gate/up product ([gate | up] rows, N = 2 x inter) may finish the MLP's activat
 programs take gate row j and up row j side by side, and the epilogue writes silu(gate) * up,
 rounded as the unfused ops, so the output is [1, inter] and the down product's prologue is plain.
 Computing the SiLU in the down product's prologue instead repeats it, and reads the 2 x inter
-input, in every one of that product's programs.
+input, in every one of that product's programs (the models use `glu` on FP8 weights, where that
+showed: `workers/models/llama.py`).
 
 A qkv product may also finish RoPE and the K/V-cache write (`rope`, a `one_row.RopeKV`): its
 programs take rotation pairs (j, j + head_dim/2) of one head side by side, so the epilogue
@@ -151,11 +152,12 @@ def _store_rows(X, Y, B, Res, SqOut, y, res, rows, rmask, pid_n, HAS_BIAS: tl.co
 @triton.jit
 def _store_glu(Y, B, y, rows, pid_n, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, HALF_N):
     """A gate/up product's rows (gate j and up j interleaved, see GLU): bias, rounding to Y's
-    dtype (as F.linear), then silu(gate) * up rounded as `fused.silu_and_mul` (and the SILU_MUL
-    prologue), stored at j."""
+    dtype (as F.linear), then silu(gate) * up with the SILU_MUL prologue's ops and roundings
+    (the unfused `fused.silu_and_mul` rounds the same way; its sigmoid may differ in the last
+    float32 place), stored at j."""
     P: tl.constexpr = BLOCK_N // 2
     if HAS_BIAS:
-        y += tl.load(B + rows, mask=rows < 2 * HALF_N, other=0.0).to(tl.float32)
+        y += tl.load(B + rows, mask=rows < 2 * HALF_N, other=0.0).to(tl.float32)  # (stores are masked by pair)
     dtype = Y.dtype.element_ty
     g, u = tl.split(tl.reshape(y.to(dtype).to(tl.float32), (P, 2)))
     s = (g * tl.sigmoid(g)).to(dtype)
