@@ -115,24 +115,50 @@ def gloo_rank(rank: int, port: int, world_size: int):
 
 
 def kill_named_actor(handle, name: str, namespace: str | None = None, timeout_s: float = 60.0) -> None:
-    """`ray.kill` an actor and wait until its name is free, without one more call to it.
+    """`ray.kill` an actor and wait until its name is free and its process gone, without one
+    more call to it once killed.
 
     The KV store is restartable (`max_restarts=-1`): a call to it once it is killed asks the GCS
     to restart it for lineage reconstruction, and Ray 2.60's GCS can die of that request (a
     failed check in GcsActorManager::HandleRestartActorForLineageReconstruction; it took a CI
-    run's whole Ray instance, and the test process with it)."""
+    run's whole Ray instance, and the test process with it).
+
+    The name is freed when the GCS marks the actor dead, before the kill reaches its process;
+    a caller that has not heard of the death yet still sends its calls to that process, which
+    answers them while it lives (a CI run's "dead" store answered `exists` with its pages). So
+    the actor's pid is asked before the kill (tests run one node: the pid is on this host) and
+    the wait goes on until that process has exited."""
     import time
 
     import ray
 
+    try:
+        pid = ray.get(handle.__ray_call__.remote(lambda actor: os.getpid()), timeout=timeout_s)
+    except ray.exceptions.RayActorError:
+        pid = None  # dead already: only its name is left to wait for
     ray.kill(handle)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            found = ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            return
-        if found._actor_id != handle._actor_id:
+        if not _name_held(handle, name, namespace) and (pid is None or not _process_alive(pid)):
             return
         time.sleep(0.05)
-    raise AssertionError(f"actor {name} did not die within {timeout_s:.0f}s")
+    raise AssertionError(f"actor {name} (pid {pid}) did not die within {timeout_s:.0f}s")
+
+
+def _name_held(handle, name: str, namespace: str | None) -> bool:
+    import ray
+
+    try:
+        found = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return found._actor_id == handle._actor_id
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (an exited one not yet reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
