@@ -132,6 +132,8 @@ def kill_named_actor(handle, name: str, namespace: str | None = None, timeout_s:
 
     import ray
 
+    from tests.serve_process import alive
+
     try:
         pid = ray.get(handle.__ray_call__.remote(lambda actor: os.getpid()), timeout=timeout_s)
     except ray.exceptions.RayActorError:
@@ -139,7 +141,7 @@ def kill_named_actor(handle, name: str, namespace: str | None = None, timeout_s:
     ray.kill(handle)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _name_held(handle, name, namespace) and (pid is None or not _process_alive(pid)):
+        if not _name_held(handle, name, namespace) and (pid is None or not alive(pid)):
             return
         time.sleep(0.05)
     raise AssertionError(f"actor {name} (pid {pid}) did not die within {timeout_s:.0f}s")
@@ -153,12 +155,3 @@ def _name_held(handle, name: str, namespace: str | None) -> bool:
     except ValueError:
         return False
     return found._actor_id == handle._actor_id
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether process `pid` still runs (an exited one not yet reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
