@@ -26,6 +26,9 @@ What is left to choose is what a user or a benchmark needs:
 - `triton_prefill` (`MANTA_TRITON_PREFILL=0`): prompt attention of head dim 128 on a Hopper GPU
   through the Triton varlen kernel (`attention.triton_varlen`); off, ATen's FlashAttention (or
   flash-attn's where installed), as for other head dims and on other GPUs.
+- `fp8_rows` (`MANTA_FP8_ROWS=0`): the RMSNorms and SiLU·up before per-channel FP8 products of
+  W8A8 size write their rows quantized per token (`workers.layers.quant_rows`); off, a 16-bit
+  row that the product's own quantization kernel reads (the baseline).
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """
@@ -51,6 +54,7 @@ class KernelOptions:
     gemv_configs: tuple[tuple[str, GemvLaunch], ...] = ()  # ("NxK", launch)
     decode_zero_bias: bool = True
     triton_prefill: bool = True
+    fp8_rows: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:
@@ -59,7 +63,8 @@ class KernelOptions:
                    prompt_graphs=environ.get("MANTA_PROMPT_GRAPHS") != "0",
                    gemv_configs=parse_gemv_configs(environ.get("MANTA_GEMV_CONFIGS", "")),
                    decode_zero_bias=environ.get("MANTA_ZERO_BIAS") != "0",
-                   triton_prefill=environ.get("MANTA_TRITON_PREFILL") != "0")
+                   triton_prefill=environ.get("MANTA_TRITON_PREFILL") != "0",
+                   fp8_rows=environ.get("MANTA_FP8_ROWS") != "0")
 
     def gemv_launch(self, n: int, k: int) -> GemvLaunch | None:
         shape = f"{n}x{k}"
@@ -70,7 +75,8 @@ class KernelOptions:
                  f"MIXED split {'on' if self.mixed_split else 'off'}",
                  f"prompt graphs {'on' if self.prompt_graphs else 'off'}",
                  f"decode zero bias {'on' if self.decode_zero_bias else 'off'}",
-                 f"Triton prefill {'on' if self.triton_prefill else 'off'}"]
+                 f"Triton prefill {'on' if self.triton_prefill else 'off'}",
+                 f"FP8 rows {'on' if self.fp8_rows else 'off'}"]
         if self.gemv_configs:
             parts.append("GEMV launches " + "; ".join(f"{s}:{','.join(map(str, c))}" for s, c in self.gemv_configs))
         return ", ".join(parts)

@@ -141,7 +141,7 @@ def test_decode_batches_split_k_on_narrow_per_channel_weights(fp8, m):
 
     n, k = 528, 8208  # a partial last k-step
     x, q, s, block_k, b = make(n, k, m, torch.bfloat16, None, m == 100, seed=m)
-    assert fp8.choose_kernel(m, n, k, 1, block_k, fp8._num_sms(x.device)) is fp8.Kernel.W8A8
+    assert fp8.choose_kernel(m, n, k, 1, block_k, fp8.num_sms(x.device)) is fp8.Kernel.W8A8
     cfg = fp8.choose_tile(m, n, k, 1, True, x.device)
     assert cfg.block_m == 64 and cfg.split_k > 1
     check(fp8, fp8.fp8_linear(x, q, s, block_k, b), x, q, s, block_k, b, a8=True)

@@ -22,6 +22,7 @@ tested against: transformers on the dequantized weights is the oracle of the CPU
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,9 +85,49 @@ def scale_param(match: re.Match) -> str:
     return "input_scale" if match.group(1) == "input_scale" else "weight_scale"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations already quantized for an FP8 product, as `fp8_gemm.quantize_rows` would:
+    x [M, K] ~ q * scale, q e4m3 and one float32 scale a row ([M, 1]); `dtype` is the 16-bit
+    dtype the rows had (the product's output dtype). Written by the elementwise kernel that
+    produced the rows (`workers.layers.quant_rows`) where `takes_rows` says the next product
+    would quantize them that way."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def takes_rows(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `layer`'s product of x's rows (x [..., K'], any width: a gate/up output for a
+    down product) quantizes them to e4m3 per row before its FP8 tensor cores: a per-channel
+    FP8 weight on CUDA, 16-bit activations, enough rows for W8A8 (`fp8_gemm.choose_kernel`),
+    and the kernel options' `fp8_rows` on. Then the elementwise op before it may hand it
+    `Fp8Rows` instead."""
+    if row_scale(layer) is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from attention import kernel_options
+    from workers.layers import fp8_gemm
+
+    if not kernel_options.current().fp8_rows:
+        return False
+    n, k = layer.weight.shape
+    m = x.numel() // max(x.shape[-1], 1)
+    return fp8_gemm.choose_kernel(m, n, k, 1, k, fp8_gemm.num_sms(x.device)) in fp8_gemm.PER_TOKEN_A8
+
+
+def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ dequantize(weight, scale).T (+ bias), in x's dtype."""
+    """x @ dequantize(weight, scale).T (+ bias), in x's dtype (`Fp8Rows`: CUDA, per-channel
+    weights, where `takes_rows` said so)."""
+    if isinstance(x, Fp8Rows):
+        from workers.layers import fp8_gemm
+
+        return fp8_gemm.fp8_linear(x, weight, scale, block_k, bias)
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
         from workers.layers import fp8_gemm
 

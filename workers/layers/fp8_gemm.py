@@ -45,6 +45,7 @@ import triton.language as tl
 
 from attention import pdl
 from attention.arrival import arrival_counters
+from workers.layers.fp8 import Fp8Rows
 
 FP8 = torch.float8_e4m3fn
 A8_MIN_M = 64  # rows from which FP8 activations (W8A8) replace the W8A16 tile kernel
@@ -60,6 +61,11 @@ class Kernel(enum.Enum):
     W8A8 = "w8a8"  # W8A8 through the tiled Triton kernel
 
 
+# The kernels that quantize a per-channel product's input per row (one scale a token), which
+# can take it already quantized (`fp8.Fp8Rows`, `fp8.takes_rows`).
+PER_TOKEN_A8 = (Kernel.SCALED_MM, Kernel.W8A8)
+
+
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int
@@ -72,7 +78,7 @@ class TileConfig:
 
 
 @functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
@@ -120,7 +126,7 @@ def choose_tile(m: int, n: int, k: int, kb: int, a8: bool, device: torch.device)
     until the grid nearly covers the SMs (each split writes a float32 partial of the output: no
     more splits than that)."""
     if a8:
-        if kb == 1 and decode_a8(m, n, k, _num_sms(device)):
+        if kb == 1 and decode_a8(m, n, k, num_sms(device)):
             return with_split(TileConfig(64, 128, 256, 4, 3), m, n, k, device, fill=0.9)
         return TileConfig(128, 128, 128, 8, 4) if kb == 1 else TileConfig(64, 128, 128, 4, 4)
     if m <= 16:
@@ -134,7 +140,7 @@ def with_split(cfg: TileConfig, m: int, n: int, k: int, device: torch.device, fi
     """K split in 2, 4 or 8 while the tiles are fewer than `fill` x the SMs (each split >= 2 steps)."""
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = 1
-    while tiles * split < fill * _num_sms(device) and split < 8 and k >= 4 * split * cfg.block_k:
+    while tiles * split < fill * num_sms(device) and split < 8 and k >= 4 * split * cfg.block_k:
         split *= 2
     return replace(cfg, split_k=split)
 
@@ -267,6 +273,19 @@ def _gemm_kernel(X, W, SW, SX, B, Y, Part, Counters, M, N, K, KB, SPLIT_K,
 
 
 @triton.jit
+def row_amax(amax):
+    """The quantization's amax of a row from elementwise |x| maxima (never 0: a zero row gets
+    scale 1e-12 / 448 and quantizes to zeros)."""
+    return tl.maximum(tl.max(amax, 0), 1e-12)
+
+
+@triton.jit
+def to_e4m3(x, a):
+    """x (float32) on the e4m3 grid of a row whose amax is `a` (scale a / 448), before the cast."""
+    return tl.clamp(x * (448.0 / a), -448.0, 448.0)
+
+
+@triton.jit
 def _quant_kernel(X, Q, S, M, K, KB, stride_xm, stride_qm, stride_sm, stride_sk,
                   GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row m (GROUP = 0: one scale, two passes over the row) or GROUPS groups of GROUP columns
@@ -283,11 +302,11 @@ def _quant_kernel(X, Q, S, M, K, KB, stride_xm, stride_qm, stride_sm, stride_sk,
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_row + k0 + cols, mask=(k0 + cols < K) & live, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        a = tl.maximum(tl.max(amax, 0), 1e-12)
+        a = row_amax(amax)
         tl.store(S + m * stride_sm, a / 448.0)
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_row + k0 + cols, mask=(k0 + cols < K) & live, other=0.0).to(tl.float32)
-            q = tl.clamp(x * (448.0 / a), -448.0, 448.0)
+            q = to_e4m3(x, a)
             tl.store(q_row + k0 + cols, q.to(Q.dtype.element_ty), mask=k0 + cols < K)
     else:
         g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -337,15 +356,19 @@ def gemv(x, weight, scale, block_k, bias=None, config: tuple[int, int, int, int]
     return y
 
 
-def gemm(x, weight, scale, block_k, bias=None, a8: bool = False, config: TileConfig | None = None):
-    """x [M, K] -> [M, N] by the tiled kernel: W8A16, or W8A8 with x quantized here."""
+def gemm(x, weight, scale, block_k, bias=None, a8: bool = False, config: TileConfig | None = None,
+         out_dtype: torch.dtype | None = None, x_scale: torch.Tensor | None = None):
+    """x [M, K] -> [M, N] by the tiled kernel: W8A16, or W8A8 with x quantized here (or given
+    quantized: x e4m3 with `x_scale` [M, 1], per-channel weights, `out_dtype` the output's)."""
     m, k = x.shape
     n, kb = weight.shape[0], scale.shape[1]
     cfg = config or choose_tile(m, n, k, kb, a8, x.device)
     bk = cfg.block_k if kb == 1 else min(cfg.block_k, block_k)
-    out_dtype = x.dtype
+    out_dtype = out_dtype or x.dtype
     sx = scale  # unused unless a8
-    if a8:
+    if x_scale is not None:
+        sx = x_scale
+    elif a8:
         x, sx = quantize_rows(x, 0 if kb == 1 else block_k)
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -363,13 +386,14 @@ def gemm(x, weight, scale, block_k, bias=None, a8: bool = False, config: TileCon
     return y
 
 
-def scaled_mm(x, weight, scale, bias=None, fast_accum: bool = True):
-    """Per-channel weights (scale [N, 1]), N and K multiples of 16: x quantized per token, then
-    cuBLAS's FP8 product with row-wise scales; bias in x's dtype, added in its epilogue. Fast
-    accumulation: 3-17% faster, relative error 3.3e-3 against 1.7e-3 (K = 14,336)."""
-    q, sx = quantize_rows(x)
+def scaled_mm(x, weight, scale, bias=None, fast_accum: bool = True, rows: Fp8Rows | None = None):
+    """Per-channel weights (scale [N, 1]), N and K multiples of 16: x quantized per token (or
+    given quantized: `rows`, x None), then cuBLAS's FP8 product with row-wise scales; bias in
+    x's dtype, added in its epilogue. Fast accumulation: 3-17% faster, relative error 3.3e-3
+    against 1.7e-3 (K = 14,336)."""
+    q, sx = (rows.q, rows.scale) if rows is not None else quantize_rows(x)
     return torch._scaled_mm(q, weight.t(), scale_a=sx, scale_b=scale.reshape(1, -1), bias=bias,
-                            out_dtype=x.dtype, use_fast_accum=fast_accum)
+                            out_dtype=rows.dtype if rows is not None else x.dtype, use_fast_accum=fast_accum)
 
 
 def scales_in_128_row_blocks(scale: torch.Tensor) -> bool:
@@ -400,13 +424,16 @@ def blockwise_mm(x, weight, scale, bias=None):
     return y[:m]
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bfloat16 or float16 on CUDA (contiguous rows), weight [N, K] torch.float8_e4m3fn (row-major),
     scale [N, KB] float32 with KB = ceil(K / block_k): the dequantized weight is
     W[n, k] = float(weight[n, k]) * scale[n, k // block_k]. Per-channel scales are block_k = K (KB = 1);
     DeepSeek-style 128x128 block scales arrive expanded to one row per output row (block_k = 128).
-    Returns y = x @ W.T (+ bias) in x.dtype, [M, N]."""
+    Returns y = x @ W.T (+ bias) in x.dtype, [M, N]. x may come quantized per row (`fp8.Fp8Rows`)
+    where the product would quantize it that way (`PER_TOKEN_A8`, per-channel scales)."""
+    if isinstance(x, Fp8Rows):
+        return _rows_linear(x, weight, scale, bias)
     n, k = weight.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -424,7 +451,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     m = x.shape[0]
     if m == 0:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
-    kernel = choose_kernel(m, n, k, kb, block_k, _num_sms(x.device))
+    kernel = choose_kernel(m, n, k, kb, block_k, num_sms(x.device))
     if kernel is Kernel.BLOCKWISE and not scales_in_128_row_blocks(scale):
         # measured: W8A16 faster at 64 rows, the two mixed at 128-256, the Triton W8A8 from 512
         kernel = Kernel.W8A16 if m < 256 else Kernel.W8A8
@@ -435,3 +462,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if kernel is Kernel.BLOCKWISE:
         return blockwise_mm(x, weight, scale, bias)
     return gemm(x, weight, scale, block_k, bias, a8=kernel is Kernel.W8A8)
+
+
+def _rows_linear(rows: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`fp8_linear` of rows already quantized per token: the product `choose_kernel` picks for
+    their shape, which must be one that quantizes its input that way."""
+    (m, k), n = rows.q.shape, weight.shape[0]
+    if rows.q.dtype != FP8 or weight.dtype != FP8 or weight.shape[1] != k or tuple(rows.scale.shape) != (m, 1):
+        raise ValueError(f"fp8_linear: quantized rows {tuple(rows.q.shape)} {rows.q.dtype} with scales "
+                         f"{tuple(rows.scale.shape)} against an {weight.dtype} weight of {weight.shape[1]} columns")
+    if tuple(scale.shape) != (n, 1):
+        raise ValueError(f"fp8_linear: quantized rows take per-channel weight scales [{n}, 1], got {tuple(scale.shape)}")
+    kernel = choose_kernel(m, n, k, 1, k, num_sms(rows.q.device))
+    if kernel not in PER_TOKEN_A8:
+        raise ValueError(f"fp8_linear: {m} quantized rows for a product that runs {kernel.value} (fp8.takes_rows)")
+    if bias is not None and bias.dtype != rows.dtype:
+        bias = bias.to(rows.dtype)
+    if kernel is Kernel.SCALED_MM:
+        return scaled_mm(None, weight, scale, bias, rows=rows)
+    return gemm(rows.q, weight, scale, k, bias, a8=True, out_dtype=rows.dtype, x_scale=rows.scale)

@@ -99,6 +99,8 @@ def product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> tor
     """`matmul`, through the one-row GEMV kernel at batch 1 on CUDA where it applies
     (`one_row.applies`: not block-wise FP8). cuBLAS's one-row products of the DeepSeek-V2-Lite
     shape took 1.5-10x their bytes' time (BENCHMARKS.md)."""
+    if isinstance(x, fp8.Fp8Rows):  # rows quantized by the op before (`fp8.takes_rows`)
+        return matmul(layer, x, bias)
     scale = fp8.row_scale(layer)
     if one_row.applies(x, layer.weight, scale):
         return one_row.linear(x, layer.weight, bias, scale=scale)
@@ -289,7 +291,14 @@ class RowParallelLinear(nn.Module):
     def forward_silu_mul(self, gate_up: torch.Tensor, partial: bool = False) -> torch.Tensor:
         """forward(silu(gate) * up) for gate_up = [gate | up] (this rank's slices): the
         activation fused into the product at batch 1 on CUDA. `partial`: this rank's sum
-        alone, without the all-reduce and the bias (for a caller that reduces it with more)."""
+        alone, without the all-reduce and the bias (for a caller that reduces it with more).
+        Where the FP8 product would quantize the activation per token, it comes out of the
+        SiLU kernel quantized (`fp8.takes_rows`, `workers.layers.quant_rows`)."""
+        if fp8.takes_rows(self, gate_up):
+            from workers.layers import quant_rows
+
+            y = matmul(self, quant_rows.silu_and_mul(gate_up), self.bias if self.tp.size == 1 and not partial else None)
+            return y if partial or self.tp.size == 1 else self._reduce(y)
         scale = fp8.row_scale(self)
         if fp8.is_fp8(self.weight) and scale is None:
             h = fused.silu_and_mul(gate_up)

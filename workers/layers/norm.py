@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.layers import fused
+from workers.layers import fp8, fused
 from workers.layers.linear import make_param
 
 
@@ -25,6 +25,20 @@ class RMSNorm(nn.Module):
     def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one fused kernel on CUDA."""
         return fused.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def forward_for(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor | fp8.Fp8Rows, torch.Tensor]:
+        """(norm(x + residual), x + residual), or without a residual (norm(x), x), the norm's
+        output as `layer`'s product takes it: quantized per row by the norm's own kernel where
+        the product would do that to it (`fp8.takes_rows`: FP8 weights, W8A8 batches), else as
+        `forward_with_residual` gives it."""
+        if fp8.takes_rows(layer, x):
+            from workers.layers import quant_rows
+
+            return quant_rows.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self(x), x
+        return self.forward_with_residual(x, residual)
 
 
 class LayerNorm(nn.Module):

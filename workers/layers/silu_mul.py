@@ -32,9 +32,16 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.conste
     row = x_ptr + r * stride_x
     gate = tl.load(row + cols, mask=mask, other=0.0)
     up = tl.load(row + inter + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + r * stride_o + cols, silu_mul(gate, up), mask=mask)
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in gate's dtype, rounded as the CPU path: SiLU in float32 rounded to the
+    dtype (torch's `F.silu`), then the product in float32 rounded once."""
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + r * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -226,12 +226,10 @@ class LlamaDecoderLayer(nn.Module):
             return (mlp.down_proj(act) if glu else mlp.down_proj.forward_silu_mul(act)), residual
         if isinstance(x, one_row.Summed):
             x, residual = x.row, None
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        # (FP8 weights at W8A8 batches: each norm writes its rows quantized for the product)
+        h, residual = self.input_layernorm.forward_for(attn.qkv_proj, x, residual)
         h = attn(positions, h, fb, rotary)
-        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        h, residual = self.post_attention_layernorm.forward_for(mlp.gate_up_proj, h, residual)
         return mlp(h), residual
 
     def _one_row(self, row: torch.Tensor) -> bool:
