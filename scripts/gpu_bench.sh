@@ -15,7 +15,7 @@
 # FP8 (issue 25): l8fp8prof (the 8B shape's FP8 step by kernel, batch 64 and 1) dsv2fp8prof (block FP8 DeepSeek's batch-1 step by kernel) l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
 # ab (AB_OLD=DIR: an older tree's workers/ and attention/ against this one, AB_FLAGS, `python3 -P`)
 # gemvfp8ab (the step's FP8 one-row launches swept on this GPU, then batch 1 with the fastest against FP8_LAUNCH's)
-# (`bench_gemv --fp8`) l8fp8serve (in-process serve workload) l8fp8http
+# (`bench_gemv --fp8`) fp8rowsab (FP8 decode batches and prefill, MANTA_FP8_ROWS=0 / 1) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
 # FP8_HTTP_MODES picks) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8) l8kvfp8 (batch 1/64 with the FP8 KV cache,
 # and the logits error it adds: scripts/kv_fp8_error.py).
@@ -146,6 +146,14 @@ for s in $stages; do
           --out "$OUT/gemv_sweep_fp8_step.json" 2>&1 | grep -v Warning; echo "best: $(cat "$OUT/gemv_fp8_best.txt")"
         ab_batch1 _fp8 "--quantization fp8" "MANTA_GEMV=1" "MANTA_GEMV_CONFIGS=$(cat "$OUT/gemv_fp8_best.txt")" \
           "MANTA_GEMV=1" ;;
+    fp8rowsab) build /tmp/l8 --preset llama-3.1-8b  # FP8 (--quantization fp8): norms and SiLU·up writing their rows
+        # quantized for the W8A8 products (MANTA_FP8_ROWS=1) or 16-bit rows (=0): decode batches, then prefill
+        i=0; for v in ${ROWS_ORDER:-0 1 1 0}; do i=$((i + 1)); echo "--- MANTA_FP8_ROWS=$v"
+          MANTA_FP8_ROWS=$v $M bench latency --model /tmp/l8 $F --quantization fp8 --batch ${ROWS_BATCH:-64 128} --steps 32 \
+            --input-len 512 --out "$OUT/fp8rows_latency_${i}_$v.json" 2>&1 | grep "^batch"; done
+        for v in ${ROWS_PREFILL:-0 1}; do echo "--- prefill, MANTA_FP8_ROWS=$v"
+          MANTA_FP8_ROWS=$v $M bench prefill --model /tmp/l8 $F --quantization fp8 --num-prompts 32 --input-len 2048 \
+            --out "$OUT/fp8rows_prefill_$v.json" 2>&1 | grep -v "Warning\|INFO" | tail -3; done ;;
     l8fp8ab) build /tmp/l8 --preset llama-3.1-8b  # FP8 batch 1: fused one-row kernels (MANTA_GEMV=1) or not
         ab_batch1 _fp8 "--quantization fp8" ${L8AB:-"MANTA_GEMV=0" "MANTA_GEMV=1"} ;;
     l8ab) build /tmp/l8 --preset llama-3.1-8b  # batch 1 with the one-row kernels / PDL switched off
