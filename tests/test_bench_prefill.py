@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cluster.bench.prefill import attention_flops_per_token, bench_prefill, peak_bf16
+from cluster.bench.prefill import attention_flops_per_token, bench_prefill, peak_bf16, warmup_prompts
 from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from tests.fixtures import tiny_model_dir
@@ -37,6 +37,19 @@ def test_llama_counts_match_a_count_from_the_config(tmp_path_factory):
     assert res["attention_gflop_per_token"] * 1e9 == pytest.approx(attention)
     assert res["prompt_tokens_per_s"] > 0 and res["tflops"] > 0
     assert res["mfu"] is None and res["peak_bf16_tflops"] is None  # no peak for a CPU
+
+
+def test_the_warm_up_runs_a_full_step_of_the_timed_run():
+    """As many warm-up prompts as one step of the timed run holds: 8,192-token steps of
+    2,048-token prompts (chunks) take 4; of 1,000-token ones 9; whole 16,384-token prompts (no
+    chunking) 2 at least; never more than the run itself."""
+    config = EngineConfig(model="m")
+    assert (config.max_num_batched_tokens, config.chunked_prefill_size) == (8192, 2048)
+    assert warmup_prompts(config, 64, 2048) == 4
+    assert warmup_prompts(config, 64, 8192) == 4  # 2,048-token chunks of each
+    assert warmup_prompts(config, 64, 1000) == 9
+    assert warmup_prompts(config, 5, 1000) == 5
+    assert warmup_prompts(EngineConfig(model="m", chunked_prefill_size=-1), 16, 16384) == 2
 
 
 def test_the_8b_shape_is_14_5_gflop_a_token_at_2048():
