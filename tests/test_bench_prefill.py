@@ -44,12 +44,13 @@ def test_the_warm_up_runs_a_full_step_of_the_timed_run():
     2,048-token prompts (chunks) take 4; of 1,000-token ones 9; whole 16,384-token prompts (no
     chunking) 2 at least; never more than the run itself."""
     config = EngineConfig(model="m")
-    assert (config.max_num_batched_tokens, config.chunked_prefill_size) == (8192, 2048)
-    assert warmup_prompts(config, 64, 2048) == 4
-    assert warmup_prompts(config, 64, 8192) == 4  # 2,048-token chunks of each
-    assert warmup_prompts(config, 64, 1000) == 9
-    assert warmup_prompts(config, 5, 1000) == 5
-    assert warmup_prompts(EngineConfig(model="m", chunked_prefill_size=-1), 16, 16384) == 2
+    step = (config.max_num_batched_tokens, config.chunked_prefill_size)
+    assert step == (8192, 2048)
+    assert warmup_prompts(*step, 64, 2048) == 4
+    assert warmup_prompts(*step, 64, 8192) == 4  # 2,048-token chunks of each
+    assert warmup_prompts(*step, 64, 1000) == 9
+    assert warmup_prompts(*step, 5, 1000) == 5
+    assert warmup_prompts(8192, -1, 16, 16384) == 2
 
 
 def test_the_8b_shape_is_14_5_gflop_a_token_at_2048():

@@ -111,6 +111,7 @@ def test_gpu_fp8_norms_and_silu_write_quantized_rows(dirs, monkeypatch):
         got[on], rows = _first_logits(d, "bfloat16", PROMPTS[:3], kernels=KernelOptions(fp8_rows=on))
         assert rows >= A8_MIN_M
         assert set(calls) == ({"add_rms_norm", "silu_and_mul"} if on else set())
+        assert calls.count("add_rms_norm") == 2 * calls.count("silu_and_mul")  # both norms of each layer
     scale = ref.abs().max().item()
     errors = [(got[on] - ref).abs().max().item() / scale for on in (True, False)]
     assert max(errors) < 0.2, errors

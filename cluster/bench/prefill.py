@@ -55,13 +55,15 @@ def attention_flops_per_token(mc, input_len: int) -> float:
     return len(mc.full_attn_layers) * 2 * mc.num_heads * (qk + v) * (input_len + 1) / 2
 
 
-def warmup_prompts(config, num_prompts: int, input_len: int) -> int:
+def warmup_prompts(max_num_batched_tokens: int, chunked_prefill_size: int, num_prompts: int, input_len: int) -> int:
     """Prompts of the untimed first pass: as many as one full step of the timed run holds (at
-    least 2, at most the run's own), so the timed steps meet no shape the warm-up did not run.
+    least 2, at most the run's own), so the warm-up runs the timed run's full steps (a smaller
+    last step may still be new). `chunked_prefill_size`: the one the engine runs (its serving
+    mode's: a checkpoint may force -1).
     With 2 (4,096 tokens) before 8,192-token steps, the first FP8 run on a fresh H200 took twice
     as long as the same command again (BENCHMARKS.md, 2026-12-02)."""
-    piece = input_len if config.chunked_prefill_size == -1 else min(input_len, config.chunked_prefill_size)
-    per_step = -(-config.max_num_batched_tokens // max(piece, 1))
+    piece = input_len if chunked_prefill_size == -1 else min(input_len, chunked_prefill_size)
+    per_step = -(-max_num_batched_tokens // max(piece, 1))
     return max(2, min(per_step, num_prompts))
 
 
@@ -73,8 +75,9 @@ def bench_prefill(engine, num_prompts: int, input_len: int, seed: int = 0) -> di
     mc = engine.model_config
     prompts = random_prompts(num_prompts, input_len, mc.vocab_size, seed)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    engine.generate(random_prompts(warmup_prompts(engine.config, num_prompts, input_len), input_len, mc.vocab_size,
-                                   seed + 1), params)  # warm-up (compiles)
+    warm = warmup_prompts(engine.config.max_num_batched_tokens, engine.serving.chunked_prefill_size, num_prompts,
+                          input_len)
+    engine.generate(random_prompts(warm, input_len, mc.vocab_size, seed + 1), params)  # warm-up (compiles)
     t0 = time.perf_counter()
     engine.generate(prompts, params)
     dt = time.perf_counter() - t0

@@ -103,12 +103,13 @@ class Fp8Rows:
 
 
 def takes_rows(layer: nn.Module, x: torch.Tensor) -> bool:
-    """Whether `layer`'s product of x's rows (x [..., K'], any width: a gate/up output for a
+    """Whether `layer`'s product of x's rows (x [M, K'], any width: a gate/up output for a
     down product) quantizes them to e4m3 per row before its FP8 tensor cores: a per-channel
     FP8 weight on CUDA, 16-bit activations, enough rows for W8A8 (`fp8_gemm.choose_kernel`),
     and the kernel options' `fp8_rows` on. Then the elementwise op before it may hand it
     `Fp8Rows` instead."""
-    if row_scale(layer) is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+    if (row_scale(layer) is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16)
+            or x.dim() != 2):  # (the rows are [M, K]: a product of them returns [M, N])
         return False
     from attention import kernel_options
     from workers.layers import fp8_gemm

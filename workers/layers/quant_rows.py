@@ -107,7 +107,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             rows, res if res is not None else rows, weight, s, q, scale, k, eps,
             rows.stride(0), res.stride(0) if res is not None else 0, s.stride(0), q.stride(0),
             HAS_R=res is not None, BLOCK=block, PDL=use_pdl,
-            num_warps=8 if block >= 4096 else 4, launch_pdl=use_pdl)
+            num_warps=16 if block >= 16384 else 8 if block >= 4096 else 4, launch_pdl=use_pdl)
     return Fp8Rows(q, scale, x.dtype), (s.view(x.shape) if res is not None else x)
 
 
