@@ -1,7 +1,7 @@
 """The elementwise kernels that write an FP8 product's input already quantized per row
 (`workers.layers.quant_rows`), against the unfused ops they replace: the op in torch (or its
 Triton kernel), then `fp8_gemm.quantize_rows`. And the products that take such rows
-(`fp8.Fp8Rows`): the same output as from the 16-bit rows. Odd widths (a partial last block or
+(`fp8_rows.Fp8Rows`): the same output as from the 16-bit rows. Odd widths (a partial last block or
 chunk), 1 to 130 rows, bf16 and fp16, strided inputs. Skipped without CUDA (Triton)."""
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def test_products_take_quantized_rows(m, n, k):
     batches, long K), cuBLAS's (`torch._scaled_mm`), the Triton one for shapes cuBLAS refuses."""
     pytest.importorskip("triton")
     from workers.layers import fp8_gemm
-    from workers.layers.fp8 import Fp8Rows, quantize_rows
+    from workers.layers.fp8 import quantize_rows
+    from workers.layers.fp8_rows import Fp8Rows
 
     g = torch.Generator(device="cuda").manual_seed(m * n)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -98,7 +99,8 @@ def test_quantized_rows_for_a_product_that_does_not_take_them():
     scales) are refused with the reason, not multiplied wrong."""
     pytest.importorskip("triton")
     from workers.layers import fp8_gemm
-    from workers.layers.fp8 import Fp8Rows, quantize_rows
+    from workers.layers.fp8 import quantize_rows
+    from workers.layers.fp8_rows import Fp8Rows
 
     x = torch.randn(16, 256, device="cuda").to(torch.bfloat16)
     w, s = quantize_rows(torch.randn(64, 256, device="cuda"))

@@ -22,13 +22,13 @@ tested against: transformers on the dequantized weights is the oracle of the CPU
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers.fp8_rows import Fp8Rows
 from workers.quantization import FP8_MAX
 
 if TYPE_CHECKING:
@@ -83,23 +83,6 @@ SCALE = re.compile(r"\.(weight_scale_inv|weight_scale|input_scale)$")
 def scale_param(match: re.Match) -> str:
     """The layer parameter a scale tensor loads into (`SCALE` matched its name)."""
     return "input_scale" if match.group(1) == "input_scale" else "weight_scale"
-
-
-@dataclass(frozen=True)
-class Fp8Rows:
-    """Activations already quantized for an FP8 product, as `fp8_gemm.quantize_rows` would:
-    x [M, K] ~ q * scale, q e4m3 and one float32 scale a row ([M, 1]); `dtype` is the 16-bit
-    dtype the rows had (the product's output dtype). Written by the elementwise kernel that
-    produced the rows (`workers.layers.quant_rows`) where `takes_rows` says the next product
-    would quantize them that way."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
 
 
 def takes_rows(layer: nn.Module, x: torch.Tensor) -> bool:

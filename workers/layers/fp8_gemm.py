@@ -45,7 +45,7 @@ import triton.language as tl
 
 from attention import pdl
 from attention.arrival import arrival_counters
-from workers.layers.fp8 import Fp8Rows
+from workers.layers.fp8_rows import Fp8Rows
 
 FP8 = torch.float8_e4m3fn
 A8_MIN_M = 64  # rows from which FP8 activations (W8A8) replace the W8A16 tile kernel
@@ -62,7 +62,7 @@ class Kernel(enum.Enum):
 
 
 # The kernels that quantize a per-channel product's input per row (one scale a token), which
-# can take it already quantized (`fp8.Fp8Rows`, `fp8.takes_rows`).
+# can take it already quantized (`fp8_rows.Fp8Rows`, `fp8.takes_rows`).
 PER_TOKEN_A8 = (Kernel.SCALED_MM, Kernel.W8A8)
 
 
@@ -430,7 +430,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Ten
     scale [N, KB] float32 with KB = ceil(K / block_k): the dequantized weight is
     W[n, k] = float(weight[n, k]) * scale[n, k // block_k]. Per-channel scales are block_k = K (KB = 1);
     DeepSeek-style 128x128 block scales arrive expanded to one row per output row (block_k = 128).
-    Returns y = x @ W.T (+ bias) in x.dtype, [M, N]. x may come quantized per row (`fp8.Fp8Rows`)
+    Returns y = x @ W.T (+ bias) in x.dtype, [M, N]. x may come quantized per row (`fp8_rows.Fp8Rows`)
     where the product would quantize it that way (`PER_TOKEN_A8`, per-channel scales)."""
     if isinstance(x, Fp8Rows):
         return _rows_linear(x, weight, scale, bias)

@@ -5,7 +5,7 @@ From A8_MIN_M rows a per-channel FP8 product quantizes its input to e4m3 per tok
 three of its four inputs come straight out of an elementwise kernel that holds the whole row
 anyway: the two RMSNorms (qkv's and gate/up's input) and silu(gate) * up (down's). Each
 kernel here does that op and the quantization in one pass over the row: it writes e4m3 values
-and one float32 scale per row (`fp8.Fp8Rows`) instead of a 16-bit row that a quantization
+and one float32 scale per row (`fp8_rows.Fp8Rows`) instead of a 16-bit row that a quantization
 kernel then reads twice. At a decode batch that is one launch less per product (the FP8 step's
 four quantization kernels took 14.5 us of a 162 us batch-64 layer, BENCHMARKS.md); in prefill,
 one write and two reads of the row less.
@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from attention import pdl
-from workers.layers.fp8 import FP8, Fp8Rows
-from workers.layers.fp8_gemm import row_amax, to_e4m3
+from workers.layers.fp8_gemm import FP8, row_amax, to_e4m3
+from workers.layers.fp8_rows import Fp8Rows
 from workers.layers.silu_mul import silu_mul
 
 # Columns a SiLU program takes at a time; both passes over the row are unrolled (the row's
