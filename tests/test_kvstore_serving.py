@@ -269,10 +269,15 @@ def test_tp2_keys_per_page_and_writer_ranks(no_store_after, tmp_path, llama_dir,
 
 
 @pytest.mark.slow
-def test_restart_keeps_prefixes_and_a_damaged_page_misses(engines, tmp_path, llama_dir):
+def test_restart_keeps_prefixes_and_a_damaged_page_misses(engines, tmp_path, llama_dir, monkeypatch):
     """Pages survive a store restart on the same directory; a page file corrupted while the store
     is down, or truncated under the running store, is a miss from that page on, and the request
-    still answers exactly as without the store."""
+    still answers exactly as without the store. The scheduler waits up to 5 s for the store's
+    answer, not the engine's 0.1 s: on CI's loaded machine two of the three lookups once came
+    later (cached tokens 160, 0, 0), and this test is about what the store keeps."""
+    from cluster.engine import kv_offload
+
+    monkeypatch.setattr(kv_offload, "PROBE_WAIT_S", 5.0)
     root = tmp_path / "kv"
     start_store(root)
     cfg = engine_config(llama_dir, root)
