@@ -4,9 +4,9 @@ From A8_MIN_M rows a per-channel FP8 product quantizes its input to e4m3 per tok
 (`fp8_gemm.quantize_rows`: scale = amax / 448) before the FP8 tensor cores. In a decoder layer
 three of its four inputs come straight out of an elementwise kernel that holds the whole row
 anyway: the two RMSNorms (qkv's and gate/up's input) and silu(gate) * up (down's). Each
-kernel here does that op and the quantization in one pass over the row: it writes e4m3 values
-and one float32 scale per row (`fp8_rows.Fp8Rows`) instead of a 16-bit row that a quantization
-kernel then reads twice. At a decode batch that is one launch less per product (the FP8 step's
+kernel here does that op and the quantization in one launch: it writes e4m3 values and one
+float32 scale per row (`fp8_rows.Fp8Rows`) instead of a 16-bit row that a quantization kernel
+then reads twice. At a decode batch that is one launch less per product (the FP8 step's
 four quantization kernels took 14.5 us of a 162 us batch-64 layer, BENCHMARKS.md); in prefill,
 one write and two reads of the row less.
 
