@@ -100,8 +100,7 @@ def takes_rows(layer: nn.Module, x: torch.Tensor) -> bool:
     if not kernel_options.current().fp8_rows:
         return False
     n, k = layer.weight.shape
-    m = x.numel() // max(x.shape[-1], 1)
-    return fp8_gemm.choose_kernel(m, n, k, 1, k, fp8_gemm.num_sms(x.device)) in fp8_gemm.PER_TOKEN_A8
+    return fp8_gemm.choose_kernel(x.shape[0], n, k, 1, k, fp8_gemm.num_sms(x.device)) in fp8_gemm.PER_TOKEN_A8
 
 
 def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block_k: int,

@@ -20,7 +20,3 @@ class Fp8Rows:
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
