@@ -29,6 +29,9 @@ What is left to choose is what a user or a benchmark needs:
 - `fp8_rows` (`MANTA_FP8_ROWS=0`): the RMSNorms and SiLU·up before per-channel FP8 products of
   W8A8 size write their rows quantized per token (`workers.layers.quant_rows`); off, a 16-bit
   row that the product's own quantization kernel reads (the baseline).
+- `fp8_kv_words` (`MANTA_FP8_KV_WORDS=0`): the paged decode loads an FP8 KV cache as 16-bit words
+  and widens each to two float16 values in registers (`attention.triton_decode._load_block`);
+  off, it loads e4m3 elements and converts them where Triton places the conversion (the baseline).
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """
@@ -55,6 +58,7 @@ class KernelOptions:
     decode_zero_bias: bool = True
     triton_prefill: bool = True
     fp8_rows: bool = True
+    fp8_kv_words: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:
@@ -64,7 +68,8 @@ class KernelOptions:
                    gemv_configs=parse_gemv_configs(environ.get("MANTA_GEMV_CONFIGS", "")),
                    decode_zero_bias=environ.get("MANTA_ZERO_BIAS") != "0",
                    triton_prefill=environ.get("MANTA_TRITON_PREFILL") != "0",
-                   fp8_rows=environ.get("MANTA_FP8_ROWS") != "0")
+                   fp8_rows=environ.get("MANTA_FP8_ROWS") != "0",
+                   fp8_kv_words=environ.get("MANTA_FP8_KV_WORDS") != "0")
 
     def gemv_launch(self, n: int, k: int) -> GemvLaunch | None:
         shape = f"{n}x{k}"
@@ -76,7 +81,8 @@ class KernelOptions:
                  f"prompt graphs {'on' if self.prompt_graphs else 'off'}",
                  f"decode zero bias {'on' if self.decode_zero_bias else 'off'}",
                  f"Triton prefill {'on' if self.triton_prefill else 'off'}",
-                 f"FP8 rows {'on' if self.fp8_rows else 'off'}"]
+                 f"FP8 rows {'on' if self.fp8_rows else 'off'}",
+                 f"FP8 KV words {'on' if self.fp8_kv_words else 'off'}"]
         if self.gemv_configs:
             parts.append("GEMV launches " + "; ".join(f"{s}:{','.join(map(str, c))}" for s, c in self.gemv_configs))
         return ", ".join(parts)

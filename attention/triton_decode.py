@@ -29,12 +29,13 @@ this module.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from attention import pdl
+from attention import kernel_options, pdl
 from attention.arrival import COUNTERS, arrival_counters
 
 LOG2E = 1.4426950408889634
@@ -120,6 +121,18 @@ def decode_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
     return compute_dtype(q, cache)
 
 
+def widens_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether stage 1 loads an FP8 cache as 16-bit words and widens them with inline PTX
+    (`_load_block`): an e4m3 cache under float16 products, on a GPU (Triton's interpreter runs
+    no PTX), with every address and width a whole number of words."""
+    if decode_dtype(q, k_cache) != torch.float16 or k_cache.dtype != torch.float8_e4m3fn:
+        return False
+    if not kernel_options.current().fp8_kv_words or os.environ.get("TRITON_INTERPRET") == "1" or not k_cache.is_cuda:
+        return False
+    return all(t.data_ptr() % 2 == 0 and t.shape[-1] % 2 == 0 and all(st % 2 == 0 for st in t.stride()[:-1])
+               for t in (k_cache, v_cache))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 caches get true float32 products (tf32 would cost ~1e-3 relative error)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -157,6 +170,7 @@ def _decode_stage1(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_G: tl.constexpr, CHUNK_S: tl.constexpr, EARLY: tl.constexpr, Q_TO_F16: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)
     if not EARLY:
@@ -177,26 +191,24 @@ def _decode_stage1(
     mask_dv = offs_dv < V_DIM
     heads = kvh * GROUP + offs_h
     if start < end:
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HEAD_DIM
         page_row = PageTable + b * stride_pb
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-        k_ptrs = K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
-        v_ptrs = V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :]
         old = mask_n & (offs_n < seq_len - 1)
-        k = tl.load(k_ptrs, mask=old[:, None] & mask_d[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=old[:, None] & mask_dv[None, :], other=0.0)
+        k = _load_block(K, slot, stride_kt, kvh * stride_kh, old, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN, False)
+        v = _load_block(V, slot, stride_vt, kvh * stride_vh, old, V_DIM, BLOCK_N, BLOCK_DV, WIDEN, False)
         if EARLY:
             pdl.wait(PDL)
         newest = mask_n & (offs_n == seq_len - 1)
         # past L1: a line loaded above may hold part of the newest row from before it was written
-        k = tl.where(newest[:, None], tl.load(k_ptrs, mask=newest[:, None] & mask_d[None, :], other=0.0,
-                                              cache_modifier=".cg"), k)
-        v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None] & mask_dv[None, :], other=0.0,
-                                              cache_modifier=".cg"), v)
+        k = tl.where(newest[:, None],
+                     _load_block(K, slot, stride_kt, kvh * stride_kh, newest, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN, True), k)
+        v = tl.where(newest[:, None],
+                     _load_block(V, slot, stride_vt, kvh * stride_vh, newest, V_DIM, BLOCK_N, BLOCK_DV, WIDEN, True), v)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=mask_h[:, None] & mask_d[None, :],
@@ -213,16 +225,8 @@ def _decode_stage1(
             mask_n = offs_n < end
             page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
             slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-            k = tl.load(
-                K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            v = tl.load(
-                V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
-                mask=mask_n[:, None] & mask_dv[None, :],
-                other=0.0,
-            )
+            k = _load_block(K, slot, stride_kt, kvh * stride_kh, mask_n, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN, False)
+            v = _load_block(V, slot, stride_vt, kvh * stride_vh, mask_n, V_DIM, BLOCK_N, BLOCK_DV, WIDEN, False)
             m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PREC)
         o_ptrs = MidO + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
         tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_dv[None, :])
@@ -241,6 +245,40 @@ def _decode_stage1(
             pdl.wait(PDL)
         o_ptrs = Out + b * stride_outb + heads[:, None] * stride_outh + offs_dv[None, :]
         tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_DV], Out.dtype.element_ty), mask=mask_h[:, None] & mask_dv[None, :])
+
+
+@triton.jit
+def _load_block(base, slot, stride_t, col0, rows, width, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                WIDEN: tl.constexpr, CG: tl.constexpr):
+    """The [BLOCK_N, BLOCK_D] tile of `base` at rows `slot` (stride_t apart), columns col0 + [0,
+    width), zero where `rows` is false or past `width`; read past L1 with CG. With WIDEN (an e4m3
+    cache under float16 products) the tile is loaded as 16-bit words of two elements and each
+    word widened to float16 by one `cvt.rn.f16x2.e4m3x2` in registers, before it meets a shared
+    memory layout: loaded as e4m3 and converted afterwards, Triton moves the conversion past the
+    dot operands' layout change and reshuffles single bytes in shared memory (~40% more
+    instructions in the loop, BENCHMARKS.md)."""
+    if WIDEN:
+        offs = tl.arange(0, BLOCK_D // 2)
+        ptrs = base.to(tl.pointer_type(tl.int16)) + slot[:, None] * (stride_t // 2) + col0 // 2 + offs[None, :]
+        mask = rows[:, None] & (offs[None, :] < width // 2)
+        if CG:
+            w = tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg")
+        else:
+            w = tl.load(ptrs, mask=mask, other=0)
+        pair = tl.inline_asm_elementwise(asm="cvt.rn.f16x2.e4m3x2 $0, $1;", constraints="=r,h", args=[w],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+        lo = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        tile = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_D])
+    else:
+        offs = tl.arange(0, BLOCK_D)
+        ptrs = base + slot[:, None] * stride_t + col0 + offs[None, :]
+        mask = rows[:, None] & (offs[None, :] < width)
+        if CG:
+            tile = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        else:
+            tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
 
 
 @triton.jit
@@ -392,6 +430,7 @@ def paged_decode(
         return out
     # An FP8 cache under bf16 queries: q is widened to float16 in the kernel (no copy here).
     to_f16 = decode_dtype(q, k_cache) == torch.float16 != q.dtype
+    widen = widens_words(q, k_cache, v_cache)
     q = q.to(compute_dtype(q, k_cache))
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -424,7 +463,7 @@ def paged_decode(
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
         DOT_PREC=dot_precision(q.dtype), PDL=use_pdl, MERGE=merge,
         BLOCK_S=block_s, BLOCK_G=block_g, CHUNK_S=min(block_s, max(1, 8192 // (block_g * block_dv))),
-        EARLY=use_pdl and batch == 1, Q_TO_F16=to_f16,
+        EARLY=use_pdl and batch == 1, Q_TO_F16=to_f16, WIDEN=widen,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
     if not merge:

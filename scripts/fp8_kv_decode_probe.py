@@ -1,0 +1,89 @@
+"""Time the paged decode over an FP8 KV cache both ways (CUDA): e4m3 elements converted where
+Triton places the conversion (`MANTA_FP8_KV_WORDS=0`) against 16-bit words widened in registers
+as they are loaded (`attention.triton_decode._load_block`), per (batch, context) and stage-1
+launch; Llama-8B heads (32 q / 8 KV, dim 128), bf16 queries, page size 16, random page tables.
+Microseconds under CUDA-graph replay, the cache's GB/s, and each output's largest difference
+from the float32 reference on the dequantized cache. Prints a table, writes JSON (--out)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from attention import kernel_options
+from attention.bench_kernels import _bench_graph, _paged
+from attention.kernel_options import KernelOptions
+from attention.triton_decode import choose_num_splits, paged_decode, stage1_launch, widens_words
+
+
+def _reference(q, kc, vc, pt, ctx: int, page: int, scale: float) -> torch.Tensor:
+    """softmax(q K^T * scale) V per request over its ctx keys, float32, from the page table."""
+    batch, heads, dim = q.shape
+    kv_heads = kc.shape[1]
+    slots = (pt.long()[:, :, None] * page + torch.arange(page, device=q.device)).reshape(batch, -1)[:, :ctx]
+    k, v = kc.float()[slots], vc.float()[slots]  # [B, ctx, Hkv, D]
+    group = heads // kv_heads
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bhd,bthd->bht", q.float(), k) * scale
+    return torch.einsum("bht,bthd->bhd", s.softmax(-1), v)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--cases", nargs="+", default=["1:4096", "16:2048", "64:544", "128:1024", "192:1536", "256:1024"],
+                   help="B:ctx pairs")
+    p.add_argument("--launches", nargs="+", default=["default", "64,2,3", "64,4,2", "64,4,3", "128,4,2", "32,2,3"],
+                   help="block_n,num_warps,num_stages of stage 1 (default: stage1_launch's)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv_heads, dim, page = 32, 8, 128, 16
+    results = []
+    print(f"{torch.cuda.get_device_name()}: us under graph replay (GB/s), max |err| vs float32")
+    print(f"{'B':>4} {'ctx':>5} {'launch':>9} {'elements':>18} {'words':>18} {'change':>7}  err (elements, words)")
+    for case in a.cases:
+        batch, ctx = (int(v) for v in case.split(":"))
+        kc, vc, pt, lens = _paged(batch, ctx, page, kv_heads, dim, dim, torch.bfloat16, gen)
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out = torch.empty(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+        ref = _reference(q, kc, vc, pt, ctx, page, dim**-0.5)
+        nbytes = batch * ctx * kv_heads * dim * 2
+        splits = choose_num_splits(batch * kv_heads, pt.shape[1] * page, q.device)
+        for launch in a.launches:
+            n, w, st = stage1_launch(batch * kv_heads, q.dtype, kc.dtype) if launch == "default" else \
+                (int(v) for v in launch.split(","))
+            row = {"batch": batch, "ctx": ctx, "launch": [n, w, st], "default": launch == "default", "splits": splits}
+            for words in (False, True):
+                kernel_options.install(KernelOptions(fp8_kv_words=words))
+                assert widens_words(q, kc, vc) == words
+
+                def run(n=n, w=w, st=st, args=(q, kc, vc, pt, lens, dim**-0.5, page), splits=splits, out=out):
+                    paged_decode(*args, num_splits=splits, out=out, block_n=n, num_warps=w, num_stages=st)
+                try:
+                    run()
+                    err = (out.float() - ref).abs().max().item()
+                    us = _bench_graph(run)
+                except Exception as e:  # noqa: BLE001 - out of shared memory etc.: report and go on
+                    print(f"  B={batch} ctx={ctx} {n},{w},{st} words={words}: {type(e).__name__}: {str(e)[:120]}")
+                    us, err = None, None
+                key = "words" if words else "elements"
+                row[key] = {"us": us, "gbps": nbytes / us / 1e3 if us else None, "err": err}
+            results.append(row)
+            e, wd = row["elements"], row["words"]
+            fmt = lambda r: f"{r['us']:8.1f} ({r['gbps']:5.0f})" if r["us"] else f"{'-':>16}"  # noqa: E731
+            change = f"{(wd['us'] / e['us'] - 1) * 100:+6.1f}%" if e["us"] and wd["us"] else f"{'-':>7}"
+            print(f"{batch:>4} {ctx:>5} {','.join(map(str, (n, w, st))):>9}{'*' if launch == 'default' else ' '}"
+                  f"{fmt(e):>18} {fmt(wd):>18} {change}  {e['err']}, {wd['err']}")
+        del kc, vc
+        torch.cuda.empty_cache()
+    kernel_options.install(KernelOptions())
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
