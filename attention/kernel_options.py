@@ -29,9 +29,10 @@ What is left to choose is what a user or a benchmark needs:
 - `fp8_rows` (`MANTA_FP8_ROWS=0`): the RMSNorms and SiLU·up before per-channel FP8 products of
   W8A8 size write their rows quantized per token (`workers.layers.quant_rows`); off, a 16-bit
   row that the product's own quantization kernel reads (the baseline).
-- `fp8_kv_words` (`MANTA_FP8_KV_WORDS=0`): the paged decode loads an FP8 KV cache as 16-bit words
-  and widens each to two float16 values in registers (`attention.triton_decode._load_block`);
-  off, it loads e4m3 elements and converts them where Triton places the conversion (the baseline).
+- `fp8_kv_words` (`MANTA_FP8_KV_WORDS=0`): the paged decode of small batches loads an FP8 KV
+  cache as 16-bit words and widens each to two float16 values in registers
+  (`attention.triton_decode.widens_words`); off, it loads e4m3 elements and converts them where
+  Triton places the conversion, as larger batches always do (the baseline).
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """

@@ -69,15 +69,18 @@ def choose_num_splits(programs_per_split: int, max_context: int, device: torch.d
 
 # At least this many (request, KV head) programs: the many-small-programs launch of stage 1.
 MANY_PROGRAMS = 1024
+# Fewer (request, KV head) programs than this load an FP8 cache as 16-bit words (`widens_words`):
+# past it the element loads on their launch were 2-3% faster (B=64-256, 2026-12-02).
+FP8_WORDS_PROGRAMS = 512
 # (request, KV head) programs, inclusive, where 32-token blocks on two warps with three stages
 # beat the default launch: B=72-96 at 8 KV heads.
 MID_PROGRAMS = (576, 768)
 
 
 def stage1_launch(programs_per_split: int, dtype: torch.dtype,
-                  cache_dtype: torch.dtype | None = None) -> tuple[int, int, int]:
+                  cache_dtype: torch.dtype | None = None, words: bool = False) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages) of stage 1 for products in `dtype` over a cache of
-    `cache_dtype` (default: the same). From the sweeps on the H200 (`bench_kernels --sweep`,
+    `cache_dtype` (default: the same), an FP8 cache loaded as words or not. From the sweeps on the H200 (`bench_kernels --sweep`,
     Llama-8B heads; BENCHMARKS.md, 2026-11-28 and 2026-11-29):
     - bf16, the default: 64-token blocks on four warps, two stages. The best at B=56-64 (ctx 544:
       42.2-42.5 us at B=64; ctx 1,536: 101.9), and within 1% of it at B=112-120 (ctx 1,024-2,048).
@@ -88,13 +91,23 @@ def stage1_launch(programs_per_split: int, dtype: torch.dtype,
     - bf16 past MANY_PROGRAMS: 32-token blocks on two warps with two stages: the best at B=128
       (ctx 544: 76.0 us; ctx 1,024: 134.5; ctx 1,536: 195.6) and B=256 (ctx 1,024: 257.5), 2% off it
       at B=192 (ctx 1,536). Three stages there had cost 7-24% (167.3, 241.0, 278.5 us).
-    - An FP8 cache (widened to float16, `decode_dtype`): 64-token blocks on two warps with three
-      stages at every batch: the best at B=128 (ctx 1,024: 100.2 us) and B=192 (ctx 1,536: 209.8,
-      where 32-token blocks took 265.6), within 2% of it at B=64 (ctx 544: 34.2)."""
+    - An FP8 cache (widened to float16, `decode_dtype`), loaded as e4m3 elements: 64-token blocks
+      on two warps with five stages, the fewest at which Triton double-buffers this loop (at
+      three and four it keeps one buffer and waits for it at the top of every iteration): the best
+      at B=64-256 (ctx 544 / 1,024 / 1,536 / 1,024: 30.9 / 90.8 / 187.7 / 177.5 us, against three
+      stages' 34.0 / 100.3 / 209.8 / 196.3; 2026-12-02).
+    - FP8 loaded as 16-bit words (`words`, below FP8_WORDS_PROGRAMS, `widens_words`): 64-token
+      blocks on two warps with three stages up to 64 programs: the batch-1 step (ctx ~530, a split
+      or two of one block each) took 2.78 ms against the element loads' 2.87. 128-token blocks on
+      four warps with five stages, the best alone at ctx 4,096 (9.2 against 11.3 us), took 2.94 ms
+      there: fewer, longer splits. Past 64 programs, 64-token blocks on four warps with five stages
+      (B=16, ctx 2,048: 33.2 us against the element loads' 34.8 and their old launch's 37.5)."""
     if dtype == torch.float32:
         return DECODE_BLOCK_N // 2, 4, 2
     if cache_dtype == torch.float8_e4m3fn:
-        return DECODE_BLOCK_N, 2, 3
+        if words:
+            return (DECODE_BLOCK_N, 2, 3) if programs_per_split <= 64 else (DECODE_BLOCK_N, 4, 5)
+        return DECODE_BLOCK_N, 2, 5
     if programs_per_split >= MANY_PROGRAMS:
         return 32, 2, 2
     if MID_PROGRAMS[0] <= programs_per_split <= MID_PROGRAMS[1]:
@@ -121,16 +134,23 @@ def decode_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
     return compute_dtype(q, cache)
 
 
-def widens_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether stage 1 loads an FP8 cache as 16-bit words and widens them with inline PTX
+def can_widen_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether stage 1 can load this cache as 16-bit words and widen them with inline PTX
     (`_load_block`): an e4m3 cache under float16 products, on a GPU (Triton's interpreter runs
     no PTX), with every address and width a whole number of words."""
     if decode_dtype(q, k_cache) != torch.float16 or k_cache.dtype != torch.float8_e4m3fn:
         return False
-    if not kernel_options.current().fp8_kv_words or os.environ.get("TRITON_INTERPRET") == "1" or not k_cache.is_cuda:
+    if os.environ.get("TRITON_INTERPRET") == "1" or not k_cache.is_cuda:
         return False
     return all(t.data_ptr() % 2 == 0 and t.shape[-1] % 2 == 0 and all(st % 2 == 0 for st in t.stride()[:-1])
                for t in (k_cache, v_cache))
+
+
+def widens_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, programs: int) -> bool:
+    """Whether stage 1 loads words for `programs` (request, KV head) pairs: the kernel option
+    `fp8_kv_words` on, fewer than FP8_WORDS_PROGRAMS, and `can_widen_words`."""
+    return (kernel_options.current().fp8_kv_words and programs < FP8_WORDS_PROGRAMS
+            and can_widen_words(q, k_cache, v_cache))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -405,6 +425,7 @@ def paged_decode(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    words: bool | None = None,
 ) -> torch.Tensor:
     """One query per request over its paged K/V.
 
@@ -415,7 +436,8 @@ def paged_decode(
     dtype. num_splits=None picks a count from B, Hkv and page_table's width (host values only:
     pass a fixed count when capturing CUDA graphs whose page table width may vary). block_n,
     num_warps and num_stages are stage 1's launch parameters (`bench_kernels --sweep` tunes
-    them); None: `stage1_launch`'s choice."""
+    them); None: `stage1_launch`'s choice. `words`: load an FP8 cache as 16-bit words (where
+    `can_widen_words`) or as elements; None: `widens_words`'s choice."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     v_dim = v_cache.shape[-1]
@@ -430,7 +452,9 @@ def paged_decode(
         return out
     # An FP8 cache under bf16 queries: q is widened to float16 in the kernel (no copy here).
     to_f16 = decode_dtype(q, k_cache) == torch.float16 != q.dtype
-    widen = widens_words(q, k_cache, v_cache)
+    if words is None:
+        words = widens_words(q, k_cache, v_cache, batch * kv_heads)
+    words = bool(words) and can_widen_words(q, k_cache, v_cache)
     q = q.to(compute_dtype(q, k_cache))
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -440,7 +464,7 @@ def paged_decode(
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(v_dim))
-    auto_n, auto_warps, auto_stages = stage1_launch(batch * kv_heads, q.dtype, k_cache.dtype)
+    auto_n, auto_warps, auto_stages = stage1_launch(batch * kv_heads, q.dtype, k_cache.dtype, words)
     block_n, num_warps, num_stages = block_n or auto_n, num_warps or auto_warps, num_stages or auto_stages
     use_pdl = pdl.enabled(q.device)
     # The last-arriving program merges; past the counters (e.g. 32 KV heads x 2,049 requests)
@@ -463,7 +487,7 @@ def paged_decode(
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
         DOT_PREC=dot_precision(q.dtype), PDL=use_pdl, MERGE=merge,
         BLOCK_S=block_s, BLOCK_G=block_g, CHUNK_S=min(block_s, max(1, 8192 // (block_g * block_dv))),
-        EARLY=use_pdl and batch == 1, Q_TO_F16=to_f16, WIDEN=widen,
+        EARLY=use_pdl and batch == 1, Q_TO_F16=to_f16, WIDEN=words,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
     if not merge:
@@ -488,6 +512,7 @@ __all__ = [
     "dot_precision",
     "compute_dtype",
     "decode_dtype",
+    "widens_words",
     "LOG2E",
     "DECODE_BLOCK_N",
 ]

@@ -65,7 +65,7 @@ def test_paged_decode_on_fp8_many_programs(page_size):
     from attention.triton_decode import DECODE_BLOCK_N, MANY_PROGRAMS, decode_dtype, stage1_launch
 
     lens = [1 + (i * 53) % 400 for i in range(200)]
-    assert len(lens) * 8 >= MANY_PROGRAMS and stage1_launch(len(lens) * 8, BF16, FP8) == (DECODE_BLOCK_N, 2, 3)
+    assert len(lens) * 8 >= MANY_PROGRAMS and stage1_launch(len(lens) * 8, BF16, FP8) == (DECODE_BLOCK_N, 2, 5)
     kc, vc, pt, tt = paged_cache(lens, 8, 128, 128, page_size, BF16, seed=5)
     (k8, kref), (v8, vref) = _fp8(kc, 0.02), _fp8(vc, 0.5)
     q = torch.randn(len(lens), 32, 128, device="cuda").to(BF16)
@@ -79,13 +79,14 @@ def test_paged_decode_on_fp8_many_programs(page_size):
 @pytest.mark.parametrize("block_n,warps,stages", [(None, None, None), (32, 2, 1), (128, 4, 2)])
 @pytest.mark.parametrize("dim", [40, 128])
 def test_paged_decode_fp8_words_equal_elements(dim, block_n, warps, stages):
-    """The FP8 cache loaded as 16-bit words and widened in registers (the kernel option
-    `fp8_kv_words`, on by default on a GPU) against e4m3 elements converted where Triton places
-    it (off): both the float32 reference's output on the dequantized cache, from a loop of one
-    block and of many, a head dim that is not a power of two, and one- and multi-stage loops."""
+    """The FP8 cache loaded as 16-bit words and widened in registers against e4m3 elements
+    converted where Triton places it: both the float32 reference's output on the dequantized
+    cache, from a loop of one block and of many, a head dim that is not a power of two, and one-
+    and multi-stage loops. Words are the choice below FP8_WORDS_PROGRAMS with the kernel option
+    `fp8_kv_words` on, elements past it or with it off."""
     from attention import kernel_options
     from attention.kernel_options import KernelOptions
-    from attention.triton_decode import widens_words
+    from attention.triton_decode import FP8_WORDS_PROGRAMS, widens_words
 
     lens = [1, 17, 64, 65, 300, 1000]
     kc, vc, pt, tt = paged_cache(lens, 2, dim, dim, 16, BF16, seed=11)
@@ -93,19 +94,18 @@ def test_paged_decode_fp8_words_equal_elements(dim, block_n, warps, stages):
     q = torch.randn(len(lens), 8, dim, device="cuda").to(BF16)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     ref = ref_attention(q, kref, vref, tt, [1] * len(lens), lens, dim**-0.5)
-    got = {}
-    try:
-        for words in (False, True):
-            kernel_options.install(KernelOptions(fp8_kv_words=words))
-            assert widens_words(q, k8, v8) == words
-            got[words] = paged_decode(q, k8, v8, pt, seqlens, dim**-0.5 * 0.02, 16, block_n=block_n,
-                                      num_warps=warps, num_stages=stages) * 0.5
-    finally:
-        kernel_options.install(KernelOptions())
-    assert widens_words(q, k8, v8)
+    got = {words: paged_decode(q, k8, v8, pt, seqlens, dim**-0.5 * 0.02, 16, block_n=block_n, num_warps=warps,
+                               num_stages=stages, words=words) * 0.5 for words in (False, True)}
     for out in got.values():
         assert_close(out, ref, BF16)
     assert_close(got[True], got[False], BF16)
+    assert widens_words(q, k8, v8, len(lens) * 2) and not widens_words(q, k8, v8, FP8_WORDS_PROGRAMS)
+    try:
+        kernel_options.install(KernelOptions(fp8_kv_words=False))
+        assert not widens_words(q, k8, v8, len(lens) * 2)
+    finally:
+        kernel_options.install(KernelOptions())
+    assert not widens_words(q.float(), k8, v8, 1)  # float32 products: no float16 widening
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
