@@ -12,7 +12,7 @@
 # pages loaded into a GPU pool; they talk to the server with the `openai` client: scripts/pack_device_client.sh),
 # pdread (`scripts/nixl_read_bench.py --device cuda`: a hand-off's READ and checksums, GPU memory to GPU memory).
 # l8prefill (`manta bench prefill`: MFU at 2,048 and 8,192-token prompts) gemms (the 8B layer's four products alone, TFLOP/s).
-# FP8 (issue 25): l8fp8prof (the 8B shape's FP8 step by kernel, batch 64 and 1) dsv2fp8prof (block FP8 DeepSeek's batch-1 step by kernel) l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
+# FP8 (issue 25): l8fp8prof (the 8B shape's FP8 step by kernel, batch 64 and 1) fp8mid (2-63 rows: products and steps) dsv2fp8prof (block FP8 DeepSeek's batch-1 step by kernel) l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
 # ab (AB_OLD=DIR: an older tree's workers/ and attention/ against this one, AB_FLAGS, `python3 -P`)
 # gemvfp8ab (the step's FP8 one-row launches swept on this GPU, then batch 1 with the fastest against FP8_LAUNCH's)
 # (`bench_gemv --fp8`) fp8rowsab (FP8 decode batches and prefill, MANTA_FP8_ROWS=0 / 1) l8fp8serve (in-process serve workload) l8fp8http
@@ -176,6 +176,10 @@ for s in $stages; do
     l8fp8) build /tmp/l8 --preset llama-3.1-8b  # the same checkpoint quantized at load: per-channel FP8 weights
         $M bench latency --model /tmp/l8 $F --quantization fp8 --batch 1 64 --steps 48 --input-len 512 \
           --out "$OUT/l8_latency_fp8.json" ;;
+    fp8mid) build /tmp/l8 --preset llama-3.1-8b  # FP8 at 2-63 rows (W8A16 tiles): the products, then the step beside bf16
+        python3 -m workers.layers.bench_fp8 --sweep --m 2 4 8 16 32 48 --scales channel 2>&1 | tee "$OUT/bench_fp8_mid.txt"
+        for q in "" "--quantization fp8"; do $M bench latency --model /tmp/l8 $F $q --batch 1 2 4 8 16 32 64 --steps 32 \
+          --input-len 512 --out "$OUT/l8_latency_mid${q:+_fp8}.json" 2>&1 | grep "p50\|fraction"; done ;;
     l8fp8serve) build /tmp/l8 --preset llama-3.1-8b
         $M bench serve --model /tmp/l8 $F --quantization fp8 --num-prompts 200 --input-len 1024 --output-len 1024 \
           --request-rate 16 --out "$OUT/l8_serve_fp8.json" ;;
