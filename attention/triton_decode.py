@@ -80,8 +80,9 @@ MID_PROGRAMS = (576, 768)
 def stage1_launch(programs_per_split: int, dtype: torch.dtype,
                   cache_dtype: torch.dtype | None = None, words: bool = False) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages) of stage 1 for products in `dtype` over a cache of
-    `cache_dtype` (default: the same), an FP8 cache loaded as words or not. From the sweeps on the H200 (`bench_kernels --sweep`,
-    Llama-8B heads; BENCHMARKS.md, 2026-11-28 and 2026-11-29):
+    `cache_dtype` (default: the same), an FP8 cache loaded as `words` or as elements. From the
+    sweeps on the H200 (`bench_kernels --sweep`, `scripts/fp8_kv_decode_probe.py`, Llama-8B
+    heads; BENCHMARKS.md, 2026-11-28, 2026-11-29 and 2026-12-02):
     - bf16, the default: 64-token blocks on four warps, two stages. The best at B=56-64 (ctx 544:
       42.2-42.5 us at B=64; ctx 1,536: 101.9), and within 1% of it at B=112-120 (ctx 1,024-2,048).
     - bf16 at MID_PROGRAMS: 32-token blocks on two warps, three stages. The best or within 1% of
