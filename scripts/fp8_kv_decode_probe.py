@@ -79,10 +79,12 @@ def main() -> None:
                     us, err = None, None
                 row["words" if words else "elements"] = {"launch": [n, w, st], "us": us,
                                                          "gbps": nbytes / us / 1e3 if us else None, "err": err}
-            if a.plain or len(ways) == 1:
-                print(row)
+            if a.plain:
                 continue
             results.append(row)
+            if len(ways) == 1:
+                print(row)
+                continue
             e, wd = row["elements"], row["words"]
             fmt = lambda r: f"{r['us']:8.1f} ({r['gbps']:5.0f})" if r["us"] else f"{'-':>16}"  # noqa: E731
             change = f"{(wd['us'] / e['us'] - 1) * 100:+6.1f}%" if e["us"] and wd["us"] else f"{'-':>7}"
