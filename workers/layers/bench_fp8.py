@@ -48,8 +48,10 @@ def _candidates(x: torch.Tensor, n: int, bk: int, sweep: bool, a8_only: bool = F
         out += [(f"w8a16 {c}", lambda w, s, c=c: gemm(x, w, s, bk, config=with_split(TileConfig(*c), m, n, k, x.device)))
                 for c in SWEEP_TILE]
     if sweep and m >= 16:  # (below A8_MIN_M: what W8A8 would cost there, against W8A16's tiles)
+        zero = torch.zeros(n, device=x.device, dtype=x.dtype)  # cuBLASLt's heuristic may pick another kernel
         out += [("scaled_mm", lambda w, s: scaled_mm(x, w, s)),
-                ("scaled_mm, exact accumulation", lambda w, s: scaled_mm(x, w, s, fast_accum=False))] if kb == 1 else []
+                ("scaled_mm, exact accumulation", lambda w, s: scaled_mm(x, w, s, fast_accum=False)),
+                ("scaled_mm + zero bias", lambda w, s: scaled_mm(x, w, s, bias=zero))] if kb == 1 else []
         out += [("w8a8 (Triton)", lambda w, s: gemm(x, w, s, bk, a8=True))]
     return out
 
