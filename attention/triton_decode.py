@@ -69,6 +69,8 @@ def choose_num_splits(programs_per_split: int, max_context: int, device: torch.d
 
 # At least this many (request, KV head) programs: the many-small-programs launch of stage 1.
 MANY_PROGRAMS = 1024
+# Triton's interpreter (read when the kernels are defined, as Triton reads it) runs no inline PTX.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Fewer (request, KV head) programs than this load an FP8 cache as 16-bit words (`widens_words`):
 # past it the element loads on their launch were 2-3% faster (B=64-256, 2026-12-02).
 FP8_WORDS_PROGRAMS = 512
@@ -141,17 +143,22 @@ def can_widen_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     no PTX), with every address and width a whole number of words."""
     if decode_dtype(q, k_cache) != torch.float16 or k_cache.dtype != torch.float8_e4m3fn:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1" or not k_cache.is_cuda:
+    if _INTERPRETED or not k_cache.is_cuda:
         return False
     return all(t.data_ptr() % 2 == 0 and t.shape[-1] % 2 == 0 and all(st % 2 == 0 for st in t.stride()[:-1])
                for t in (k_cache, v_cache))
 
 
+def _words_chosen(programs: int) -> bool:
+    """Words for `programs` (request, KV head) pairs where the cache can take them: the kernel
+    option `fp8_kv_words` on and fewer than FP8_WORDS_PROGRAMS."""
+    return kernel_options.current().fp8_kv_words and programs < FP8_WORDS_PROGRAMS
+
+
 def widens_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, programs: int) -> bool:
-    """Whether stage 1 loads words for `programs` (request, KV head) pairs: the kernel option
-    `fp8_kv_words` on, fewer than FP8_WORDS_PROGRAMS, and `can_widen_words`."""
-    return (kernel_options.current().fp8_kv_words and programs < FP8_WORDS_PROGRAMS
-            and can_widen_words(q, k_cache, v_cache))
+    """Whether stage 1 loads words for `programs` (request, KV head) pairs: `_words_chosen` and
+    `can_widen_words`."""
+    return _words_chosen(programs) and can_widen_words(q, k_cache, v_cache)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -453,9 +460,7 @@ def paged_decode(
         return out
     # An FP8 cache under bf16 queries: q is widened to float16 in the kernel (no copy here).
     to_f16 = decode_dtype(q, k_cache) == torch.float16 != q.dtype
-    if words is None:
-        words = widens_words(q, k_cache, v_cache, batch * kv_heads)
-    words = bool(words) and can_widen_words(q, k_cache, v_cache)
+    words = can_widen_words(q, k_cache, v_cache) and (_words_chosen(batch * kv_heads) if words is None else words)
     q = q.to(compute_dtype(q, k_cache))
     if q.stride(-1) != 1:
         q = q.contiguous()

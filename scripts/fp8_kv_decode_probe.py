@@ -12,20 +12,9 @@ import json
 
 import torch
 
+from attention import kernels, torch_ops
 from attention.bench_kernels import _bench_graph, _paged
 from attention.triton_decode import choose_num_splits, paged_decode, stage1_launch
-
-
-def _reference(q, kc, vc, pt, ctx: int, page: int, scale: float) -> torch.Tensor:
-    """softmax(q K^T * scale) V per request over its ctx keys, float32, from the page table."""
-    batch, heads, dim = q.shape
-    kv_heads = kc.shape[1]
-    slots = (pt.long()[:, :, None] * page + torch.arange(page, device=q.device)).reshape(batch, -1)[:, :ctx]
-    k, v = kc.float()[slots], vc.float()[slots]  # [B, ctx, Hkv, D]
-    group = heads // kv_heads
-    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    s = torch.einsum("bhd,bthd->bht", q.float(), k) * scale
-    return torch.einsum("bht,bthd->bhd", s.softmax(-1), v)
 
 
 def main() -> None:
@@ -52,7 +41,8 @@ def main() -> None:
         kc, vc = kc.to(cache), vc.to(cache)
         q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
         out = torch.empty(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-        ref = _reference(q, kc, vc, pt, ctx, page, dim**-0.5)
+        ref = torch_ops.paged_decode_sdpa(q.float(), kc, vc, kernels._pages_to_token_table(pt, page), lens, ctx,
+                                         dim**-0.5)
         nbytes = batch * ctx * kv_heads * dim * 2 * kc.element_size()
         splits = choose_num_splits(batch * kv_heads, pt.shape[1] * page, q.device)
         for launch in a.launches:
