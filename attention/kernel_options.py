@@ -33,6 +33,10 @@ What is left to choose is what a user or a benchmark needs:
   cache as 16-bit words and widens each to two float16 values in registers
   (`attention.triton_decode.widens_words`); off, it loads e4m3 elements and converts them where
   Triton places the conversion, as larger batches always do (the baseline).
+- `fp8_tma` (`MANTA_FP8_TMA=0`): per-channel FP8 products of decode batches on a Hopper GPU
+  through the TMA-fed Triton kernel (`workers.layers.fp8_tma`) where `fp8_tma.launch` has a
+  launch for the shape; off, W8A16 tiles below A8_MIN_M rows and cuBLAS's row-wise product (or
+  the pointer-load W8A8 kernel) from there (the baseline).
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """
@@ -60,6 +64,7 @@ class KernelOptions:
     triton_prefill: bool = True
     fp8_rows: bool = True
     fp8_kv_words: bool = True
+    fp8_tma: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:
@@ -70,7 +75,8 @@ class KernelOptions:
                    decode_zero_bias=environ.get("MANTA_ZERO_BIAS") != "0",
                    triton_prefill=environ.get("MANTA_TRITON_PREFILL") != "0",
                    fp8_rows=environ.get("MANTA_FP8_ROWS") != "0",
-                   fp8_kv_words=environ.get("MANTA_FP8_KV_WORDS") != "0")
+                   fp8_kv_words=environ.get("MANTA_FP8_KV_WORDS") != "0",
+                   fp8_tma=environ.get("MANTA_FP8_TMA") != "0")
 
     def gemv_launch(self, n: int, k: int) -> GemvLaunch | None:
         shape = f"{n}x{k}"
@@ -83,7 +89,8 @@ class KernelOptions:
                  f"decode zero bias {'on' if self.decode_zero_bias else 'off'}",
                  f"Triton prefill {'on' if self.triton_prefill else 'off'}",
                  f"FP8 rows {'on' if self.fp8_rows else 'off'}",
-                 f"FP8 KV words {'on' if self.fp8_kv_words else 'off'}"]
+                 f"FP8 KV words {'on' if self.fp8_kv_words else 'off'}",
+                 f"FP8 TMA {'on' if self.fp8_tma else 'off'}"]
         if self.gemv_configs:
             parts.append("GEMV launches " + "; ".join(f"{s}:{','.join(map(str, c))}" for s, c in self.gemv_configs))
         return ", ".join(parts)

@@ -15,7 +15,7 @@
 # FP8 (issue 25): l8fp8prof (the 8B shape's FP8 step by kernel, batch 64 and 1) fp8mid (2-63 rows: products and steps) dsv2fp8prof (block FP8 DeepSeek's batch-1 step by kernel) l8fp8 (batch 1/64, --quantization fp8) l8fp8ab (batch 1, one-row kernels off / on) gemvfp8
 # ab (AB_OLD=DIR: an older tree's workers/ and attention/ against this one, AB_FLAGS, `python3 -P`)
 # gemvfp8ab (the step's FP8 one-row launches swept on this GPU, then batch 1 with the fastest against FP8_LAUNCH's)
-# (`bench_gemv --fp8`) fp8rowsab (FP8 decode batches and prefill, MANTA_FP8_ROWS=0 / 1) l8fp8serve (in-process serve workload) l8fp8http
+# (`bench_gemv --fp8`) fp8tmaab (FP8 decode batches, MANTA_FP8_TMA=0 / 1 / 1 / 0; TMA_BATCH, TMA_FLAGS) fp8rowsab (FP8 decode batches and prefill, MANTA_FP8_ROWS=0 / 1) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
 # FP8_HTTP_MODES picks) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8) l8kvfp8 (batch 1/64 with the FP8 KV cache,
 # and the logits error it adds: scripts/kv_fp8_error.py).
@@ -154,6 +154,10 @@ for s in $stages; do
         for v in ${ROWS_PREFILL:-0 1}; do echo "--- prefill, MANTA_FP8_ROWS=$v"
           MANTA_FP8_ROWS=$v $M bench prefill --model /tmp/l8 $F --quantization fp8 --num-prompts 32 --input-len 2048 \
             --out "$OUT/fp8rows_prefill_$v.json" 2>&1 | grep -v "Warning\|INFO" | tail -3; done ;;
+    fp8tmaab) build /tmp/l8 --preset llama-3.1-8b  # FP8 decode batches: products on the TMA kernel (MANTA_FP8_TMA=1) or not
+        i=0; for v in ${TMA_ORDER:-0 1 1 0}; do i=$((i + 1)); echo "--- MANTA_FP8_TMA=$v"
+          MANTA_FP8_TMA=$v $M bench latency --model /tmp/l8 $F --quantization fp8 ${TMA_FLAGS:-} --batch ${TMA_BATCH:-8 16 32 64 96 128} \
+            --steps 32 --input-len 512 --out "$OUT/fp8tma_latency_${i}_$v.json" 2>&1 | grep "^batch"; done ;;
     l8fp8ab) build /tmp/l8 --preset llama-3.1-8b  # FP8 batch 1: fused one-row kernels (MANTA_GEMV=1) or not
         ab_batch1 _fp8 "--quantization fp8" ${L8AB:-"MANTA_GEMV=0" "MANTA_GEMV=1"} ;;
     l8ab) build /tmp/l8 --preset llama-3.1-8b  # batch 1 with the one-row kernels / PDL switched off

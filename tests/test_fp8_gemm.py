@@ -148,6 +148,28 @@ def test_decode_batches_split_k_on_narrow_per_channel_weights(fp8, m):
     assert int(arrival_counters(x.device, 64).count_nonzero()) == 0
 
 
+@pytest.mark.parametrize("m", [2, 17, 48, 64, 100, 128])
+def test_tma_decode_batches(fp8, m):
+    """Per-channel products of decode batches on the TMA kernel (Hopper): rows padded to the
+    token tile, N a multiple of no weight tile (N = 200), a partial last K step (K = 4,160), with
+    and without bias; `fp8_linear`'s own choice, quantized rows handed over, and K split in three
+    (the arrival counters left at zero)."""
+    from attention.arrival import arrival_counters
+    from workers.layers import fp8_tma
+    from workers.layers.fp8_rows import Fp8Rows
+
+    x, q, s, block_k, b = make(200, 4160, m, torch.bfloat16, None, m % 2 == 0, seed=m)
+    if not fp8_tma.available(x.device):
+        pytest.skip("TMA products need a Hopper GPU")
+    assert fp8.kernel_for(m, 200, 4160, 1, block_k, x.device) is fp8.Kernel.TMA
+    check(fp8, fp8.fp8_linear(x, q, s, block_k, b), x, q, s, block_k, b, a8=True)
+    rows = Fp8Rows(*fp8.quantize_rows(x), x.dtype)
+    check(fp8, fp8.fp8_linear(rows, q, s, block_k, b), x, q, s, block_k, b, a8=True)
+    y = fp8_tma.linear(rows.q, rows.scale, q, s, x.dtype, b, (64, 128, 4, 3, 3))
+    check(fp8, y, x, q, s, block_k, b, a8=True)
+    assert int(arrival_counters(x.device, 64).count_nonzero()) == 0
+
+
 @pytest.mark.parametrize("m", [300, 301])
 def test_blockwise(fp8, m):
     """cuBLAS's 1 x 128 / 128 x 128 product where `choose_kernel` takes it (N = 272: a partial
@@ -225,6 +247,17 @@ def test_choose_kernel(fp8):
     assert fp8.choose_kernel(big, 272, 4608, 36, 128) is K.BLOCKWISE
     assert fp8.choose_kernel(big, 4096, 4096, 64, 64) is K.W8A8
     assert fp8.choose_kernel(big, 4096, 4096, 256, 16) is K.W8A16  # fp8 dots take k-steps of 32
+    from workers.layers.fp8_tma import MAX_M
+
+    # on Hopper: per-channel products of 2-128 rows on the TMA kernel, but for wide ones past 64
+    assert fp8.choose_kernel(2, 4096, 4096, 1, 4096, tma=True) is K.TMA
+    assert fp8.choose_kernel(1, 4096, 4096, 1, 4096, tma=True) is K.GEMV
+    assert fp8.choose_kernel(big, 28672, 4096, 1, 4096, tma=True) is K.TMA
+    assert fp8.choose_kernel(big + 1, 28672, 4096, 1, 4096, tma=True) is K.SCALED_MM
+    assert fp8.choose_kernel(MAX_M, 4096, 14336, 1, 14336, tma=True) is K.TMA
+    assert fp8.choose_kernel(MAX_M + 1, 4096, 4096, 1, 4096, tma=True) is K.SCALED_MM
+    assert fp8.choose_kernel(17, 4096, 4104, 1, 4104, tma=True) is K.W8A16  # K: TMA's 16-byte row stride
+    assert fp8.choose_kernel(17, 4096, 4096, 32, 128, tma=True) is K.W8A16  # block scales
 
 
 def test_rejects_bad_scales(fp8):

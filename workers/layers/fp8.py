@@ -88,7 +88,7 @@ def scale_param(match: re.Match) -> str:
 def takes_rows(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether `layer`'s product of x's rows (x [M, K'], any width: a gate/up output for a
     down product) quantizes them to e4m3 per row before its FP8 tensor cores: a per-channel
-    FP8 weight on CUDA, 16-bit activations, enough rows for W8A8 (`fp8_gemm.choose_kernel`),
+    FP8 weight on CUDA, 16-bit activations, a W8A8 product for its rows (`fp8_gemm.kernel_for`),
     and the kernel options' `fp8_rows` on. Then the elementwise op before it may hand it
     `Fp8Rows` instead."""
     if (row_scale(layer) is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16)
@@ -100,7 +100,7 @@ def takes_rows(layer: nn.Module, x: torch.Tensor) -> bool:
     if not kernel_options.current().fp8_rows:
         return False
     n, k = layer.weight.shape
-    return fp8_gemm.choose_kernel(x.shape[0], n, k, 1, k, fp8_gemm.num_sms(x.device)) in fp8_gemm.PER_TOKEN_A8
+    return fp8_gemm.kernel_for(x.shape[0], n, k, 1, k, x.device) in fp8_gemm.PER_TOKEN_A8
 
 
 def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block_k: int,

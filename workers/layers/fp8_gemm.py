@@ -13,6 +13,9 @@ to one row per output row (block_k = 128). `choose_kernel` picks one of:
   rounded to bf16/fp16, relative error <= 2^-9) and multiplies on the tensor cores. Rows are
   padded to 16, 32 or 64; small grids split K (`TileConfig.split_k`): each program writes a float32
   partial, the last to arrive (an `attention.arrival` counter, left at zero) adds them in order.
+- `TMA` (a Hopper GPU, per-channel weights, 2..fp8_tma.MAX_M rows where `fp8_tma.launch` gives a
+  launch): x quantized per token, then `fp8_tma`'s kernel: FP8 tensor cores, the weight on the
+  MMA's M side, both operands read by TMA. It replaces W8A16 and cuBLAS at decode batches.
 - W8A8 (from A8_MIN_M rows): x quantized to e4m3 per token (and per 128 columns for block
   scales) by `quantize_rows`, then FP8 tensor cores: `SCALED_MM` (torch._scaled_mm, row-wise
   scales) for per-channel weights (but the Triton kernel with K split for decode batches on
@@ -45,6 +48,7 @@ import triton.language as tl
 
 from attention import pdl
 from attention.arrival import arrival_counters
+from workers.layers import fp8_tma
 from workers.layers.fp8_rows import Fp8Rows
 
 FP8 = torch.float8_e4m3fn
@@ -59,11 +63,12 @@ class Kernel(enum.Enum):
     SCALED_MM = "scaled_mm"  # W8A8 through torch._scaled_mm, row-wise scales (per-channel weights)
     BLOCKWISE = "blockwise"  # W8A8 through torch._scaled_mm, 1 x 128 and 128 x 128 block scales
     W8A8 = "w8a8"  # W8A8 through the tiled Triton kernel
+    TMA = "tma"  # W8A8 through `fp8_tma` (Hopper): per-channel weights at decode batches (`fp8_tma.launch`)
 
 
 # The kernels that quantize a per-channel product's input per row (one scale a token), which
 # can take it already quantized (`fp8_rows.Fp8Rows`, `fp8.takes_rows`).
-PER_TOKEN_A8 = (Kernel.SCALED_MM, Kernel.W8A8)
+PER_TOKEN_A8 = (Kernel.SCALED_MM, Kernel.W8A8, Kernel.TMA)
 
 
 @dataclass(frozen=True)
@@ -84,8 +89,9 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
 
 
-def choose_kernel(m: int, n: int, k: int, kb: int, block_k: int, sms: int = 132) -> Kernel:
-    """One row: GEMV; up to A8_MIN_M - 1 rows: W8A16; from A8_MIN_M rows W8A8, through cuBLAS
+def choose_kernel(m: int, n: int, k: int, kb: int, block_k: int, sms: int = 132, tma: bool = False) -> Kernel:
+    """One row: GEMV; where `tma` (a Hopper GPU, `kernel_for`) and `fp8_tma.launch` has a launch for a
+    per-channel product: TMA; up to A8_MIN_M - 1 rows: W8A16; from A8_MIN_M rows W8A8, through cuBLAS
     where it takes the shape (N, K multiples of 16; for block scales block_k = 128 and K a
     multiple of 512, and `fp8_linear` also checks `scales_in_128_row_blocks`), else the Triton
     kernel (whose fp8 dots take k-steps of 32: block scales of 16 columns stay on W8A16).
@@ -93,6 +99,8 @@ def choose_kernel(m: int, n: int, k: int, kb: int, block_k: int, sms: int = 132)
     K split (`decode_a8`; `sms`: the GPU's)."""
     if m == 1:
         return Kernel.GEMV
+    if tma and kb == 1 and fp8_tma.launch(m, n, k) is not None:
+        return Kernel.TMA
     if m < A8_MIN_M:
         return Kernel.W8A16
     aligned = n % 16 == 0 and k % 16 == 0
@@ -101,6 +109,15 @@ def choose_kernel(m: int, n: int, k: int, kb: int, block_k: int, sms: int = 132)
     if block_k == 128 and aligned and k % 512 == 0:
         return Kernel.BLOCKWISE
     return Kernel.W8A8 if block_k >= 32 else Kernel.W8A16
+
+
+def kernel_for(m: int, n: int, k: int, kb: int, block_k: int, device: torch.device) -> Kernel:
+    """`choose_kernel` on `device`: its SMs, and TMA where `fp8_tma` runs there and the kernel
+    options' `fp8_tma` is on."""
+    from attention import kernel_options
+
+    tma = kernel_options.current().fp8_tma and fp8_tma.available(device)
+    return choose_kernel(m, n, k, kb, block_k, num_sms(device), tma)
 
 
 def decode_a8(m: int, n: int, k: int, sms: int) -> bool:
@@ -449,12 +466,14 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Ten
     m = x.shape[0]
     if m == 0:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
-    kernel = choose_kernel(m, n, k, kb, block_k, num_sms(x.device))
+    kernel = kernel_for(m, n, k, kb, block_k, x.device)
     if kernel is Kernel.BLOCKWISE and not scales_in_128_row_blocks(scale):
         # measured: W8A16 faster at 64 rows, the two mixed at 128-256, the Triton W8A8 from 512
         kernel = Kernel.W8A16 if m < 256 else Kernel.W8A8
     if kernel is Kernel.GEMV:
         return gemv(x, weight, scale, block_k, bias)
+    if kernel is Kernel.TMA:
+        return _tma_linear(Fp8Rows(*quantize_rows(x), x.dtype), weight, scale, bias)
     if kernel is Kernel.SCALED_MM:
         return scaled_mm(x, weight, scale, bias)
     if kernel is Kernel.BLOCKWISE:
@@ -471,11 +490,18 @@ def _rows_linear(rows: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, bias:
                          f"{tuple(rows.scale.shape)} against an {weight.dtype} weight of {weight.shape[1]} columns")
     if tuple(scale.shape) != (n, 1):
         raise ValueError(f"fp8_linear: quantized rows take per-channel weight scales [{n}, 1], got {tuple(scale.shape)}")
-    kernel = choose_kernel(m, n, k, 1, k, num_sms(rows.q.device))
+    kernel = kernel_for(m, n, k, 1, k, rows.q.device)
     if kernel not in PER_TOKEN_A8:
         raise ValueError(f"fp8_linear: {m} quantized rows for a product that runs {kernel.value} (fp8.takes_rows)")
     if bias is not None and bias.dtype != rows.dtype:
         bias = bias.to(rows.dtype)
+    if kernel is Kernel.TMA:
+        return _tma_linear(rows, weight, scale, bias)
     if kernel is Kernel.SCALED_MM:
         return scaled_mm(rows, weight, scale, bias)
     return gemm(rows, weight, scale, k, bias, a8=True)
+
+
+def _tma_linear(rows: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m, k = rows.q.shape
+    return fp8_tma.linear(rows.q, rows.scale, weight, scale, rows.dtype, bias, fp8_tma.launch(m, weight.shape[0], k))

@@ -1,7 +1,8 @@
 """The elementwise ops before an FP8 product, writing their rows already quantized (CUDA).
 
-From A8_MIN_M rows a per-channel FP8 product quantizes its input to e4m3 per token
-(`fp8_gemm.quantize_rows`: scale = amax / 448) before the FP8 tensor cores. In a decoder layer
+A per-channel FP8 product of a W8A8 kernel (from A8_MIN_M rows; from 2 on the TMA kernel on
+Hopper, `fp8_gemm.kernel_for`) quantizes its input to e4m3 per token (`fp8_gemm.quantize_rows`:
+scale = amax / 448) before the FP8 tensor cores. In a decoder layer
 three of its four inputs come straight out of an elementwise kernel that holds the whole row
 anyway: the two RMSNorms (qkv's and gate/up's input) and silu(gate) * up (down's). Each
 kernel here does that op and the quantization in one launch: it writes e4m3 values and one
