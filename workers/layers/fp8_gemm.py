@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention import pdl
+from attention import kernel_options, pdl
 from attention.arrival import arrival_counters
 from workers.layers import fp8_tma
 from workers.layers.fp8_rows import Fp8Rows
@@ -114,8 +114,6 @@ def choose_kernel(m: int, n: int, k: int, kb: int, block_k: int, sms: int = 132,
 def kernel_for(m: int, n: int, k: int, kb: int, block_k: int, device: torch.device) -> Kernel:
     """`choose_kernel` on `device`: its SMs, and TMA where `fp8_tma` runs there and the kernel
     options' `fp8_tma` is on."""
-    from attention import kernel_options
-
     tma = kernel_options.current().fp8_tma and fp8_tma.available(device)
     return choose_kernel(m, n, k, kb, block_k, num_sms(device), tma)
 
