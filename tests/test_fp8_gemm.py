@@ -149,15 +149,17 @@ def test_decode_batches_split_k_on_narrow_per_channel_weights(fp8, m):
 
 
 @pytest.mark.parametrize("m", [2, 17, 48, 64, 100, 128])
-def test_tma_decode_batches(fp8, m):
+def test_tma_decode_batches(fp8, m, monkeypatch):
     """Per-channel products of decode batches on the TMA kernel (Hopper): rows padded to the
     token tile, N a multiple of no weight tile (N = 200), a partial last K step (K = 4,160), with
     and without bias; `fp8_linear`'s own choice, quantized rows handed over, and K split in three
     (the arrival counters left at zero)."""
+    from attention import kernel_options
     from attention.arrival import arrival_counters
     from workers.layers import fp8_tma
     from workers.layers.fp8_rows import Fp8Rows
 
+    monkeypatch.setattr(kernel_options, "_current", kernel_options.KernelOptions(fp8_tma=True))  # (opt-in)
     x, q, s, block_k, b = make(200, 4160, m, torch.bfloat16, None, m % 2 == 0, seed=m)
     if not fp8_tma.available(x.device):
         pytest.skip("TMA products need a Hopper GPU")

@@ -75,16 +75,18 @@ def test_silu_rows_are_silu_mul_then_quantize_rows(qr, dtype, m, inter):
 
 @pytest.mark.parametrize("m, n, k", [(17, 528, 4160), (64, 528, 8208), (100, 528, 8208), (300, 272, 4160),
                                      (64, 200, 328)])
-def test_products_take_quantized_rows(m, n, k):
+def test_products_take_quantized_rows(m, n, k, monkeypatch):
     """`fp8_linear` of `Fp8Rows` is the product of the 16-bit rows they were quantized from, bit
     for bit, on each kernel that quantizes per token: the TMA kernel (decode batches on Hopper),
     the Triton W8A8 kernel with K split (decode batches, long K, elsewhere), cuBLAS's
     (`torch._scaled_mm`), the Triton one for shapes cuBLAS refuses."""
     pytest.importorskip("triton")
+    from attention import kernel_options
     from workers.layers import fp8_gemm
     from workers.layers.fp8 import quantize_rows
     from workers.layers.fp8_rows import Fp8Rows
 
+    monkeypatch.setattr(kernel_options, "_current", kernel_options.KernelOptions(fp8_tma=True))  # (opt-in)
     g = torch.Generator(device="cuda").manual_seed(m * n)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     w, s = quantize_rows(torch.randn(n, k, device="cuda", generator=g) / k**0.5)

@@ -15,7 +15,8 @@ to one row per output row (block_k = 128). `choose_kernel` picks one of:
   partial, the last to arrive (an `attention.arrival` counter, left at zero) adds them in order.
 - `TMA` (a Hopper GPU, per-channel weights, 2..fp8_tma.MAX_M rows where `fp8_tma.launch` gives a
   launch): x quantized per token, then `fp8_tma`'s kernel: FP8 tensor cores, the weight on the
-  MMA's M side, both operands read by TMA. It replaces W8A16 and cuBLAS at decode batches.
+  MMA's M side, both operands read by TMA. It replaces W8A16 and cuBLAS at decode batches where
+  the kernel options' `fp8_tma` is on (`MANTA_FP8_TMA=1`; opt-in for now).
 - W8A8 (from A8_MIN_M rows): x quantized to e4m3 per token (and per 128 columns for block
   scales) by `quantize_rows`, then FP8 tensor cores: `SCALED_MM` (torch._scaled_mm, row-wise
   scales) for per-channel weights (but the Triton kernel with K split for decode batches on
