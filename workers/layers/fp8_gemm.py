@@ -270,18 +270,8 @@ def _gemm_kernel(X, W, SW, SX, B, Y, Part, Counters, M, N, K, KB, SPLIT_K,
             acc = acc * tl.load(SX + rm * stride_sxm, mask=mmask, other=0.0)[:, None]
     out = Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     omask = mmask[:, None] & nmask[None, :]
-    last = pid_k >= 0  # a tensor, as the split branch reassigns it
-    if SPLIT_K > 1:
-        part = Part + rm.to(tl.int64)[:, None] * N + rn[None, :]
-        tl.store(part + pid_k * M * N, acc, mask=omask)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-        tile = pid_m * grid_n + pid_n
-        last = tl.atomic_add(Counters + tile, 1, sem="acq_rel") == SPLIT_K - 1
-        if last:  # the last program of this tile adds the partials up in order and resets its counter
-            acc = tl.zeros_like(acc)
-            for j in range(SPLIT_K):
-                acc += tl.load(part + j * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(Counters + tile, 0)
+    part = Part + rm.to(tl.int64)[:, None] * N + rn[None, :]
+    acc, last = fp8_tma.sum_split_k(acc, part, omask, Counters, pid_m * grid_n + pid_n, pid_k, SPLIT_K, M * N)
     if last:
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]

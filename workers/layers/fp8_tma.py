@@ -48,6 +48,26 @@ def available(device: torch.device) -> bool:
 
 
 @triton.jit
+def sum_split_k(acc, part, omask, Counters, tile, pid_k, SPLIT_K, stride_split):
+    """(acc, last) of a program that holds one K slice's float32 sums `acc` of an output tile
+    (`part`: their addresses in split 0 of a [SPLIT_K, ...] partials buffer, `stride_split`
+    apart; `tile`: the tile's arrival counter). Unsplit: (acc, True). Split: it writes its
+    partial and counts itself in; the last of the tile to arrive gets the partials added up in
+    order (and resets the counter to zero), the others get last False and write nothing."""
+    last = pid_k >= 0  # a tensor, as the split branch reassigns it
+    if SPLIT_K > 1:
+        tl.store(part + pid_k * stride_split, acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        last = tl.atomic_add(Counters + tile, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
+            acc = tl.zeros_like(acc)
+            for j in range(SPLIT_K):
+                acc += tl.load(part + j * stride_split, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(Counters + tile, 0)
+    return acc, last
+
+
+@triton.jit
 def _tma_kernel(w_desc, x_desc, SW, SX, B, Y, Part, Counters, M, N, K, SPLIT_K, stride_ym,
                 HAS_BIAS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                 PDL: tl.constexpr):
@@ -69,18 +89,8 @@ def _tma_kernel(w_desc, x_desc, SW, SX, B, Y, Part, Counters, M, N, K, SPLIT_K, 
     wmask = rw < N
     tmask = rt < M
     omask = wmask[:, None] & tmask[None, :]
-    last = pid_k >= 0  # a tensor, as the split branch reassigns it
-    if SPLIT_K > 1:
-        part = Part + rt.to(tl.int64)[None, :] * N + rw[:, None]
-        tl.store(part + pid_k * M * N, acc, mask=omask)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-        tile = pid_t * tl.num_programs(0) + pid_w
-        last = tl.atomic_add(Counters + tile, 1, sem="acq_rel") == SPLIT_K - 1
-        if last:  # the last program of this tile adds the partials up in order and resets its counter
-            acc = tl.zeros_like(acc)
-            for j in range(SPLIT_K):
-                acc += tl.load(part + j * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(Counters + tile, 0)
+    part = Part + rt.to(tl.int64)[None, :] * N + rw[:, None]
+    acc, last = sum_split_k(acc, part, omask, Counters, pid_t * tl.num_programs(0) + pid_w, pid_k, SPLIT_K, M * N)
     if last:
         acc = acc * tl.load(SW + rw, mask=wmask, other=0.0)[:, None] * tl.load(SX + rt, mask=tmask, other=0.0)[None, :]
         if HAS_BIAS:
