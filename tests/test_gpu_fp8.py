@@ -72,13 +72,14 @@ def _first_logits(d, dtype: str, prompts: list[str], **kw) -> tuple[torch.Tensor
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("prompts, bound, tma", [(SHORT, 0.05, False), (SHORT, 0.2, True), (PROMPTS[:3], 0.2, True)],
+@pytest.mark.parametrize("prompts, bound, tma", [(SHORT, 0.05, False), (SHORT, 0.2, True), (PROMPTS[:3], 0.2, False)],
                          ids=["w8a16", "tma", "w8a8"])
 def test_gpu_bf16_fp8_kernels_close_to_float32(dirs, name, prompts, bound, tma):
     """Fewer rows than `A8_MIN_M` (prompt tokens, padded by the prompt graphs) with the TMA kernel
     off: every product is W8A16 (bf16 activations), as close to float32 as a bf16 model is (5%).
-    More rows, or per-channel products of fewer on a Hopper GPU's TMA kernel (`fp8_tma`): the
-    products quantize activations to e4m3 per token (~2.6% relative error each,
+    More rows (cuBLAS or the Triton W8A8 kernel: the TMA option off), or per-channel products of
+    fewer on a Hopper GPU's TMA kernel (`fp8_tma` on; elsewhere W8A16 again): the products
+    quantize activations to e4m3 per token (~2.6% relative error each,
     tests/test_fp8_gemm.py); through these tiny random models' layers the first logits moved
     10-13% of the largest |logit| (H100, 2026-11-25): bound 20%."""
     from attention.kernel_options import KernelOptions

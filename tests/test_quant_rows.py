@@ -73,28 +73,31 @@ def test_silu_rows_are_silu_mul_then_quantize_rows(qr, dtype, m, inter):
     assert torch.equal(rows.q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["no_tma", "tma"])
 @pytest.mark.parametrize("m, n, k", [(17, 528, 4160), (64, 528, 8208), (100, 528, 8208), (300, 272, 4160),
                                      (64, 200, 328)])
-def test_products_take_quantized_rows(m, n, k, monkeypatch):
+def test_products_take_quantized_rows(m, n, k, tma, monkeypatch):
     """`fp8_linear` of `Fp8Rows` is the product of the 16-bit rows they were quantized from, bit
-    for bit, on each kernel that quantizes per token: the TMA kernel (decode batches on Hopper),
-    the Triton W8A8 kernel with K split (decode batches, long K, elsewhere), cuBLAS's
-    (`torch._scaled_mm`), the Triton one for shapes cuBLAS refuses."""
+    for bit, on each kernel that quantizes per token: with the TMA option off, the Triton W8A8
+    kernel with K split (decode batches, long K), cuBLAS's (`torch._scaled_mm`), the Triton one for
+    shapes cuBLAS refuses; with it on, the TMA kernel where it takes the shape (Hopper)."""
     pytest.importorskip("triton")
     from attention import kernel_options
     from workers.layers import fp8_gemm
     from workers.layers.fp8 import quantize_rows
     from workers.layers.fp8_rows import Fp8Rows
 
-    monkeypatch.setattr(kernel_options, "_current", kernel_options.KernelOptions(fp8_tma=True))  # (opt-in)
+    monkeypatch.setattr(kernel_options, "_current", kernel_options.KernelOptions(fp8_tma=tma))
     g = torch.Generator(device="cuda").manual_seed(m * n)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     w, s = quantize_rows(torch.randn(n, k, device="cuda", generator=g) / k**0.5)
     bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
     kernel = fp8_gemm.kernel_for(m, n, k, 1, k, x.device)
-    if m < fp8_gemm.A8_MIN_M and kernel is not fp8_gemm.Kernel.TMA:
-        pytest.skip("below A8_MIN_M rows only the TMA kernel (Hopper) quantizes per token")
-    assert kernel in fp8_gemm.PER_TOKEN_A8
+    if tma and kernel is not fp8_gemm.Kernel.TMA:
+        pytest.skip("the TMA kernel takes this shape only on a Hopper GPU")
+    if not tma and m < fp8_gemm.A8_MIN_M:
+        pytest.skip("below A8_MIN_M rows only the TMA kernel quantizes per token")
+    assert kernel in fp8_gemm.PER_TOKEN_A8 and (kernel is fp8_gemm.Kernel.TMA) == tma
     q, sx = fp8_gemm.quantize_rows(x)
     got = fp8_gemm.fp8_linear(Fp8Rows(q, sx, x.dtype), w, s, k, bias)
     assert got.dtype == x.dtype and torch.equal(got, fp8_gemm.fp8_linear(x, w, s, k, bias))

@@ -15,8 +15,9 @@ to one row per output row (block_k = 128). `choose_kernel` picks one of:
   partial, the last to arrive (an `attention.arrival` counter, left at zero) adds them in order.
 - `TMA` (a Hopper GPU, per-channel weights, 2..fp8_tma.MAX_M rows where `fp8_tma.launch` gives a
   launch): x quantized per token, then `fp8_tma`'s kernel: FP8 tensor cores, the weight on the
-  MMA's M side, both operands read by TMA. It replaces W8A16 and cuBLAS at decode batches where
-  the kernel options' `fp8_tma` is on (`MANTA_FP8_TMA=1`; opt-in for now).
+  MMA's M side, both operands read by TMA. Where the kernel options' `fp8_tma` is on
+  (`MANTA_FP8_TMA=1`; opt-in for now) it takes such products of 2-128 rows from W8A16, cuBLAS
+  and `decode_a8`'s split-K kernel: decode batches, and prompt pieces that small.
 - W8A8 (from A8_MIN_M rows): x quantized to e4m3 per token (and per 128 columns for block
   scales) by `quantize_rows`, then FP8 tensor cores: `SCALED_MM` (torch._scaled_mm, row-wise
   scales) for per-channel weights (but the Triton kernel with K split for decode batches on
@@ -492,5 +493,8 @@ def _rows_linear(rows: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, bias:
 
 
 def _tma_linear(rows: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`fp8_tma.linear`, whose kernel reads one scale per row at consecutive addresses."""
     m, k = rows.q.shape
-    return fp8_tma.linear(rows.q, rows.scale, weight, scale, rows.dtype, bias, fp8_tma.launch(m, weight.shape[0], k))
+    sx = rows.scale if rows.scale.stride(0) == 1 else rows.scale.contiguous()
+    sw = scale if scale.stride(0) == 1 else scale.contiguous()
+    return fp8_tma.linear(rows.q, sx, weight, sw, rows.dtype, bias, fp8_tma.launch(m, weight.shape[0], k))

@@ -3,13 +3,14 @@ both read by TMA (the tensor memory accelerator), the weight on the MMA's M side
 
 A decode batch has few rows (2-256) against a weight of thousands: cuBLAS's FP8 kernels with
 row-wise scales tile the output 128 x 128 without splitting K, so a 4,096-wide product (o, down)
-runs on 32 of 132 SMs, and the Triton tile kernel of `fp8_gemm` (pointer loads) spent its issue
-slots on addresses. Here a program takes BLOCK_W weight rows and all the rows of the batch (padded
-to a power of two, 16-256: the MMA's N side), steps through its slice of K with one TMA request
-per operand and tile, and multiplies in float32 on FP8 tensor cores. Small grids split K: each
-program writes a float32 partial and the last of a tile to arrive adds them up in order (an
-`attention.arrival` counter, left at zero). The scales (one a row, one a weight row) and the bias
-are applied once, in the epilogue.
+runs on 32 of 132 SMs, and the Triton tile kernel of `fp8_gemm` (pointer loads) compiles at its
+decode launch to 255 registers and 2.7 KB of spilled stack a thread. Here a program takes BLOCK_W
+weight rows and all the rows of the batch (padded to a power of two, 16-128 at the rows `launch`
+takes: the MMA's N side), steps through its slice of K with one TMA request per operand and
+tile, and multiplies in float32 on FP8 tensor cores. K may be split (the launches `launch`
+gives do not): each program writes a float32 partial and the last of a tile to arrive adds
+them up in order (`sum_split_k`, an `attention.arrival` counter, left at zero). The scales (one
+a row, one a weight row) and the bias are applied once, in the epilogue.
 
 Measured against what shipped (BENCHMARKS.md, `scripts/fp8_tma_probe.py`).
 """
