@@ -29,12 +29,12 @@ import triton
 
 from workers.layers import fp8 as fp8_layer
 from workers.layers import fp8_tma
+from workers.layers.bench_fp8 import SHAPES
 from workers.layers.bench_gemv import time_in_graph
 from workers.layers.fp8_gemm import fp8_linear, quantize_rows
 from workers.layers.fp8_rows import Fp8Rows
 from workers.roofline import measure_copy_bandwidth
 
-SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 # (weight rows a tile, K a step, warps, stages): the token side is the batch padded to 64-256
 LAUNCHES = [(64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 4), (128, 128, 8, 4), (128, 128, 4, 4),
             (128, 256, 8, 3), (64, 256, 4, 3)]
@@ -48,7 +48,7 @@ def tma_linear(q, sx, weight, scale, launch, split):
 
 def splits_for(m: int, n: int, k: int, launch: tuple[int, int, int, int], sms: int) -> list[int]:
     """K splits worth timing: 1 and the powers of two up to about two waves of programs."""
-    tiles = triton.cdiv(n, launch[0]) * triton.cdiv(m, 256)
+    tiles = triton.cdiv(n, launch[0]) * triton.cdiv(m, fp8_tma.token_tile(m))
     out = [1]
     s = 2
     while s <= 16 and tiles * s <= 2 * sms and k // s >= 2 * launch[1]:

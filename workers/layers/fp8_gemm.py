@@ -49,7 +49,6 @@ import triton
 import triton.language as tl
 
 from attention import kernel_options, pdl
-from attention.arrival import arrival_counters
 from workers.layers import fp8_tma
 from workers.layers.fp8_rows import Fp8Rows
 
@@ -377,10 +376,7 @@ def gemm(x, weight, scale, block_k, bias=None, a8: bool = False, config: TileCon
     bk = cfg.block_k if kb == 1 else min(cfg.block_k, block_k)
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    part = counters = y
-    if cfg.split_k > 1:
-        part = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, tiles)
+    part, counters = fp8_tma.split_k_buffers(y, cfg.split_k, tiles)
     use_pdl = pdl.enabled(x.device)
     _gemm_kernel[(tiles, cfg.split_k)](
         x, weight, scale, sx, bias if bias is not None else scale, y, part, counters, m, n, k, kb, cfg.split_k,

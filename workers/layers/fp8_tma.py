@@ -68,6 +68,14 @@ def sum_split_k(acc, part, omask, Counters, tile, pid_k, SPLIT_K, stride_split):
     return acc, last
 
 
+def split_k_buffers(y: torch.Tensor, split: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials, counters) that `sum_split_k` takes for an output y [M, N] of `tiles` tiles: a
+    float32 [split, M, N] buffer and this stream's arrival counters; unsplit, y twice (unused)."""
+    if split == 1:
+        return y, y
+    return torch.empty(split, *y.shape, dtype=torch.float32, device=y.device), arrival_counters(y.device, tiles)
+
+
 @triton.jit
 def _tma_kernel(w_desc, x_desc, SW, SX, B, Y, Part, Counters, M, N, K, SPLIT_K, stride_ym,
                 HAS_BIAS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -117,10 +125,7 @@ def linear(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: torch
     x_desc = TensorDescriptor.from_tensor(q, [block_t, block_k])
     y = torch.empty(m, n, dtype=out_dtype, device=q.device)
     grid = (triton.cdiv(n, block_w), triton.cdiv(m, block_t), split)
-    part = counters = y
-    if split > 1:
-        part = torch.empty(split, m, n, dtype=torch.float32, device=q.device)
-        counters = arrival_counters(q.device, grid[0] * grid[1])
+    part, counters = split_k_buffers(y, split, grid[0] * grid[1])
     use_pdl = pdl.enabled(q.device)
     _tma_kernel[grid](w_desc, x_desc, scale, sx, bias if bias is not None else scale, y, part, counters,
                       m, n, k, split, y.stride(0), HAS_BIAS=bias is not None, BLOCK_W=block_w, BLOCK_T=block_t,
