@@ -32,7 +32,7 @@ from cluster.engine.ranks import runner_options
 from cluster.engine.request import RequestOutput
 from cluster.kv_store_setup import kv_store_stats
 from cluster.replica_channel import Outboxes, ServingListener
-from workers import gil_switch
+from workers import actor_exit, gil_switch
 from workers.request_errors import RequestError
 from workers.sampling_params import SamplingParams
 
@@ -76,6 +76,7 @@ class Replica:
     def __init__(self, config: EngineConfig, name: str, placement_strategy: str = "PACK",
                  nic: str | None = None, cpus_per_rank: float = 1.0, role: str = "mixed"):
         gil_switch.apply()  # this actor's process: the serving channel's threads beside the engine's
+        actor_exit.install()  # Ray's SIGTERM at shutdown never prints a traceback into the driver's log
         self.config = config
         self.name = name
         self.role = role  # "mixed", or "prefill" / "decode" in a disaggregated deployment

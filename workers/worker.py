@@ -17,7 +17,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from workers import gil_switch, heap
+from workers import actor_exit, gil_switch, heap
 from workers.messages import OverlapCall, StepPlan, StepResult
 from workers.model_runner import ModelRunner, RunnerOptions
 from workers.parallel import TPGroup
@@ -62,6 +62,7 @@ class RankWorker:
         # `pd_locate`, stats): back from waiting on its forward, the step could wait up to
         # CPython's 5 ms switch interval to run again.
         gil_switch.apply()
+        actor_exit.install()  # Ray's SIGTERM at shutdown never prints a traceback into the driver's log
         if opts.device == "cpu":
             # Several ranks share the host's cores: one thread each keeps them from fighting.
             torch.set_num_threads(max(1, int(os.environ.get("MANTA_WORKER_THREADS", "1"))))
