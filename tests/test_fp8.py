@@ -1,11 +1,14 @@
 """FP8 checkpoints (issue 25) on the CPU: block-wise (DeepSeek-V3 layout), compressed-tensors
 per-channel and per-tensor, and `--quantization fp8` at load, for a Llama-family model.
 
-Oracle: transformers cannot run these formats on a CPU (FP8 block-wise wants a GPU or falls back
-to dequantizing through `accelerate`; compressed-tensors needs its own package), so it runs the
-same checkpoint with its weights dequantized (`workers.make_fp8.dequantize_checkpoint`), which is
-what manta's CPU product computes: logits within 1e-4 in float32 and identical greedy tokens.
-The GPU kernels are checked against the same dequantized reference in tests/test_fp8_gemm.py.
+Oracle: transformers loading the same checkpoint. On a CPU it cannot run FP8 products, so its
+readers of the formats (block FP8, and compressed-tensors through that package) dequantize the
+weights as they load: `test_transformers_reads_each_format_as_the_dequantized_copy` checks that
+this gives, bit for bit, the weights of the dequantized copy (`workers.make_fp8.
+dequantize_checkpoint`) that the other tests run transformers on (a plain checkpoint, which
+`hf_greedy` and friends load by path). manta's CPU product computes the same: logits within
+1e-4 in float32 and identical greedy tokens. The GPU kernels are checked against the same
+dequantized reference in tests/test_fp8_gemm.py.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import re
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +61,32 @@ def ckpts(tmp_path_factory):
 def _load(path: str, quantization: str | None = None, tp: TPGroup | None = None):
     cfg = ModelConfig.from_pretrained(path, "float32", quantization=quantization)
     return cfg, load_model(cfg, tp or TPGroup(), "cpu", torch.float32)
+
+
+def hf_fp8(path: str):
+    """transformers' own model of an FP8 checkpoint on the CPU: its reader of the checkpoint's
+    format, dequantizing the weights to float32 as they load."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
+
+    qc = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
+    dequant = (CompressedTensorsConfig(dequantize=True) if qc["quant_method"] == "compressed-tensors"
+               else FineGrainedFP8Config(dequantize=True, weight_block_size=tuple(qc["weight_block_size"])))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=dequant).eval()
+
+
+def assert_same_weights(fp8_path: str, dequantized_path: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    got = dict(hf_fp8(fp8_path).named_parameters())
+    want = dict(AutoModelForCausalLM.from_pretrained(dequantized_path, dtype=torch.float32).named_parameters())
+    assert sorted(got) == sorted(want)
+    for name, p in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], p), name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_transformers_reads_each_format_as_the_dequantized_copy(ckpts, kind):
+    assert_same_weights(*ckpts[kind])
 
 
 @pytest.mark.parametrize("kind", KINDS + ("dynamic",))
@@ -184,6 +214,11 @@ def test_fp8_config_on_plain_weights_and_fp8_on_a_model_without_fp8_layers_are_r
         _load(q)
     with pytest.raises(ValueError, match="--quantization 'int4'"):
         ModelConfig.from_pretrained(ckpts["dynamic"][0], quantization="int4")
+    bart = make_model(tmp_path / "bart", "bart", dtype="float32")
+    with pytest.raises(ValueError) as err:
+        _load(bart, quantization="fp8")
+    assert str(err.value).startswith("BartForConditionalGeneration has no FP8 layers yet (fp8 (quantized at load")
+    assert "FP8 loads for DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, LlamaForCausalLM" in str(err.value)
 
 
 def _unquantize(path, names: str) -> None:

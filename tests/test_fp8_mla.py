@@ -1,7 +1,7 @@
-"""FP8 DeepSeek checkpoints (MLA + MoE) on the CPU: block-wise (DeepSeek-V3's own layout) and
-compressed-tensors per-channel, against transformers on the dequantized weights (it cannot run
-either format on a CPU: see tests/test_fp8.py), prefill and the absorbed decode path; TP=2
-equals TP=1. The linear layers and the routed experts hold FP8 weights (the experts' loop
+"""FP8 DeepSeek checkpoints (MLA + MoE) on the CPU: block-wise (DeepSeek-V3's own layout),
+compressed-tensors per-channel and `--quantization fp8`, against transformers on the dequantized
+weights (its own readers of the formats give the same weights: see tests/test_fp8.py), prefill
+and the absorbed decode path; TP=2 equals TP=1. The linear layers and the routed experts hold FP8 weights (the experts' loop
 dequantizes each expert it runs on the CPU; the grouped GEMM's FP8 tiles are checked on the GPU
 in tests/test_fused_moe.py); so does kv_b_proj, whose FP8 weight also makes the absorbed
 projections of decode (`workers.layers.fp8_heads`: dequantized per call on the CPU, one Triton
@@ -21,6 +21,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from tests.fixtures import gloo_rank
 from tests.test_engine import PROMPTS, greedy, hf_greedy
+from tests.test_fp8 import assert_same_weights
 from tests.test_llama_model import _free_port
 from tests.test_mla import Cache, _logits, _prompts, check_prefill_and_decode
 from workers.loader import load_model
@@ -49,8 +50,8 @@ def ckpts(tmp_path_factory):
     return out
 
 
-def _load(path: str, tp: TPGroup | None = None):
-    cfg = ModelConfig.from_pretrained(path, "float32")
+def _load(path: str, tp: TPGroup | None = None, quantization: str | None = None):
+    cfg = ModelConfig.from_pretrained(path, "float32", quantization=quantization)
     return cfg, load_model(cfg, tp or TPGroup(), "cpu", torch.float32)
 
 
@@ -70,6 +71,17 @@ def test_prefill_and_decode_logits_match_transformers_on_the_dequantized_weights
     check_prefill_and_decode(cfg, model, hf, variant)
 
 
+def test_transformers_reads_the_deepseek_formats_as_the_dequantized_copies(ckpts, tmp_path):
+    """transformers' own readers of the formats give the reference's weights bit for bit (see
+    tests/test_fp8.py). Its block-FP8 reader wants every weight to hold whole blocks, which
+    kv_a_proj_with_mqa's 40 rows do not in 16-row ones: that checkpoint is made in 8 x 8 blocks."""
+    assert_same_weights(*ckpts["v3_channel"])
+    d = make_model(tmp_path / "v3_block8", "deepseek_v3", dtype="float32", max_position=128)
+    quantize_checkpoint(d, "fp8-block", (8, 8))
+    dequantize_checkpoint(d, tmp_path / "v3_block8-deq")
+    assert_same_weights(str(d), str(tmp_path / "v3_block8-deq"))
+
+
 def test_greedy_tokens_equal_transformers(ckpts):
     path, deq = ckpts["v3_block"]
     engine = Engine(EngineConfig(model=path, page_size=4))
@@ -80,36 +92,68 @@ def test_greedy_tokens_equal_transformers(ckpts):
         engine.shutdown()
 
 
-def _tp_worker(rank: int, port: int, paths: list[str], out_dir: str) -> None:
+def _tp_worker(rank: int, port: int, paths: list[tuple[str, str | None]], out_dir: str) -> None:
     with gloo_rank(rank, port, 2):
         tp = TPGroup(rank=rank, size=2)
-        for i, path in enumerate(paths):
-            cfg, model = _load(path, tp)
+        for i, (path, quantization) in enumerate(paths):
+            cfg, model = _load(path, tp, quantization)
             torch.save(_logits(model, Cache(cfg, 32, 3).step(_prompts(cfg.vocab_size))),
                        os.path.join(out_dir, f"logits-{i}-rank{rank}.pt"))
 
 
-def test_tp2_equals_tp1(ckpts):
+def test_tp2_equals_tp1(ckpts, plain_v3):
+    """Block and channel checkpoints, and `--quantization fp8` (whose row-parallel down_proj
+    scales, the experts' too, come from whole rows on each rank)."""
     import torch.multiprocessing as mp
 
-    paths = [ckpts["v3_block"][0], ckpts["v3_channel"][0]]
+    paths = [(ckpts["v3_block"][0], None), (ckpts["v3_channel"][0], None), (plain_v3, "fp8")]
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_tp_worker, args=(_free_port(), paths, out), nprocs=2, join=True)
-        for i, path in enumerate(paths):
-            cfg, model = _load(path)
+        for i, (path, quantization) in enumerate(paths):
+            cfg, model = _load(path, quantization=quantization)
             ref = _logits(model, Cache(cfg, 32, 3).step(_prompts(cfg.vocab_size)))
             got = [torch.load(os.path.join(out, f"logits-{i}-rank{r}.pt")) for r in range(2)]
             assert torch.equal(got[0], got[1])
             assert (got[0] - ref).abs().max().item() < 1e-5, path
 
 
-def test_a_plain_deepseek_quantized_at_load_keeps_experts_dense(tmp_path):
-    d = make_model(tmp_path / "plain", "deepseek_v3", dtype="float32", max_position=128)
-    cfg = ModelConfig.from_pretrained(str(d), "float32", quantization="fp8")
+@pytest.fixture(scope="module")
+def plain_v3(tmp_path_factory):
+    """The unquantized checkpoint that v3_channel was made from (the same seed)."""
+    return str(make_model(tmp_path_factory.mktemp("fp8-mla-plain") / "plain", "deepseek_v3", dtype="float32",
+                          max_position=128))
+
+
+def test_a_plain_deepseek_quantized_at_load_equals_its_channel_checkpoint(ckpts, plain_v3):
+    """`--quantization fp8` quantizes every linear weight per output channel, the routed experts'
+    too: the same FP8 weights and scales as the fp8-channel checkpoint of the same weights (whose
+    logits are checked against transformers above), so the same logits."""
+    cfg = ModelConfig.from_pretrained(plain_v3, "float32", quantization="fp8")
     model = load_model(cfg, TPGroup(), "cpu", torch.float32)
+    moe = model.model.layers[1].mlp
     assert model.model.layers[1].self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
-    assert model.model.layers[1].mlp.experts.w13.dtype == torch.float32
-    shutil.rmtree(d)
+    assert moe.experts.w13.dtype == moe.experts.w2.dtype == torch.float8_e4m3fn
+    _, channel = _load(ckpts["v3_channel"][0])
+    stored = channel.model.layers[1].mlp.experts
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):  # (FP8 compared bit for bit)
+        a, b = getattr(moe.experts, name), getattr(stored, name)
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                                  b.view(torch.uint8) if b.element_size() == 1 else b), name
+    ref = _logits(channel, Cache(cfg, 32, 3).step(_prompts(cfg.vocab_size)))
+    got = _logits(model, Cache(cfg, 32, 3).step(_prompts(cfg.vocab_size)))
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_quantized_at_load_greedy_tokens_equal_transformers(ckpts, plain_v3):
+    """Through the engine with `quantization="fp8"`, against transformers on the dequantized
+    weights of the same per-channel quantization."""
+    engine = Engine(EngineConfig(model=plain_v3, page_size=4, quantization="fp8"))
+    try:
+        for prompt, res in zip(PROMPTS, engine.generate(PROMPTS, greedy())):
+            assert res.token_ids == hf_greedy(ckpts["v3_channel"][1], engine.tokenize(prompt), len(res.token_ids)), \
+                prompt
+    finally:
+        engine.shutdown()
 
 
 def test_a_deepseek_checkpoint_that_leaves_down_proj_unquantized(ckpts, tmp_path):

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from workers import kv_quant
-from workers.models.registry import get_model_class
+from workers.models.registry import ARCHITECTURES, get_model_class
 from workers.parallel import TPGroup
 
 if TYPE_CHECKING:
@@ -104,8 +104,9 @@ def check_quantization(model_config: ModelConfig) -> type:
     """The model class, after refusing FP8 weights for one that has no FP8 layers."""
     cls = get_model_class(model_config.architecture)
     if model_config.quant is not None and not getattr(cls, "supports_fp8", False):
+        fp8_ones = sorted(a for a, c in ARCHITECTURES.items() if getattr(c, "supports_fp8", False))
         raise ValueError(f"{model_config.architecture} has no FP8 layers yet ({model_config.quant.describe()} in "
-                         f"{model_config.model_dir!r}); FP8 loads for the Llama family")
+                         f"{model_config.model_dir!r}); FP8 loads for {', '.join(fp8_ones)}")
     return cls
 
 

@@ -12,7 +12,8 @@ Formats loaded (issue 25):
   `weight_scale` per tensor ([] or [1]) or per channel ([N, 1]); static activations add an
   `input_scale` per layer.
 - **dynamic** (`--quantization fp8` on a 16/32-bit checkpoint): every linear weight of the
-  decoder layers is quantized when loaded, one scale per output channel.
+  decoder layers (DeepSeek's routed experts included) is quantized when loaded, one scale per
+  output channel.
 
 Inside manta every format is one representation (`workers/layers/fp8.py`): the FP8 weight and a
 float32 scale per output row and K block ([N, ceil(K/block_k)]; per tensor and per channel are

@@ -1,7 +1,7 @@
 """DeepSeek V2/V3's feed-forward layers: the dense MLP (and shared experts), the routed experts
-as stacked weights (FP8 with their scales when the checkpoint is: the grouped GEMM dequantizes
-weight tiles in registers, `workers/layers/fused_moe.py`), the router, and the MoE layer that
-joins them with one all-reduce."""
+as stacked weights (FP8 with their scales when the checkpoint is, or under `--quantization
+fp8`: the grouped GEMM dequantizes weight tiles in registers, `workers/layers/fused_moe.py`),
+the router, and the MoE layer that joins them with one all-reduce."""
 
 from __future__ import annotations
 
@@ -37,6 +37,14 @@ def _stored(data: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return data.to(param.dtype)
 
 
+def _unquantized(data: torch.Tensor) -> torch.Tensor:
+    """A 16/32-bit checkpoint slice for `--quantization fp8` to quantize."""
+    if not data.dtype.is_floating_point or data.element_size() == 1:
+        raise ValueError(f"expert weight stored as {data.dtype}: --quantization fp8 quantizes a 16/32-bit "
+                         "checkpoint (an FP8 one says so in its quantization_config)")
+    return data
+
+
 class DeepseekMLP(nn.Module):
     """Dense MLP (and the shared experts). `forward(x, reduce=False)` returns this rank's partial
     sum without the down bias, for the MoE's single all-reduce."""
@@ -67,8 +75,10 @@ class DeepseekExperts(nn.Module):
         self.inter, self.hidden = inter, hidden
         self.start, self.end = shard_range(inter, tp.rank, tp.size)
         local = self.end - self.start
-        # An FP8 checkpoint's experts stay FP8 (`--quantization fp8` leaves them 16-bit).
-        self.quant = quant if quant is not None and not quant.quantize_at_load else None
+        # FP8 experts: an FP8 checkpoint's as stored, a 16/32-bit one's quantized here per
+        # output channel (`--quantization fp8`: each scale from the whole row, as at TP=1).
+        self.quant = quant
+        self.at_load = quant is not None and quant.quantize_at_load
         w13_ids = tuple((e, j) for e in range(num_experts) for j in (0, 1))
         w2_ids = tuple(range(num_experts))
         wdtype = fp8.FP8 if self.quant else dtype
@@ -80,10 +90,11 @@ class DeepseekExperts(nn.Module):
             if bk:
                 fp8.refuse_k_split("DeepseekExperts (down_proj)", self.start, local, bk, inter)
             self.block_k13, self.block_k2 = bk or hidden, bk or local
+            # (quantized at load: the scales come with the weights, none from the checkpoint)
             self.w13_scale = make_param((num_experts, 2 * local, -(-hidden // self.block_k13)), torch.float32, device,
-                                        self._load_w13_scale, w13_ids)
+                                        self._load_w13_scale, () if self.at_load else w13_ids)
             self.w2_scale = make_param((num_experts, hidden, -(-local // self.block_k2)), torch.float32, device,
-                                       self._load_w2_scale, w2_ids)
+                                       self._load_w2_scale, () if self.at_load else w2_ids)
             self.scales = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale, block_k13=self.block_k13,
                                block_k2=self.block_k2)
         self._moe = select_moe(torch.device(device).type)
@@ -92,13 +103,26 @@ class DeepseekExperts(nn.Module):
         e, j = shard_id
         local = self.end - self.start
         check_shape(f"expert {e} gate/up", src, [self.inter, param.shape[2]])
+        rows = slice(j * local, (j + 1) * local)
         with torch.no_grad():
-            param.data[e, j * local : (j + 1) * local].copy_(_stored(src[self.start : self.end], param))
+            if self.at_load:  # whole rows on every rank (column-parallel)
+                q, scale = fp8.quantize_rows(_unquantized(src[self.start : self.end]).to(param.device))
+                param.data[e, rows].copy_(q)
+                self.w13_scale.data[e, rows].copy_(scale)
+            else:
+                param.data[e, rows].copy_(_stored(src[self.start : self.end], param))
 
     def _load_w2(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
         check_shape(f"expert {shard_id} down", src, [param.shape[1], self.inter])
         with torch.no_grad():
-            param.data[shard_id].copy_(_stored(src[:, self.start : self.end], param))
+            if self.at_load:  # row-parallel: this rank's columns, each row's scale from all of it
+                full = _unquantized(src[:, :]).to(param.device, torch.float32)
+                scale = fp8.quantize_rows(full)[1]
+                q = (full[:, self.start : self.end] / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+                param.data[shard_id].copy_(q)
+                self.w2_scale.data[shard_id].copy_(scale)
+            else:
+                param.data[shard_id].copy_(_stored(src[:, self.start : self.end], param))
 
     def _load_w13_scale(self, param: nn.Parameter, src: TensorSlice, shard_id: Any = None) -> None:
         e, j = shard_id
