@@ -144,24 +144,32 @@ def _gated_server_class():
     return GatedServer
 
 
-def _check_checkpoint(model: str, quantization: str | None, local: bool, load_format: str = "auto") -> None:
+def _check_checkpoint(options, local: bool) -> None:
     """Refuse, before Ray and the replicas start, a checkpoint that cannot be served (an unknown
-    architecture, a quantized format it cannot load) or, when the ranks run here (`local`), a
-    directory that is not there (on a `ray up` cluster the ranks' nodes may hold it): ConfigError."""
+    architecture, a quantized format it cannot load, a TP size of a side that cuts its FP8
+    blocks) or, when the ranks run here (`local`), a directory that is not there (on a `ray up`
+    cluster the ranks' nodes may hold it): ConfigError."""
     import os
 
     from cluster.engine.config import ConfigError
     from cluster.engine_args import require_checkpoint
-    from workers.loader import check_quantization
+    from workers.loader import check_quantization, check_tp_split
     from workers.model_config import ModelConfig
 
+    model = options.engine.model
     if not local and not os.path.isfile(os.path.join(model, "config.json")):
         return
-    require_checkpoint(model, load_format)
+    require_checkpoint(model, options.engine.load_format)
     try:
-        check_quantization(ModelConfig.from_pretrained(model, quantization=quantization))
+        config = ModelConfig.from_pretrained(model, quantization=options.engine.quantization)
+        check_quantization(config)
     except ValueError as exc:
         raise ConfigError("model", str(exc)) from None
+    for role in dict.fromkeys(options.roles()):
+        try:
+            check_tp_split(config, options.engine_for(role).tp_size)
+        except ValueError as exc:
+            raise ConfigError({"mixed": "tp_size"}.get(role, f"{role}_tp"), str(exc)) from None
 
 
 def _listen_socket(host: str, port: int):
@@ -194,8 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ConfigError("request_timeout", "must be > 0 seconds")
     options = cluster_options_from_args(args)
-    _check_checkpoint(options.engine.model, options.engine.quantization, local=options.address is None,
-                      load_format=options.engine.load_format)
+    _check_checkpoint(options, local=options.address is None)
     sock = _listen_socket(args.host, args.port)
     gil_switch.apply()  # the event loop and Ray's thread that hands it the replicas' replies
     metrics = ServerMetrics()

@@ -132,6 +132,24 @@ def test_serve_refuses_a_quantized_checkpoint_before_starting(tmp_path, tripwire
     assert "quantized checkpoint manta cannot load" in err and "'gptq', bits 4" in err, err
 
 
+@pytest.mark.parametrize("sides", [["--tp", "2"], ["--prefill-replicas", "1", "--decode-replicas", "1", "--decode-tp", "2"]])
+def test_serve_refuses_a_tp_size_that_cuts_fp8_blocks_before_starting(tmp_path, tripwires, capsys, sides):
+    """A block-FP8 checkpoint whose down_proj K (intermediate 96) a TP size of 2 would cut inside a
+    32-wide block: refused at once by the flag of the side that asks it, before Ray starts."""
+    from cluster.cli import main
+    from workers.make_fp8 import quantize_checkpoint
+    from workers.make_model import make_model
+
+    d = make_model(tmp_path / "m", "llama", dtype="float32", hidden=128, heads=4, kv_heads=2, intermediate=96,
+                   layers=2, vocab=513, max_position=64)
+    quantize_checkpoint(d, "fp8-block", (32, 32))
+    assert main(["serve", "--model", str(d), "--port", "0", *sides]) == 2
+    err = capsys.readouterr().err
+    flag = "--tp" if sides[0] == "--tp" else "--decode-tp"
+    assert f"manta serve: error: {flag}: RowParallelLinear: tensor parallelism cuts K at column 48" in err, err
+    assert "32-wide FP8 block" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("args,flag,says", [
     (["--page-size", "0"], "--page-size", "must be >= 1"),
     (["--ttft-target-ms", "300"], "--ttft-target-ms", "goes with itl_target_ms"),

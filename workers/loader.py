@@ -110,6 +110,18 @@ def check_quantization(model_config: ModelConfig) -> type:
     return cls
 
 
+def check_tp_split(model_config: ModelConfig, tp_size: int) -> None:
+    """Refuse a TP size whose shards would cut the blocks of a block-wise FP8 checkpoint, before
+    any rank starts: each rank's model is built on the meta device (no memory, no weights), where
+    the layers run their own check (ValueError naming the layer and the column)."""
+    quant = model_config.quant
+    if tp_size <= 1 or quant is None or quant.method != "block":
+        return
+    cls = check_quantization(model_config)
+    for rank in range(tp_size):
+        cls(model_config, TPGroup(rank=rank, size=tp_size), "meta", torch.bfloat16)
+
+
 def load_model(
     model_config: ModelConfig, tp: TPGroup, device: torch.device | str, dtype: torch.dtype,
     load_format: str = "auto",

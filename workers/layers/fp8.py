@@ -129,9 +129,10 @@ def refuse_k_split(owner: str, k_start: int, cols: int, block_k: int, full_k: in
     columns) must start on a block edge, and end on one unless it is the last: its scales are
     per block. ValueError naming `owner` otherwise."""
     if k_start % block_k or (cols % block_k and k_start + cols < full_k):
-        raise ValueError(f"{owner}: tensor parallelism cuts K at column {k_start} (+{cols}), inside a "
-                         f"{block_k}-wide FP8 block of the checkpoint: use a TP size that splits K into whole "
-                         f"{block_k}-column blocks")
+        cut = k_start if k_start % block_k else k_start + cols
+        raise ValueError(f"{owner}: tensor parallelism cuts K at column {cut} (a rank holds columns {k_start}-"
+                         f"{k_start + cols - 1} of {full_k}), inside a {block_k}-wide FP8 block of the checkpoint: "
+                         f"use a TP size that splits K into whole {block_k}-column blocks")
 
 
 def make_weight(layer: nn.Module, rows: int, cols: int, device, shard_ids: tuple, spec: QuantSpec,
