@@ -204,38 +204,106 @@ def test_router_learns_each_replicas_cache_from_its_events_through_ray(tmp_path_
     assert "manta:router_kv_event_lag_seconds" in exported
 
 
-def test_pages_the_gpu_evicts_after_a_save_move_to_the_host_tier_and_the_store():
-    """With the KV store on (write_back_selective: a page is saved when the GPU evicts it), an
-    eviction is `removed` from the GPU and `stored` in the host tier and the store; the host
-    tier's LRU (its capacity in pages) drops the oldest, which the store keeps."""
+def with_store(num_pages=17, host_pages=6, host_slack=None):
+    """A scheduler with the KV store's side on (write_back_selective: a page is saved when the GPU
+    evicts it), its event log, and a real `workers.host_tier.HostTier` as the first rank's tier."""
     from cluster.engine.kv_offload import SchedulerKVOffload
-    from cluster.kv_index import StoreIndex
     from tests.test_kv_offload_policy import FakeProbe
+    from workers.host_tier import HostTier
 
-    s = make(num_pages=17)
+    s = make(num_pages=num_pages)
     off = SchedulerKVOffload(s, fingerprint="f" * 64, layout="mha", tp_size=1, write_policy="write_back_selective",
                              probe=FakeProbe(), min_pages=1)
-    log = KVEventLog(s.radix, host_capacity=6, copied=off.saves.evict_copies)
+    log = KVEventLog(s.radix, host_capacity=host_pages, copied=off.saves.evict_copies, host_slack=host_slack)
+    off.host.listeners.append(log.host_changed)
+    return s, log, HostTier(capacity_pages=host_pages, page_bytes=8, pin=False, log_changes=True)
+
+
+def run_with_tier(s, tier, rid, tokens, report: bool = True) -> None:
+    """`run`, with the rank's side of each plan: its saves into the host tier, and (`report`)
+    the tier's changes back in the step result, as the first rank sends them."""
+    s.add_request(Request(rid, list(tokens), SamplingParams(max_tokens=3, ignore_eos=True)))
+    while s.has_work():
+        plan = s.schedule()
+        for save in plan.kv_saves:
+            tier.publish(save.keys, tier.take(len(save.keys)))
+        res = StepResult(plan.step_id)
+        changes = tier.take_changes()
+        if report:
+            res.kv_host_ready, res.kv_host_evicted = changes
+        for r in plan.reqs:
+            if r.sample:
+                res.sampled_rids.append(r.rid)
+                res.next_token_ids.append(7)
+                res.logprobs.append(None)
+        s.process_result(plan, res)
+
+
+PROMPTS_13 = [list(range(1000 * i, 1000 * i + 13)) for i in range(1, 11)]  # 3 whole pages each
+
+
+def host_hashes(tier) -> set[int]:
+    """The hashes of the pages a host tier holds (the oracle: its own keys)."""
+    from kvstore.keys import chain_keys
+
+    hash_of = {k: h for p in PROMPTS_13 for k, h in zip(chain_keys(p, P, "f" * 64, "mha"), chain_hashes(p, P))}
+    return {hash_of[k] for k in tier.ready}
+
+
+def test_pages_the_gpu_evicts_after_a_save_move_to_the_host_tier_and_the_store():
+    """An eviction of a saved page is `removed` from the GPU and `stored` in the host tier and
+    the store; the rank's tier drops its least recently used pages (the store keeps them)."""
+    from cluster.kv_index import StoreIndex
+
+    s, log, tier = with_store()
     store = StoreIndex()
     idx = KVIndex(store)
     idx.apply(log.since(None, 0))
-    prompts = [list(range(1000 * i, 1000 * i + 13)) for i in range(1, 11)]  # 3 whole pages each
-    for i, p in enumerate(prompts):
-        run(s, f"r{i}", p)
+    for i, p in enumerate(PROMPTS_13):
+        run_with_tier(s, tier, f"r{i}", p)
         idx.apply(log.since(idx.epoch, idx.seq))
         assert idx.hashes == cached_hashes(s.radix)
-    evicted = [h for p in prompts for h in chain_hashes(p, P)[:3] if h not in idx.hashes]
+    evicted = [h for p in PROMPTS_13 for h in chain_hashes(p, P)[:3] if h not in idx.hashes]
     assert len(evicted) > 6  # more than the host tier holds
     assert set(evicted) <= set(store.hashes)  # every evicted page was saved: the store has it
-    assert idx.host == set(list(store.hashes)[-6:]) and len(idx.host) == 6  # the host tier: the newest 6
+    assert idx.host == host_hashes(tier) and len(idx.host) == 6  # the host tier: what the rank's holds
     # Scored by tier: an evicted prompt the host tier still holds, one only the store holds.
-    on_host = next(p for p in prompts if chain_hashes(p, P)[0] in idx.host)
-    in_store = next(p for p in prompts if chain_hashes(p, P)[0] not in idx.host | idx.hashes)
+    on_host = next(p for p in PROMPTS_13 if chain_hashes(p, P)[0] in idx.host)
+    in_store = next(p for p in PROMPTS_13 if chain_hashes(p, P)[0] not in idx.host | idx.hashes)
     assert idx.tiers(on_host)["host"] >= P and idx.tiers(in_store) == {"gpu": 0, "host": 0, "store": 12}
     # A new reader gets the same view from a snapshot.
     fresh = KVIndex(StoreIndex())
     fresh.apply(log.since(None, 0))
     assert fresh.hashes == idx.hashes and fresh.host == idx.host and set(fresh.store.hashes) == set(store.hashes)
+
+
+def test_the_host_tier_events_follow_the_ranks_own_reads():
+    """The rank's tier is refreshed by its reads (a prefetch of its oldest pages), which the
+    scheduler does not see: the log follows the tier's reported evictions, not its own order."""
+    from cluster.kv_index import StoreIndex
+
+    s, log, tier = with_store()
+    idx = KVIndex(StoreIndex())
+    for i, p in enumerate(PROMPTS_13):
+        run_with_tier(s, tier, f"r{i}", p)
+        idx.apply(log.since(idx.epoch, idx.seq))
+        if i == 6:  # the rank reads its two oldest pages: they become its newest
+            tier.unpin(tier.leading(list(tier.ready)[:2]))
+        assert idx.host == host_hashes(tier), i
+    assert tier.evictions > 6
+
+
+def test_without_the_ranks_reports_the_host_tier_is_bounded():
+    """Reports lost (a rank that restarted): the log keeps at most the tier's capacity plus its
+    slack in "host", dropping its own oldest."""
+    from cluster.kv_index import StoreIndex
+
+    s, log, tier = with_store(host_slack=2)
+    idx = KVIndex(StoreIndex())
+    for i, p in enumerate(PROMPTS_13):
+        run_with_tier(s, tier, f"r{i}", p, report=False)
+        idx.apply(log.since(idx.epoch, idx.seq))
+    assert len(idx.host) == 6 + 2 and idx.host <= set(idx.store.hashes)
 
 
 def test_cache_aware_prefers_the_gpu_copy_then_the_host_tier_then_the_store():

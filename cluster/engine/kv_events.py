@@ -13,9 +13,13 @@ Tiers: with the KV store on, a page the GPU evicts after the scheduler saved it 
 policies save on eviction; hot pages are saved earlier) is not gone: its copy sits in this
 replica's ranks' host tier and, written on, in the shared store. Such an eviction is three
 events: `removed` from "gpu", `stored` in "host" and in "store". The host tier's own LRU runs on
-the ranks; the log follows it with an LRU of the same capacity (`host_capacity` pages), whose
-overflow is a `removed` from "host" (the store keeps it). The store's own evictions are not
-seen: the router bounds its store index instead. Events are (kind, hashes, tier).
+the ranks (refreshed by their reads): the first rank reports the chain keys its tier evicts with
+each step result (`HostTierPicture`, cluster/engine/kv_host_admission.py), and the log, which
+keeps the chain key of each page it put in "host", turns those into `removed` from "host" (the
+store keeps them). A report comes a step or two after the save it answers, so the log may hold
+a few pages more than the tier for a moment; past `host_capacity` + `host_slack` pages (reports
+lost to a rank that restarted, say) its oldest go as well. The store's own evictions are not seen: the router bounds its store index
+instead. Events are (kind, hashes, tier).
 
 A reader that is new, behind the retained window, or from another epoch (the replica's engine
 restarted) gets a snapshot of every cached page instead of deltas. Everything runs on the
@@ -37,17 +41,26 @@ STORED, REMOVED = "stored", "removed"
 GPU, HOST, STORE = "gpu", "host", "store"
 MAX_EVENTS = 65_536  # retained event batches; a reader further behind gets a snapshot
 MAX_STORE_HASHES = 200_000  # pages this replica wrote to the store, remembered for snapshots
+HOST_SLACK_PAGES = 64  # (at least) see KVEventLog.host_slack
 
 
 class KVEventLog:
-    def __init__(self, radix, max_events: int = MAX_EVENTS, host_capacity: int = 0, copied=None):
+    def __init__(self, radix, max_events: int = MAX_EVENTS, host_capacity: int = 0, copied=None,
+                 host_slack: int | None = None):
         """host_capacity: pages of the ranks' host tier (0: no KV store); copied(pages) -> the
-        pages of an eviction that have a copy in the host tier and the store (the scheduler's
-        KV store side says: `cluster.engine.kv_saves.KVSaves.evict_copies`)."""
+        pages of an eviction that have a copy in the host tier and the store, with their chain
+        keys (the scheduler's KV store side says: `cluster.engine.kv_saves.KVSaves.evict_copies`).
+        `host_changed` takes the first rank's reports of its tier."""
         self.radix = radix
         self.host_capacity = host_capacity
+        # pages past the capacity before the log drops its own oldest: the saves of the plans in
+        # flight, whose evictions the rank has not reported yet
+        self.host_slack = max(HOST_SLACK_PAGES, host_capacity // 8) if host_slack is None else host_slack
         self.copied = copied
-        self._host: OrderedDict[int, None] = OrderedDict()  # hashes in the host tier, LRU first
+        self._host: OrderedDict[str, int] = OrderedDict()  # the host tier's chain keys -> hashes, oldest first
+        # keys the rank evicted while the GPU still held their pages (saved early: write-through,
+        # hot pages): their GPU eviction later finds the copy in the store alone
+        self._host_gone: OrderedDict[str, None] = OrderedDict()
         self._store: OrderedDict[int, None] = OrderedDict()
         self.block = radix.page_size
         self.epoch = uuid.uuid4().hex
@@ -69,23 +82,46 @@ class KVEventLog:
 
     def _removed(self, leaf, take: int) -> None:
         pages = leaf.pages[len(leaf.pages) - take :]
-        copied = self.copied(pages) if self.copied is not None and self.host_capacity else set()
+        copied = self.copied(pages) if self.copied is not None and self.host_capacity else {}
         with self._lock:
             gone = [(p, self._page_hash.pop(p, None)) for p in pages]
             self._append(REMOVED, [h for _, h in gone if h is not None])
-            kept = [h for p, h in gone if h is not None and p in copied]
+            kept = [(copied[p], h) for p, h in gone if h is not None and p in copied]
             if kept:
-                self._append(STORED, kept, HOST)
-                self._append(STORED, kept, STORE)
-                for h in kept:
-                    self._host[h] = None
-                    self._host.move_to_end(h)
+                self._append(STORED, [h for key, h in kept if key not in self._host_gone], HOST)
+                self._append(STORED, [h for _, h in kept], STORE)
+                for key, h in kept:
+                    if key in self._host_gone:  # (the host tier's copy is gone already)
+                        del self._host_gone[key]
+                        continue
+                    self._host[key] = h
+                    self._host.move_to_end(key)
+                for _, h in kept:
                     self._store[h] = None
                     self._store.move_to_end(h)
-                out = [self._host.popitem(last=False)[0] for _ in range(len(self._host) - self.host_capacity)]
+                over = len(self._host) - self.host_capacity - self.host_slack
+                out = [self._host.popitem(last=False)[1] for _ in range(over)]
                 self._append(REMOVED, out, HOST)
                 while len(self._store) > MAX_STORE_HASHES:
                     self._store.popitem(last=False)
+
+    def host_changed(self, ready: list[str], evicted: list[str]) -> None:
+        """The first rank's host tier took `ready` and evicted `evicted` (chain keys): the pages
+        this log put in "host" that it evicted are `removed` from it."""
+        with self._lock:
+            out = []
+            for key in evicted:
+                if key in self._host:
+                    out.append(self._host.pop(key))
+                else:
+                    self._host_gone[key] = None
+            self._append(REMOVED, out, HOST)
+            for key in ready:
+                self._host_gone.pop(key, None)
+                if key in self._host:
+                    self._host.move_to_end(key)
+            while len(self._host_gone) > max(self.host_capacity, 1024):
+                self._host_gone.popitem(last=False)
 
     def _reset(self) -> None:
         with self._lock:
@@ -120,7 +156,7 @@ class KVEventLog:
             first = self._events[0][0] if self._events else self.seq + 1
             if epoch != self.epoch or seq > self.seq or seq < first - 1:
                 out["snapshot"] = list(self._page_hash.values())
-                out["snapshot_host"], out["snapshot_store"] = list(self._host), list(self._store)
+                out["snapshot_host"], out["snapshot_store"] = list(self._host.values()), list(self._store)
                 return out
             out["events"] = [(kind, hashes, tier)
                              for _, kind, hashes, tier in itertools.islice(self._events, seq - first + 1, None)]

@@ -49,6 +49,9 @@ class HostTierPicture:
         self.skip_until = 0.0
         self.warming_until = time.monotonic() + WARM_POLL_MAX_S if warming else 0.0
         self._poll_at = 0.0
+        # listener(ready, evicted) of each step result's changes (the KV events' host tier:
+        # cluster/engine/kv_events.py), on the engine thread
+        self.listeners: list = []
 
     def poll_due(self, now: float) -> bool:
         """Whether an empty plan should fetch what a warming rank published since the last one."""
@@ -69,6 +72,9 @@ class HostTierPicture:
             self.keys.move_to_end(key)
         while len(self.keys) > self.capacity:
             self.keys.popitem(last=False)
+        if ready or evicted:
+            for listener in self.listeners:
+                listener(ready, evicted)
 
     def forget(self, keys: list[str]) -> None:
         for key in keys:

@@ -52,7 +52,7 @@ class KVSaves:
         self.pending: list[tuple[int, str, bool]] = []  # (page, key, holds prompt tokens)
         self.prompt_pages: set[int] = set()  # tree pages that hold prompt tokens (drained first)
         self.depth: dict[int, int] = {}  # tree page -> its index in its chain (a prefix drains first)
-        self._evict_copied: set[int] = set()  # pages of the eviction under way that have copies
+        self._evict_copied: dict[int, str] = {}  # pages of the eviction under way that have copies -> keys
 
     def matched(self, pages: list[int]) -> None:
         """An admission matched these cached pages: the selective policies save hot ones."""
@@ -82,7 +82,7 @@ class KVSaves:
     def on_evict(self, leaf, take: int) -> None:
         """Radix eviction of leaf's last `take` pages (`RadixCache.on_evict`): forget them (the
         page ids come back with other tokens); write_back saves them now."""
-        self._evict_copied = set()
+        self._evict_copied = {}
         for p in leaf.pages[len(leaf.pages) - take :]:
             key = self.tree_keys.pop(p, None)
             self.hits.pop(p, None)
@@ -90,14 +90,14 @@ class KVSaves:
             if self.policy in WRITE_BACK and key is not None and p not in self.saved:
                 self._save(p, key)
             self.prompt_pages.discard(p)
-            if p in self.saved:  # its copy is in the host tier and on its way to the store
-                self._evict_copied.add(p)
+            if p in self.saved and key is not None:  # its copy is in the host tier and on its way to the store
+                self._evict_copied[p] = key
             self.saved.discard(p)
 
-    def evict_copies(self, pages: list[int]) -> set[int]:
+    def evict_copies(self, pages: list[int]) -> dict[int, str]:
         """Of the pages the radix cache is evicting now, those with a copy in the host tier and
-        the store (the KV events' tiers: cluster/engine/kv_events.py)."""
-        return self._evict_copied.intersection(pages)
+        the store, with their chain keys (the KV events' tiers: cluster/engine/kv_events.py)."""
+        return {p: self._evict_copied[p] for p in pages if p in self._evict_copied}
 
     def take(self) -> list[KVSave]:
         """This step's saves: one order, in the order they were decided, marked as prompt pages

@@ -219,8 +219,11 @@ class Engine:
             with self._lock:
                 if self._kv_events is None:
                     off = self.kv_offload  # with a KV store, evicted pages live on in its tiers
-                    self._kv_events = KVEventLog(self.scheduler.radix, host_capacity=kv_host_pages(self.config),
-                                                 copied=off.saves.evict_copies if off is not None else None)
+                    log = KVEventLog(self.scheduler.radix, host_capacity=kv_host_pages(self.config),
+                                     copied=off.saves.evict_copies if off is not None else None)
+                    if off is not None:
+                        off.host.listeners.append(log.host_changed)
+                    self._kv_events = log
         return self._kv_events.since(epoch, seq)
 
     def has_work(self) -> bool:
