@@ -129,8 +129,29 @@ def _metric_sum(pd: PD, name: str, **labels) -> float:
                if s.name == name + "_sum" and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def _exported(pd: PD, name: str, **labels) -> float:
+    """A sample of the server's /metrics registry, summed over the series that match `labels`."""
+    return sum(s.value for m in pd.metrics.registry.collect() for s in m.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _wait_exported(pd: PD, name: str, above: float, **labels) -> float:
+    """The sample once the replicas' polled stats have taken it past `above` (they lag a poll)."""
+    deadline = time.monotonic() + 15
+    while (got := _exported(pd, name, **labels)) <= above and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert got > above, (name, labels, got, above)
+    return got
+
+
+# The decode replica's transfer metrics (what they must show after requests that read their prompts).
+PD_EXPORTED = ("manta:pd_transfer_wait_seconds_count", "manta:pd_transfer_wait_seconds_sum",
+               "manta:pd_transfer_bytes_total", "manta:pd_transfer_pages_total", "manta:pd_transfers_total")
+
+
 def _check_pd(pd: PD, seeds: range, length: int = 53) -> None:
     before = pd.handoff(pd.decode)["fetched_pages"]
+    exported = {name: _exported(pd, name, replica=pd.decode.name) for name in PD_EXPORTED}
     prompts = [prompt_ids(length + s, s) for s in seeds]
     ttft_before = _metric_sum(pd, "manta:time_to_first_token_seconds")
     parts_before = [_metric_sum(pd, "manta:request_queue_time_seconds", stage=s) for s in ("to_engine", "from_engine")]
@@ -152,6 +173,12 @@ def _check_pd(pd: PD, seeds: range, length: int = 53) -> None:
     got = pd.handoff(pd.decode)
     assert got["fetched_pages"] - before >= len(prompts) * (length // 16), got  # the prompts came over NIXL
     assert pd.handoff(pd.prefill)["handed_off"] >= len(prompts)
+    # ... and /metrics says so: a wait observed per request, the bytes and pages read.
+    for name, was in exported.items():
+        _wait_exported(pd, name, was, replica=pd.decode.name)
+    waits = _wait_exported(pd, "manta:pd_transfer_wait_seconds_count", exported[PD_EXPORTED[0]] + len(prompts) - 1,
+                           replica=pd.decode.name)
+    assert _exported(pd, "manta:pd_transfer_wait_seconds_bucket", replica=pd.decode.name, le="+Inf") == waits
     pd.wait_idle()
 
 
@@ -375,6 +402,7 @@ def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
         tok = AutoTokenizer.from_pretrained(pd.model)
         assert text == tok.decode(hf_greedy(pd.model, p, MAX_TOKENS), skip_special_tokens=True)
         assert sum(r["pd_failures"] for r in pd.rank_stats(pd.decode)) >= 1
+        _wait_exported(pd, "manta:pd_transfer_failures_total", 0, replica=pd.decode.name, kind="failed")
 
         # The prefill replica restarts its rank; the decode replica reads from the new one.
         deadline = time.monotonic() + 120
@@ -411,9 +439,14 @@ def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
 
 
 def _check_pd_faulted(pd: PD, seeds: range, counter: str, length: int = 64) -> None:
+    """Requests that meet the fault: the right tokens, the rank's counter and the exported
+    `manta:pd_transfer_failures_total` of that kind up."""
+    kind = {"pd_corrupt": "corrupt", "pd_timeouts": "timeout"}[counter]
+    exported = _exported(pd, "manta:pd_transfer_failures_total", replica=pd.decode.name, kind=kind)
     before = sum(r[counter] for r in pd.rank_stats(pd.decode))
     prompts = [prompt_ids(length + s % 7, s) for s in seeds]
     texts, want = pd.complete(prompts)
     assert texts == want
     assert sum(r[counter] for r in pd.rank_stats(pd.decode)) > before
+    _wait_exported(pd, "manta:pd_transfer_failures_total", exported, replica=pd.decode.name, kind=kind)
     pd.wait_idle()

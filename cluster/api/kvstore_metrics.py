@@ -33,8 +33,11 @@ replica that pulls pages unless said otherwise:
     manta:pd_transfers_total{replica}          requests that read their prompt from a prefill replica
     manta:pd_transfer_pages_total{replica}     pages every rank read intact (loaded)
     manta:pd_transfer_bytes_total{replica}     bytes read over NIXL (all ranks)
-    manta:pd_transfer_seconds_total{replica}   the ranks' read time (locate, transfer, checksums);
-                                               over pd_transfers_total: the mean transfer latency
+    manta:pd_transfer_seconds_total{replica}   the ranks' read time (locate, transfer, checksums),
+                                               summed over the ranks
+    manta:pd_transfer_wait_seconds{replica}    histogram: each request's wait on its prompt's pages,
+                                               from being set aside to every rank's read ending (or
+                                               the deadline): the latency a transfer adds, p50/p99
     manta:pd_transfer_failures_total{replica,kind}  "failed" (dead peer, NIXL error), "timeout"
                                                (the deadline: the rest is computed), "corrupt" (crc),
                                                "stuck" (a READ NIXL could not cancel)
@@ -51,6 +54,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from cluster.api.monotonic import Monotonic
+from cluster.api.polled_histograms import PolledHistograms
+from cluster.engine.kv_handoff import WAIT_BUCKETS
 
 
 class KVStoreCollector(Collector):
@@ -61,18 +66,26 @@ class KVStoreCollector(Collector):
         # Every replica polls the one shared store on its own; each one's latest view, in the
         # order they arrived (None: that replica could not reach the store at its last poll).
         self._stores: dict[str, dict | None] = {}
+        self._pd_wait = PolledHistograms("manta:pd_transfer_wait_seconds",
+                                         "How long a decode request waited for its prompt's pages from a prefill "
+                                         "replica (to every rank's read ending, or the deadline).", ["replica"],
+                                         WAIT_BUCKETS)
 
     def set(self, replica: str, report: dict) -> None:
         with self._lock:
             self._replicas[replica] = report
             self._stores.pop(replica, None)
             self._stores[replica] = report.get("store")
+        wait = (report.get("handoff") or {}).get("wait")
+        if wait is not None:
+            self._pd_wait.set((replica,), wait)
 
     def remove(self, replica: str) -> None:
         with self._lock:
             self._replicas.pop(replica, None)
             self._stores.pop(replica, None)
             self._count.forget(replica)
+        self._pd_wait.remove(replica)
 
     def _store(self) -> dict | None:
         """The store's usage: the latest that a replica reached. One replica's timed-out poll
@@ -171,7 +184,7 @@ class KVStoreCollector(Collector):
                 usage.add_metric(["host"], host)
                 usage.add_metric(["handoff"], handoff)
         yield from (written, read, hits, queries, nbytes, errors, dropped, usage, host_adm, warm, warming,
-                    *pd.values(), pd_fail, stuck)
+                    *pd.values(), pd_fail, stuck, self._pd_wait.family())
 
     def describe(self) -> Iterator[Metric]:
         return self.collect()

@@ -23,6 +23,9 @@ from kvstore.keys import chain_keys
 from workers.kv_messages import KVPrefetch, KVSave
 
 DEADLINE_MARGIN_S = 0.5  # the scheduler's stop comes this long after the ranks' own deadline
+# Upper bounds, seconds, of a decode request's wait on its prompt's pages (`manta:pd_transfer_wait_seconds`):
+# a GPU-to-GPU read of a long prompt in milliseconds up to the default 10 s deadline and past it.
+WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 @dataclasses.dataclass
@@ -75,7 +78,9 @@ def should_stop(e, now: float) -> bool:
     return e.finished or now >= e.deadline
 
 
-def note_stop(off, e) -> None:
+def note_stop(off, e, now: float) -> None:
+    """A fetch stopped at `now`: its wait (from being set aside) is observed."""
+    off.handoff_wait.observe(now - e.started)
     if not e.finished:
         off.handoff.fetch_timeouts += 1
 

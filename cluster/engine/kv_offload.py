@@ -57,6 +57,7 @@ from dataclasses import asdict
 
 from cluster.engine import kv_handoff
 from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES
+from cluster.engine.histogram import Histogram
 from cluster.engine.kv_host_admission import HostTierPicture
 from cluster.engine.kv_loads import KVOffloadStats, Loading, Verdict
 from cluster.engine.kv_saves import KVSaves
@@ -123,6 +124,7 @@ class SchedulerKVOffload:
         self.stats = KVOffloadStats()
         self.saves = KVSaves(write_policy, self.stats)  # the write side
         self.handoff = kv_handoff.HandoffStats()  # prefill/decode disaggregation
+        self.handoff_wait = Histogram(kv_handoff.WAIT_BUCKETS)  # decode requests' waits on their pages
         self.pending_handoff: list[KVSave] = []
         self.poller = None  # the replica's stats poller (cluster/kv_store_setup.py)
         scheduler.kv_offload = self
@@ -240,7 +242,7 @@ class SchedulerKVOffload:
         for e in reversed(stop):
             e.queued, e.requeued_at = True, now
             if e.peer:
-                kv_handoff.note_stop(self, e)
+                kv_handoff.note_stop(self, e, now)
             elif not e.finished:
                 self.stats.early_stops += 1
             self.sched.waiting.appendleft(e.req)
@@ -455,7 +457,7 @@ class SchedulerKVOffload:
         the store's)."""
         probe = self.probe.counters
         return {"layout": self.layout, "write_policy": self.write_policy, "prefetch_policy": self.prefetch_policy,
-                **asdict(self.stats), "probe_errors": probe.errors, "handoff": asdict(self.handoff),
+                **asdict(self.stats), "probe_errors": probe.errors, "handoff": {**asdict(self.handoff), "wait": self.handoff_wait.stats()},
                 **self.judge.counters()}
 
 

@@ -13,11 +13,12 @@ streams saw it). Cumulative, read by `Engine.stats` and exported as the histogra
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+
+from cluster.engine.histogram import Histogram
 
 # Upper bounds, seconds: 5 ms apart up to 50 (a decode step of an 8B model at batch 1 to 64, the
 # ITL goals), then the tail.
@@ -43,9 +44,7 @@ class StepTimes:
             m = self._modes.get(mode)
             if m is None:
                 m = self._modes[mode] = _Mode()
-            m.counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
-            m.sum_s += seconds
-            m.max_s = max(m.max_s, seconds)
+            m.times.observe(seconds)
             if seconds > self.slow_s:
                 m.slow.append((seconds, time.time(), len(reqs), sum(len(r.input_ids) for r in reqs)))
 
@@ -57,23 +56,16 @@ class StepTimes:
         with self._lock:
             out, now = {}, time.time()
             for mode, m in self._modes.items():
-                cum, buckets = 0, []
-                for c in m.counts[:-1]:
-                    cum += c
-                    buckets.append(cum)
                 slow = [{"ms": 1e3 * t, "at": at, "reqs": r, "tokens": n} for t, at, r, n in m.slow]
-                out[mode] = {"count": sum(m.counts), "sum_s": m.sum_s, "max_s": m.max_s, "buckets": buckets,
-                             "slow": slow, "read_at": now}
+                out[mode] = {**m.times.stats(), "slow": slow, "read_at": now}
             return out
 
 
 class _Mode:
-    __slots__ = ("counts", "sum_s", "max_s", "slow")
+    __slots__ = ("times", "slow")
 
     def __init__(self) -> None:
-        self.counts = [0] * (len(STEP_BUCKETS) + 1)
-        self.sum_s = 0.0
-        self.max_s = 0.0
+        self.times = Histogram(STEP_BUCKETS)
         self.slow: deque[tuple[float, float, int, int]] = deque(maxlen=SLOW_KEPT)  # (seconds, at, reqs, tokens)
 
 

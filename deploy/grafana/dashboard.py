@@ -239,11 +239,10 @@ def build() -> dash_b.Dashboard:
         [(_rate("manta:pd_transfer_failures_total", by="replica, kind"), "{{replica}} {{kind}}")], "reqps",
         width=12))
     n.panel(timeseries(
-        "Prefill→decode transfer time", "Mean seconds a decode replica's ranks spent reading one request's "
-        "prompt pages from its prefill replica (locate, NIXL read, checksums).",
-        [(f"sum by (replica) (rate(manta:pd_transfer_seconds_total{{{REPLICA}}}[{RATE}])) / "
-          f"(sum by (replica) (rate(manta:pd_transfers_total{{{REPLICA}}}[{RATE}])) > 0)", "{{replica}}")], "s",
-        width=12))
+        "Prefill→decode transfer wait", "How long decode requests waited for their prompt pages from the "
+        "prefill replica (set aside until every rank's read ended, or the deadline): quantiles over all decode "
+        "replicas.",
+        _quantiles("manta:pd_transfer_wait_seconds"), "s", width=12))
     n.panel(health_stat())
     n.panel(timeseries(
         "Replica restarts", "Times each replica rebuilt its TP group after losing a rank, and replica actors "
