@@ -3,11 +3,11 @@ per-channel and per-tensor, and `--quantization fp8` at load, for a Llama-family
 
 Oracle: transformers loading the same checkpoint. On a CPU it cannot run FP8 products, so its
 readers of the formats (block FP8, and compressed-tensors through that package) dequantize the
-weights as they load: `test_transformers_reads_each_format_as_the_dequantized_copy` checks that
-this gives, bit for bit, the weights of the dequantized copy (`workers.make_fp8.
-dequantize_checkpoint`) that the other tests run transformers on (a plain checkpoint, which
-`hf_greedy` and friends load by path). manta's CPU product computes the same: logits within
-1e-4 in float32 and identical greedy tokens. The GPU kernels are checked against the same
+weights as they load (`hf_fp8`): the logits tests compare manta with that model, and
+`test_transformers_reads_each_format_as_the_dequantized_copy` checks that it has, bit for bit,
+the weights of the dequantized copy (`workers.make_fp8.dequantize_checkpoint`), which the
+greedy tests hand `hf_greedy` (it loads a plain checkpoint by path). manta's CPU product
+computes the same: logits within 1e-4 in float32 and identical greedy tokens. The GPU kernels are checked against the same
 dequantized reference in tests/test_fp8_gemm.py.
 """
 
@@ -63,7 +63,7 @@ def _load(path: str, quantization: str | None = None, tp: TPGroup | None = None)
     return cfg, load_model(cfg, tp or TPGroup(), "cpu", torch.float32)
 
 
-def hf_fp8(path: str):
+def hf_fp8(path: str, **kwargs):
     """transformers' own model of an FP8 checkpoint on the CPU: its reader of the checkpoint's
     format, dequantizing the weights to float32 as they load."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
@@ -71,7 +71,8 @@ def hf_fp8(path: str):
     qc = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
     dequant = (CompressedTensorsConfig(dequantize=True) if qc["quant_method"] == "compressed-tensors"
                else FineGrainedFP8Config(dequantize=True, weight_block_size=tuple(qc["weight_block_size"])))
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=dequant).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=dequant,
+                                                **kwargs).eval()
 
 
 def assert_same_weights(fp8_path: str, dequantized_path: str) -> None:
@@ -90,7 +91,7 @@ def test_transformers_reads_each_format_as_the_dequantized_copy(ckpts, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS + ("dynamic",))
-def test_logits_match_transformers_on_the_dequantized_weights(ckpts, kind):
+def test_logits_match_transformers_on_the_same_checkpoint(ckpts, kind):
     path, deq = ckpts[kind]
     cfg, model = _load(path, "fp8" if kind == "dynamic" else None)
     assert cfg.quant is not None and cfg.quant.method == {"fp8-block": "block", "dynamic": "dynamic"}.get(
@@ -99,7 +100,9 @@ def test_logits_match_transformers_on_the_dequantized_weights(ckpts, kind):
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert lin.weight.dtype == torch.float8_e4m3fn  # stored as FP8, not widened at load
     assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
-    hf = _hf_model(deq)
+    # transformers loading the same FP8 checkpoint (dequantized by its own readers); for
+    # `--quantization fp8`, the per-channel checkpoint of the same weights
+    hf = _hf_model(deq) if kind == "dynamic" else hf_fp8(path)
     logits, _ = run_prefill(model, cfg, 1, _prompts(), page_size=4)
     start = 0
     with torch.no_grad():
@@ -204,6 +207,30 @@ def test_unsupported_quantization_is_refused_by_name(ckpts, tmp_path, qc, named)
     q = _copy_with_config(ckpts["dynamic"][0], tmp_path / "q", quantization_config=qc)
     with pytest.raises(ValueError, match=re.escape(named) + ".*Loaded: FP8 block-wise"):
         ModelConfig.from_pretrained(q)
+
+
+def test_make_model_cli_writes_a_checkpoint_transformers_and_manta_read_alike(tmp_path):
+    """`manta make-model --quantization fp8-tensor`: transformers reads what it wrote, and manta's
+    logits on it are transformers' (the command line's path: arguments, shards, config)."""
+    import argparse
+
+    from workers.make_model import add_make_model_args, run_make_model
+
+    parser = argparse.ArgumentParser()
+    add_make_model_args(parser)
+    path = str(run_make_model(parser.parse_args([str(tmp_path / "m"), "--arch", "llama", "--layers", "2",
+                                                 "--dtype", "float32", "--quantization", "fp8-tensor"])))
+    cfg, model = _load(path)
+    assert cfg.quant.method == "compressed-tensors" and cfg.quant.strategy == "tensor"
+    assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    hf = hf_fp8(path)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11)]
+    logits, _ = run_prefill(model, cfg, 1, prompts, page_size=4)
+    start = 0
+    with torch.no_grad():
+        for p in prompts:
+            assert (logits[start : start + p.numel()] - hf(p[None]).logits[0]).abs().max().item() < ATOL
+            start += p.numel()
 
 
 def test_fp8_config_on_plain_weights_and_fp8_on_a_model_without_fp8_layers_are_refused(ckpts, tmp_path):

@@ -1,7 +1,7 @@
 """FP8 DeepSeek checkpoints (MLA + MoE) on the CPU: block-wise (DeepSeek-V3's own layout),
-compressed-tensors per-channel and `--quantization fp8`, against transformers on the dequantized
-weights (its own readers of the formats give the same weights: see tests/test_fp8.py), prefill
-and the absorbed decode path; TP=2 equals TP=1. The linear layers and the routed experts hold FP8 weights (the experts' loop
+compressed-tensors per-channel and `--quantization fp8`, against transformers loading the same
+checkpoint (its own readers of the formats dequantize on the CPU: see tests/test_fp8.py),
+prefill and the absorbed decode path; TP=2 equals TP=1. The linear layers and the routed experts hold FP8 weights (the experts' loop
 dequantizes each expert it runs on the CPU; the grouped GEMM's FP8 tiles are checked on the GPU
 in tests/test_fused_moe.py); so does kv_b_proj, whose FP8 weight also makes the absorbed
 projections of decode (`workers.layers.fp8_heads`: dequantized per call on the CPU, one Triton
@@ -21,7 +21,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from tests.fixtures import gloo_rank
 from tests.test_engine import PROMPTS, greedy, hf_greedy
-from tests.test_fp8 import assert_same_weights
+from tests.test_fp8 import assert_same_weights, hf_fp8
 from tests.test_llama_model import _free_port
 from tests.test_mla import Cache, _logits, _prompts, check_prefill_and_decode
 from workers.loader import load_model
@@ -30,7 +30,7 @@ from workers.make_model import make_model
 from workers.model_config import ModelConfig
 from workers.parallel import TPGroup
 
-BLOCK = (16, 16)
+BLOCK = (8, 16)  # transformers' block-FP8 reader wants whole blocks (kv_a_proj_with_mqa: 40 rows); K >= 16
 VARIANTS = {  # name -> (arch, FP8 format)
     "v2_block": ("deepseek_v2", "fp8-block"),
     "v3_block": ("deepseek_v3", "fp8-block"),
@@ -56,9 +56,7 @@ def _load(path: str, tp: TPGroup | None = None, quantization: str | None = None)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_prefill_and_decode_logits_match_transformers_on_the_dequantized_weights(ckpts, variant):
-    from transformers import AutoModelForCausalLM
-
+def test_prefill_and_decode_logits_match_transformers_on_the_same_checkpoint(ckpts, variant):
     path, deq = ckpts[variant]
     cfg, model = _load(path)
     attn = model.model.layers[0].self_attn
@@ -67,19 +65,14 @@ def test_prefill_and_decode_logits_match_transformers_on_the_dequantized_weights
     assert moe.shared_experts.down_proj.weight.dtype == torch.float8_e4m3fn
     assert moe.experts.w13.dtype == moe.experts.w2.dtype == torch.float8_e4m3fn  # with their scales
     assert attn.kv_b_proj.weight.dtype == torch.float8_e4m3fn  # the absorbed projections' too
-    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32, attn_implementation="eager").eval()
-    check_prefill_and_decode(cfg, model, hf, variant)
+    check_prefill_and_decode(cfg, model, hf_fp8(path, attn_implementation="eager"), variant)
 
 
-def test_transformers_reads_the_deepseek_formats_as_the_dequantized_copies(ckpts, tmp_path):
-    """transformers' own readers of the formats give the reference's weights bit for bit (see
-    tests/test_fp8.py). Its block-FP8 reader wants every weight to hold whole blocks, which
-    kv_a_proj_with_mqa's 40 rows do not in 16-row ones: that checkpoint is made in 8 x 8 blocks."""
-    assert_same_weights(*ckpts["v3_channel"])
-    d = make_model(tmp_path / "v3_block8", "deepseek_v3", dtype="float32", max_position=128)
-    quantize_checkpoint(d, "fp8-block", (8, 8))
-    dequantize_checkpoint(d, tmp_path / "v3_block8-deq")
-    assert_same_weights(str(d), str(tmp_path / "v3_block8-deq"))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_transformers_reads_the_deepseek_formats_as_the_dequantized_copies(ckpts, variant):
+    """transformers' own readers of the formats give the dequantized copies' weights (which the
+    greedy tests hand `hf_greedy`) bit for bit (see tests/test_fp8.py)."""
+    assert_same_weights(*ckpts[variant])
 
 
 def test_greedy_tokens_equal_transformers(ckpts):
