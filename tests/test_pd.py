@@ -350,8 +350,11 @@ def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
         ranks = pd.rank_stats(pd.decode)
         assert sum(r["pd_pages"] for r in ranks) > 0 and sum(r["pd_corrupt"] for r in ranks) == 0
 
-        pd.fault("corrupt")  # one page's checksum goes out wrong: the pages from it on are computed
+        # A lent page's bytes change after the save took their checksum: the reader's checksum of
+        # what it read differs, and the pages from it on are computed.
+        pd.fault("corrupt_bytes")
         _check_pd_faulted(pd, range(10, 12), "pd_corrupt")
+        pd.fault("corrupt")  # one page's checksum goes out wrong (as if the bytes changed on the way)
         # A prompt of 30 pages is read in chunks of 8, the bad middle page in the second: the
         # pages before it (the first chunk whole, part of the second) still come over. (What
         # this checks is the chunked read's bookkeeping; one READ of every page gives the same.)
@@ -415,6 +418,11 @@ def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
         time.sleep(1.0)  # the router's stats poll sees it healthy again
         assert {r["name"] for r in pd.rank_stats(pd.prefill)}.isdisjoint(agents_before)
         _check_pd(pd, range(40, 42))
+        # The decode rank dropped the dead rank's NIXL agent for the new one's.
+        (decode_rank,) = pd.rank_stats(pd.decode)
+        (new_agent,) = {r["handoff"]["agent"] for r in pd.rank_stats(pd.prefill)}
+        assert decode_rank["pd_peer_agents"] == {f"manta-{pd.prefill.name}-rank0": new_agent}, decode_rank
+        assert decode_rank["pd_agents_replaced"] == 1
 
         # A client that goes away mid-answer (on the decode side by then) frees its pages there.
         async def leave_early():

@@ -385,6 +385,7 @@ class RankKVOffload(RankIOThreads):
         st["errors"] += self.counters["errors"]
         st.update({f"offload_{k}": v for k, v in self.counters.items() if k != "errors"})
         st.update(self.peer.counters, **self.leases.counters)
+        st["pd_peer_agents"] = dict(self.peer.agents)  # prefill rank actor -> the NIXL agent added for it
         if self.warm is not None:
             st.update(self.warm.stats())
         for name, tier in (("host", self.host), ("handoff", self.lend)):
@@ -393,6 +394,8 @@ class RankKVOffload(RankIOThreads):
             st[name] = {"used_bytes": tier.used_bytes, "capacity_bytes": tier.capacity * self.page_bytes,
                         "pages": len(tier.ready), "evictions": tier.evictions, "pinned_rows": len(tier.pins),
                         "device": str(tier.data.device)}
+        if self.handoff is not None and "handoff" in st:
+            st["handoff"]["agent"] = self.handoff.name  # the NIXL agent decode ranks read these rows through
         return st
 
     def close(self) -> None:

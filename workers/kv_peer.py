@@ -83,7 +83,8 @@ class PeerLeases:
         self.off = offload
         self.leases: dict[str, tuple[list[int], float]] = {}
         self.lock = threading.Lock()
-        self.fault: tuple[str, float] | None = None  # fault injection for tests: ("delay", s) | ("corrupt", 0)
+        # fault injection for tests: ("delay", s) | ("corrupt", 0): a checksum | ("corrupt_bytes", 0): a page
+        self.fault: tuple[str, float] | None = None
         self.counters = {"pd_leases": 0, "pd_pages_lent": 0, "pd_leases_expired": 0,
                          "pd_lend_wait_s": 0.0, "pd_lend_crc_s": 0.0}  # waiting for the save; checksums
         self._progress: threading.Thread | None = None
@@ -174,6 +175,9 @@ class PeerLeases:
         self.counters["pd_lend_crc_s"] += time.monotonic() - t1
         if fault is not None and fault[0] == "corrupt" and crcs:
             crcs[len(crcs) // 2] ^= 0x5A5A  # as if the page's bytes changed on the way
+        if fault is not None and fault[0] == "corrupt_bytes" and rows:
+            flat = host.data[rows[len(rows) // 2]].view(-1).view(torch.uint8)
+            flat[:64] ^= 0x5A  # the page's bytes changed after their checksum was taken
         if time.monotonic() > deadline + LATE_S:
             host.unpin(rows)
             rows, crcs = [], []
@@ -249,6 +253,7 @@ class PeerReader:
                                pool.v_buffer[0].shape[2] * pool.v_buffer[0].element_size()]
         self.counters = {"pd_pages": 0, "pd_bytes": 0, "pd_transfer_s": 0.0, "pd_failures": 0, "pd_corrupt": 0,
                          "pd_timeouts": 0, "pd_no_rows": 0,
+                         "pd_agents_replaced": 0,  # a prefill rank restarted: its old agent removed
                          # READs NIXL could not cancel, and those whose memory came back once they ended
                          "pd_stuck": 0, "pd_stuck_freed": 0,
                          # where the time goes: the prefill rank's answer, the NIXL reads, and the
@@ -424,6 +429,7 @@ class PeerReader:
                 agent.remove_remote_agent(old)
             except Exception:
                 pass
+            self.counters["pd_agents_replaced"] += 1
         agent.add_remote_agent(reply["meta"])
         self.agents[name] = reply["agent"]
 

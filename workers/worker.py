@@ -146,7 +146,8 @@ class RankWorker:
 
     def pd_fault(self, kind: str | None, seconds: float = 0.0) -> None:
         """Fault injection for the hand-off's tests: "delay" (locate answers `seconds` late),
-        "corrupt" (one page's checksum goes out wrong), None (off)."""
+        "corrupt" (one page's checksum goes out wrong), "corrupt_bytes" (one lent page's bytes
+        change after its checksum was taken), None (off)."""
         off = self.runner.kv_offload if self.runner is not None else None
         if getattr(off, "leases", None) is not None:
             off.leases.fault = (kind, seconds) if kind else None
