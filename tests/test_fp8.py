@@ -117,7 +117,7 @@ def test_logits_match_transformers_on_the_same_checkpoint(ckpts, kind):
     assert 0 < (got - w).abs().max().item() < 0.07 * w.abs().max().item()
 
 
-@pytest.mark.parametrize("kind", ["fp8-block", "dynamic"])
+@pytest.mark.parametrize("kind", KINDS + ("dynamic",))
 def test_greedy_tokens_equal_transformers(ckpts, kind):
     path, deq = ckpts[kind]
     engine = Engine(EngineConfig(model=path, page_size=4, quantization="fp8" if kind == "dynamic" else None))

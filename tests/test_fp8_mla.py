@@ -75,8 +75,9 @@ def test_transformers_reads_the_deepseek_formats_as_the_dequantized_copies(ckpts
     assert_same_weights(*ckpts[variant])
 
 
-def test_greedy_tokens_equal_transformers(ckpts):
-    path, deq = ckpts["v3_block"]
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_tokens_equal_transformers(ckpts, variant):
+    path, deq = ckpts[variant]
     engine = Engine(EngineConfig(model=path, page_size=4))
     try:
         for prompt, res in zip(PROMPTS, engine.generate(PROMPTS, greedy())):
