@@ -575,7 +575,12 @@ def test_a_failing_disk_never_stops_serving(engines, tmp_path, llama_dir, small_
     start_store(small_fs / "kv", ram_bytes=32 << 10, file_bytes=16 << 30, slot_bytes=4096)
     eng = engines(engine_config(llama_dir, small_fs / "kv"))
     assert eng.generate(prompts[:2], greedy(4))[0].token_ids == ref[0].token_ids
-    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    # Linux refuses a read-only remount while a file is open for writing ("mount point is busy"):
+    # the store's file writes run in the background, so the remount waits for a moment between them.
+    deadline = time.monotonic() + 30
+    while (r := subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], capture_output=True, text=True)).returncode:
+        assert "busy" in r.stderr and time.monotonic() < deadline, r.stderr
+        time.sleep(0.05)
     try:
         outs = eng.generate(prompts[2:], greedy(4))
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref[2:]]
