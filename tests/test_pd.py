@@ -20,12 +20,14 @@ import ray
 from cluster.api.metrics import ServerMetrics
 from cluster.api.server import BackgroundServer, build_app
 from cluster.engine.config import EngineConfig
+from cluster.engine.loop import Engine
 from cluster.launch import ClusterOptions, ServingCluster
 from cluster.router import RouterOptions
 from tests.fixtures import tiny_model_dir
 from tests.test_engine import hf_greedy
 from tests.test_kvstore_serving import prompt_ids
 from workers.kv_peer import READ_CHUNK_PAGES
+from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -211,6 +213,32 @@ def test_an_fp8_checkpoint_disaggregated_across_tp_sizes(ray_local, tmp_path):
     pd = PD(str(model), tmp_path / "kv", 2, 1, oracle=str(tmp_path / "deq"))
     try:
         _check_pd(pd, range(3))
+    finally:
+        pd.close()
+
+
+def test_an_fp8_kv_cache_disaggregated_equals_one_replica(ray_local, tmp_path):
+    """`--kv-cache-dtype fp8_e4m3` (issue 25): the hand-off moves the FP8 pages as they are. The
+    oracle is one engine with the same FP8 cache (transformers has no FP8 KV cache): the same
+    tokens, and the pages did come over NIXL."""
+    from transformers import AutoTokenizer
+
+    model = str(tiny_model_dir(None, "llama"))
+    prompts = [prompt_ids(53 + s, s) for s in range(3)]
+    engine = Engine(EngineConfig(model=model, page_size=16, kv_cache_dtype="fp8_e4m3"))
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        want = [r.token_ids for r in engine.generate(prompts, params)]
+    finally:
+        engine.shutdown()
+    tok = AutoTokenizer.from_pretrained(model)
+    pd = PD(model, tmp_path / "kv", 1, 1, kv_cache_dtype="fp8_e4m3")
+    try:
+        before = pd.handoff(pd.decode)["fetched_pages"]
+        texts, _ = pd.complete(prompts)
+        assert texts == [tok.decode(w, skip_special_tokens=True) for w in want]
+        assert pd.handoff(pd.decode)["fetched_pages"] - before >= 3 * 3  # the prompts' pages came over NIXL
+        pd.wait_idle()
     finally:
         pd.close()
 
