@@ -108,6 +108,6 @@ def _first_token_from(out: RequestOutput, stamps: tuple, replica: str) -> None:
     went (`manta:request_queue_time_seconds`, under `first_replica`'s name) are the prefill
     engine's. (`e2e_s` stays the decode engine's: the server measures the request's own, and the
     two engines' clocks may be on different hosts. The decode side's wait for the pages is
-    `manta:pd_transfer_seconds` and the stream's gap before its second token.)"""
+    `manta:pd_transfer_wait_seconds` and the stream's gap before its second token.)"""
     out.arrival_wall, out.first_token_wall, out.ttft_s, out.queue_s = stamps
     out.first_replica = replica

@@ -168,7 +168,7 @@ def _check_checkpoint(options, local: bool) -> None:
     for role in dict.fromkeys(options.roles()):
         try:
             check_tp_split(config, options.engine_for(role).tp_size)
-        except ValueError as exc:
+        except (ValueError, NotImplementedError) as exc:
             raise ConfigError({"mixed": "tp_size"}.get(role, f"{role}_tp"), str(exc)) from None
 
 

@@ -450,7 +450,7 @@ def test_disaggregated_faults_end_with_the_right_tokens(ray_local, tmp_path):
         (decode_rank,) = pd.rank_stats(pd.decode)
         (new_agent,) = {r["handoff"]["agent"] for r in pd.rank_stats(pd.prefill)}
         assert decode_rank["pd_peer_agents"] == {f"manta-{pd.prefill.name}-rank0": new_agent}, decode_rank
-        assert decode_rank["pd_agents_replaced"] == 1
+        assert decode_rank["pd_agents_replaced"] >= 1
 
         # A client that goes away mid-answer (on the decode side by then) frees its pages there.
         async def leave_early():

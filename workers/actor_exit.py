@@ -19,8 +19,9 @@ _INSTALLED = "_manta_exit_on_swallowed_system_exit"
 def install() -> bool:
     """In a Ray actor's process (else nothing; returns whether it is installed): from here on, a
     `SystemExit` that Python would swallow (and print) exits the process with that code instead.
-    Idempotent; other unraisable exceptions go to the previous hook. The classes that call it
-    also run in-process (tests, `mp_group`'s ranks), where nothing changes."""
+    Idempotent; other unraisable exceptions go to the previous hook. It holds for the whole
+    process (a finalizer on any thread), which is no worse than the SIGKILL Ray sends next. The
+    classes that call it also run in-process (tests, `mp_group`'s ranks), where nothing changes."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
         return False
@@ -36,7 +37,7 @@ def install() -> bool:
                 except Exception:
                     pass
             code = unraisable.exc_value.code
-            os._exit(code if isinstance(code, int) else 1)
+            os._exit(0 if code is None else code if isinstance(code, int) else 1)
         previous(unraisable)
 
     setattr(hook, _INSTALLED, True)

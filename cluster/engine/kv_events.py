@@ -16,7 +16,9 @@ events: `removed` from "gpu", `stored` in "host" and in "store". The host tier's
 the ranks (refreshed by their reads): the first rank reports the chain keys its tier evicts with
 each step result (`HostTierPicture`, cluster/engine/kv_host_admission.py), and the log, which
 keeps the chain key of each page it put in "host", turns those into `removed` from "host" (the
-store keeps them). A report comes a step or two after the save it answers, so the log may hold
+store keeps them). A page goes into "host" when the GPU evicts it after its save, before the
+rank has said it published it (a save the rank drops leaves by the fallback below). A report
+comes a step or two after the save it answers, so the log may hold
 a few pages more than the tier for a moment; past `host_capacity` + `host_slack` pages (reports
 lost to a rank that restarted, say) its oldest go as well. The store's own evictions are not seen: the router bounds its store index
 instead. Events are (kind, hashes, tier).

@@ -59,9 +59,16 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per output channel: (FP8 [N, K], float32 scales [N, 1]) with w ~ fp8 * scale."""
-    amax = w.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp(min=1e-12)
+    return quantize_columns(w, w)
+
+
+def quantize_columns(data: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`data`, some columns of the weight rows `rows` (a row-parallel rank's share) or all of
+    them, in FP8 with one scale per row taken from the whole row, as at TP=1: (FP8 data,
+    float32 scales [N, 1])."""
+    amax = rows.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp(min=1e-12)
     scale = amax / FP8_MAX
-    return (w.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return (data.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def quantize_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,8 +183,7 @@ def _load_weight(layer: nn.Module, spec: QuantSpec, param: nn.Parameter, src: An
                          f"weight is stored as {data.dtype}")
     # One scale per whole output row, as at TP=1: a row-parallel rank holds part of each row.
     rows = data if nc == _checkpoint_shape(layer, shard_id)[1] else src[r0 : r0 + n]
-    _, s = quantize_rows(rows.to(param.device))
-    q = (data.to(param.device, torch.float32) / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q, s = quantize_columns(data.to(param.device), rows.to(param.device))
     param.data[dst : dst + n].copy_(q)
     layer.weight_scale.data[dst : dst + n].copy_(s.expand(-1, layer.weight_scale.shape[1]))
 

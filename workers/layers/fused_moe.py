@@ -247,6 +247,8 @@ def select_moe(device_type: str) -> Callable[..., torch.Tensor]:
     if device_type == "cuda" and triton is not None:
         logger.info("MoE experts on %s: fused Triton grouped GEMM (graph-capturable)", device_type)
         return fused_moe
+    if device_type == "meta":  # a model built only for its shapes (`workers.loader.check_tp_split`)
+        return moe_loop
     why = "no triton" if device_type == "cuda" else "not CUDA"
     logger.info("MoE experts on %s: per-expert torch loop (%s)", device_type, why)
     return moe_loop

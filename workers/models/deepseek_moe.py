@@ -116,9 +116,8 @@ class DeepseekExperts(nn.Module):
         check_shape(f"expert {shard_id} down", src, [param.shape[1], self.inter])
         with torch.no_grad():
             if self.at_load:  # row-parallel: this rank's columns, each row's scale from all of it
-                full = _unquantized(src[:, :]).to(param.device, torch.float32)
-                scale = fp8.quantize_rows(full)[1]
-                q = (full[:, self.start : self.end] / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+                full = _unquantized(src[:, :]).to(param.device)
+                q, scale = fp8.quantize_columns(full[:, self.start : self.end], full)
                 param.data[shard_id].copy_(q)
                 self.w2_scale.data[shard_id].copy_(scale)
             else:
