@@ -37,11 +37,15 @@ def make(num_pages=17):
                      chunked_prefill_size=64, max_context_len=256, eos_token_ids=(2,))
 
 
-def run(s, rid, tokens, max_tokens=3):
+def run(s, rid, tokens, max_tokens=3, rank=None):
+    """A request through the scheduler to its end, a fixed token sampled each step; `rank(plan,
+    res)`: what the ranks do with a plan besides the forward (and report in its result)."""
     s.add_request(Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
     while s.has_work():
         plan = s.schedule()
         res = StepResult(plan.step_id)
+        if rank is not None:
+            rank(plan, res)
         for r in plan.reqs:
             if r.sample:
                 res.sampled_rids.append(r.rid)
@@ -222,21 +226,14 @@ def with_store(num_pages=17, host_pages=6, host_slack=None):
 def run_with_tier(s, tier, rid, tokens, report: bool = True) -> None:
     """`run`, with the rank's side of each plan: its saves into the host tier, and (`report`)
     the tier's changes back in the step result, as the first rank sends them."""
-    s.add_request(Request(rid, list(tokens), SamplingParams(max_tokens=3, ignore_eos=True)))
-    while s.has_work():
-        plan = s.schedule()
+    def rank(plan, res) -> None:
         for save in plan.kv_saves:
             tier.publish(save.keys, tier.take(len(save.keys)))
-        res = StepResult(plan.step_id)
         changes = tier.take_changes()
         if report:
             res.kv_host_ready, res.kv_host_evicted = changes
-        for r in plan.reqs:
-            if r.sample:
-                res.sampled_rids.append(r.rid)
-                res.next_token_ids.append(7)
-                res.logprobs.append(None)
-        s.process_result(plan, res)
+
+    run(s, rid, tokens, rank=rank)
 
 
 PROMPTS_13 = [list(range(1000 * i, 1000 * i + 13)) for i in range(1, 11)]  # 3 whole pages each
