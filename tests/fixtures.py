@@ -155,3 +155,18 @@ def _name_held(handle, name: str, namespace: str | None) -> bool:
     except ValueError:
         return False
     return found._actor_id == handle._actor_id
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int, num_gpus: int = 0, **init):
+    """A Ray cluster of this process only, for a test module's fixture (shut down after; one
+    left running by an earlier module is shut down first). `init`: more of `ray.init`'s options."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, **init)
+    try:
+        yield
+    finally:
+        ray.shutdown()

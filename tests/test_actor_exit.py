@@ -13,6 +13,7 @@ import time
 import pytest
 import ray
 
+from tests.fixtures import local_ray
 from workers import actor_exit
 
 
@@ -45,11 +46,8 @@ class Collected:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with local_ray(2, log_to_driver=False):
+        yield
 
 
 def err_log(pid: int) -> str:

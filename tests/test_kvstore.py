@@ -28,6 +28,7 @@ from kvstore.pages import pool_page_bytes
 from kvstore.probe import StoreProbe
 from kvstore.store import KVStore
 from kvstore.transfer import agree_on_pages
+from tests.fixtures import local_ray
 from workers.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from workers.parallel import TPGroup
 
@@ -109,9 +110,8 @@ class RankActor:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, namespace=NS)
-    yield
-    ray.shutdown()
+    with local_ray(4, namespace=NS):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import ray
 
 from cluster.kv_store_setup import kv_store_stats
 from kvstore.keys import chain_keys, rank_keys
+from tests.fixtures import local_ray
 from workers.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------------------------------------
@@ -41,11 +42,8 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, namespace=NS)
-    yield
-    ray.shutdown()
+    with local_ray(4, namespace=NS):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from cluster.launch import ClusterOptions, ServingCluster
 from cluster.router import RouterOptions
-from tests.fixtures import tiny_model_dir
+from tests.fixtures import local_ray, tiny_model_dir
 from tests.test_engine import hf_greedy
 from tests.test_kvstore_serving import prompt_ids
 from workers.kv_peer import READ_CHUNK_PAGES
@@ -37,11 +37,8 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def ray_local():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=6, num_gpus=0, include_dashboard=False, namespace=NS)
-    yield
-    ray.shutdown()
+    with local_ray(6, namespace=NS):
+        yield
 
 
 class PD:

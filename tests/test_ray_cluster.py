@@ -15,7 +15,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.loop import Engine
 from cluster.launch import ClusterOptions, ServingCluster
 from cluster.router import RouterOptions
-from tests.fixtures import tiny_model_dir
+from tests.fixtures import local_ray, tiny_model_dir
 from tests.test_engine import PROMPTS, greedy, hf_greedy, run_staggered
 from workers.model_runner import RunnerOptions
 from workers.ray_group import RayWorkerGroup, shared_gpu
@@ -26,9 +26,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ray_local():
     # One logical GPU (no device behind it): what Ray does with fractional GPU shares is real here.
-    ray.init(address="local", num_cpus=8, num_gpus=1, include_dashboard=False, namespace="manta-test")
-    yield
-    ray.shutdown()
+    with local_ray(8, num_gpus=1, namespace="manta-test"):
+        yield
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["tp-divides-kv", "tp-exceeds-kv"])
