@@ -491,6 +491,5 @@ def _rows_linear(rows: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, bias:
 def _tma_linear(rows: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`fp8_tma.linear`, whose kernel reads one scale per row at consecutive addresses."""
     m, k = rows.q.shape
-    sx = rows.scale if rows.scale.stride(0) == 1 else rows.scale.contiguous()
-    sw = scale if scale.stride(0) == 1 else scale.contiguous()
-    return fp8_tma.linear(rows.q, sx, weight, sw, rows.dtype, bias, fp8_tma.launch(m, weight.shape[0], k))
+    return fp8_tma.linear(rows.q, rows.scale.contiguous(), weight, scale.contiguous(), rows.dtype, bias,
+                          fp8_tma.launch(m, weight.shape[0], k))
