@@ -33,12 +33,12 @@ What is left to choose is what a user or a benchmark needs:
   cache as 16-bit words and widens each to two float16 values in registers
   (`attention.triton_decode.widens_words`); off, it loads e4m3 elements and converts them where
   Triton places the conversion, as larger batches always do (the baseline).
-- `fp8_tma` (`MANTA_FP8_TMA=1` turns it on; off by default): per-channel FP8 products of
-  decode batches on a Hopper GPU through the TMA-fed Triton kernel (`workers.layers.fp8_tma`)
-  where `fp8_tma.launch` has a launch for the shape; off, W8A16 tiles below A8_MIN_M rows and
-  cuBLAS's row-wise product (or the pointer-load W8A8 kernel) from there. The kernel alone ran
-  and was timed on an H100 (BENCHMARKS.md, 2026-12-06); the model's decode steps on it have not
-  run on a GPU yet, so it stays opt-in until that A/B (`gpu_bench.sh fp8tmaab`).
+- `fp8_tma` (`MANTA_FP8_TMA=0`): per-channel FP8 products of decode batches on a Hopper GPU
+  through the TMA-fed Triton kernel (`workers.layers.fp8_tma`) where `fp8_tma.launch` has a
+  launch for the shape; off, W8A16 tiles below A8_MIN_M rows and cuBLAS's row-wise product (or
+  the pointer-load W8A8 kernel) from there (the baseline). The step A/B on an H200
+  (`gpu_bench.sh fp8tmaab`, BENCHMARKS.md, 2026-12-06): batch 16 5.15 -> 3.55 ms, batch 64
+  5.19 -> 4.80, batch 128 6.58 -> 6.17.
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """
@@ -66,7 +66,7 @@ class KernelOptions:
     triton_prefill: bool = True
     fp8_rows: bool = True
     fp8_kv_words: bool = True
-    fp8_tma: bool = False  # opt-in until its step A/B has run on a GPU (above)
+    fp8_tma: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:
@@ -78,7 +78,7 @@ class KernelOptions:
                    triton_prefill=environ.get("MANTA_TRITON_PREFILL") != "0",
                    fp8_rows=environ.get("MANTA_FP8_ROWS") != "0",
                    fp8_kv_words=environ.get("MANTA_FP8_KV_WORDS") != "0",
-                   fp8_tma=environ.get("MANTA_FP8_TMA") == "1")
+                   fp8_tma=environ.get("MANTA_FP8_TMA") != "0")
 
     def gemv_launch(self, n: int, k: int) -> GemvLaunch | None:
         shape = f"{n}x{k}"

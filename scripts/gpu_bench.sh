@@ -17,7 +17,7 @@
 # gemvfp8ab (the step's FP8 one-row launches swept on this GPU, then batch 1 with the fastest against FP8_LAUNCH's)
 # (`bench_gemv --fp8`) fp8tmaab (FP8 decode batches, MANTA_FP8_TMA=0 / 1 / 1 / 0; TMA_BATCH, TMA_FLAGS) fp8rowsab (FP8 decode batches and prefill, MANTA_FP8_ROWS=0 / 1) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
-# FP8_HTTP_MODES picks; fp8kvtma: the last with MANTA_FP8_TMA=1) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8) l8kvfp8 (batch 1/64 with the FP8 KV cache,
+# FP8_HTTP_MODES picks; fp8kvnotma: the last with MANTA_FP8_TMA=0) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8) dsv2q (bf16, --quantization fp8 with TMA on / off, block FP8) l8kvfp8 (batch 1/64 with the FP8 KV cache,
 # and the logits error it adds: scripts/kv_fp8_error.py).
 # (default: build tests profile l8 l8serve dsv2 spec). Each writes JSON to ${OUT:-/tmp/out};
 # models are built once under /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
@@ -190,8 +190,8 @@ for s in $stages; do
     l8fp8http) serve_model  # `manta serve` bf16 / --quantization fp8 / + --kv-cache-dtype fp8_e4m3, KV store on
         KV=${KV_DIR:-/tmp/kvstore}
         for mode in ${FP8_HTTP_MODES:-bf16 fp8 fp8kv}; do rm -rf "$KV"
-          tma=0; case $mode in bf16) q= ;; fp8) q="--quantization fp8" ;; fp8kv) q="--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
-            fp8kvtma) q="--quantization fp8 --kv-cache-dtype fp8_e4m3"; tma=1 ;; kv) q="--kv-cache-dtype fp8_e4m3" ;; esac
+          tma=1; case $mode in bf16) q= ;; fp8) q="--quantization fp8" ;; fp8kv) q="--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
+            fp8kvnotma) q="--quantization fp8 --kv-cache-dtype fp8_e4m3"; tma=0 ;; kv) q="--kv-cache-dtype fp8_e4m3" ;; esac
           MANTA_FP8_TMA=$tma serve_start "$mode" $F $q --kv-store $KV --kv-store-disk-gb ${KV_DISK_GB:-8} \
             && { http_bench "l8_http_$mode"; serve_stop; }
         done; rm -rf "$KV" ;;
@@ -204,6 +204,12 @@ for s in $stages; do
           2>&1 | grep -v "INFO\|Warning" | tail -6 ;;
     dsv2fp8) build /tmp/dsv2fp8 --preset deepseek-v2-lite --quantization fp8-block  # DeepSeek-V3's FP8 format
         $M bench latency --model /tmp/dsv2fp8 $F --batch 1 16 --steps 24 --input-len 512 --out "$OUT/dsv2_latency_fp8.json" ;;
+    dsv2q) build /tmp/dsv2 --preset deepseek-v2-lite  # DeepSeek-V2-Lite's step: bf16, --quantization fp8 (channel FP8,
+        build /tmp/dsv2fp8 --preset deepseek-v2-lite --quantization fp8-block  # experts too; TMA on, then off), block FP8
+        for v in ${DSV2Q:-bf16 fp8 fp8notma block}; do echo "--- $v"; m=/tmp/dsv2 q= tma=1
+          case $v in fp8) q="--quantization fp8" ;; fp8notma) q="--quantization fp8"; tma=0 ;; block) m=/tmp/dsv2fp8 ;; esac
+          MANTA_FP8_TMA=$tma $M bench latency --model $m $F $q --batch 1 16 --steps 24 --input-len 512 \
+            --out "$OUT/dsv2q_latency_$v.json" 2>&1 | grep "p50\|fraction"; done ;;
     dsv2fp8prof) build /tmp/dsv2fp8 --preset deepseek-v2-lite --quantization fp8-block  # where block FP8's batch-1 step goes
         for b in ${PROF_BATCH:-1}; do echo "--- batch $b, PDL off"  # (against dsv2prof's bf16: which products lose the fusions)
           MANTA_PDL=0 python3 scripts/profile_decode.py /tmp/dsv2fp8 "$b" --steps 24 --out "$OUT/dsv2fp8_profile_b${b}.json" \

@@ -159,7 +159,7 @@ def test_tma_decode_batches(fp8, m, monkeypatch):
     from workers.layers import fp8_tma
     from workers.layers.fp8_rows import Fp8Rows
 
-    monkeypatch.setattr(kernel_options, "_current", kernel_options.KernelOptions(fp8_tma=True))  # (opt-in)
+    monkeypatch.setattr(kernel_options, "_current", kernel_options.KernelOptions(fp8_tma=True))
     x, q, s, block_k, b = make(200, 4160, m, torch.bfloat16, None, m % 2 == 0, seed=m)
     if not fp8_tma.available(x.device):
         pytest.skip("TMA products need a Hopper GPU")

@@ -16,7 +16,7 @@ to one row per output row (block_k = 128). `choose_kernel` picks one of:
 - `TMA` (a Hopper GPU, per-channel weights, 2..fp8_tma.MAX_M rows where `fp8_tma.launch` gives a
   launch): x quantized per token, then `fp8_tma`'s kernel: FP8 tensor cores, the weight on the
   MMA's M side, both operands read by TMA. Where the kernel options' `fp8_tma` is on
-  (`MANTA_FP8_TMA=1`; opt-in for now) it takes such products of 2-128 rows from W8A16, cuBLAS
+  (the default; `MANTA_FP8_TMA=0` turns it off) it takes such products of 2-128 rows from W8A16, cuBLAS
   and `decode_a8`'s split-K kernel: decode batches, and prompt pieces that small.
 - W8A8 (from A8_MIN_M rows): x quantized to e4m3 per token (and per 128 columns for block
   scales) by `quantize_rows`, then FP8 tensor cores: `SCALED_MM` (torch._scaled_mm, row-wise
