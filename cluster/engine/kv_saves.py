@@ -28,9 +28,14 @@ store keeps as such (a restarted replica warms its host tier with prompt pages f
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 
 from workers.kv_messages import KVSave
+
+logger = logging.getLogger(__name__)
 
 HIT_THRESHOLD = 2  # write_through_selective: matches before a page is saved
 DRAIN_CHUNK_PAGES = 64  # pages per drain order at shutdown
@@ -128,6 +133,21 @@ class KVSaves:
     def drained(self, save: KVSave) -> None:
         self.saved.update(save.page_ids)
         self.stats.drained_pages += len(save.page_ids)
+
+    def write_out(self, saves: list[KVSave], budget_s: float, execute: Callable[[KVSave], None]) -> None:
+        """`drain`'s saves, one `execute` (an idle plan the ranks run to completion) each, until
+        done or `budget_s` has passed; each save's wait for store room is cut to what is left."""
+        t0 = time.monotonic()
+        done = 0
+        for save in saves:
+            if time.monotonic() - t0 > budget_s:
+                break
+            save.wait_s = min(save.wait_s, max(0.0, budget_s - (time.monotonic() - t0)))
+            execute(save)
+            self.drained(save)
+            done += len(save.page_ids)
+        logger.info("KV store: saved %d of %d cached pages at shutdown in %.1f s", done,
+                    sum(len(s.page_ids) for s in saves), time.monotonic() - t0)
 
     def _save(self, page: int, key: str) -> None:
         self.saved.add(page)

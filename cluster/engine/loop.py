@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from cluster.engine import step_budget
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import Detokenizer, DetokState
 from cluster.engine.kv_events import KVEventLog
@@ -29,7 +30,6 @@ from cluster.engine.ranks import make_worker_group
 from cluster.engine.request import ADMITTED, Admitted, FinishReason, GenerationResult, Request, RequestOutput
 from cluster.engine.scheduler import RequestRejected, TokenEvent
 from cluster.engine.spec_scheduler import scheduler_class
-from cluster.engine.step_budget import StepBudget
 from cluster.engine.step_times import StepTimes
 from workers import heap
 from workers.encoder_decoder import GenerationRules
@@ -92,13 +92,8 @@ class Engine:
             max_waiting=config.max_waiting,
             mixed_prefill_tokens=config.prefill_cap,
         )
-        if config.itl_target_ms and self.serving.chunked_prefill_size > 0:  # a step time target
-            ceiling = config.prefill_cap or config.max_num_batched_tokens
-            self.scheduler.step_budget = StepBudget(  # (a prompt always takes a quarter of the cap, <= 256)
-                config.itl_target_ms / 1e3, ceiling=ceiling, floor=max(config.page_size, min(256, ceiling // 4)),
-                sizes=PROMPT_BUCKETS if config.prompt_graphs else None,
-                ttft_target_s=config.ttft_target_ms / 1e3 if config.ttft_target_ms else None)
-        elif config.itl_target_ms:  # (the config refuses it without chunking; the checkpoint forbids it)
+        self.scheduler.step_budget = step_budget.for_config(config, self.serving.chunked_prefill_size, PROMPT_BUCKETS)
+        if config.itl_target_ms and self.scheduler.step_budget is None:  # (the checkpoint forbids chunking)
             logger.warning("--itl-target-ms is ignored: %s computes whole prompts", config.model)
         self.kv_offload = attach_kv_offload(self)  # the shared KV store (None: off)
         # Overlapped scheduling: plan and launch step k+1 before step k's tokens are read.
@@ -391,26 +386,21 @@ class Engine:
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[GenerationResult]:
         """Run prompts to completion in this thread (not while the background loop runs)."""
-        assert self._thread is None, "generate() runs the loop itself; use generate_stream with start()"
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        results: list[GenerationResult] = []
-        for prompt, p in zip(prompts, plist):
-            res = GenerationResult(rid="")
-            res.rid = self.add_request(prompt, p, res.add)
-            results.append(res)
-        while self.has_work():
-            self.step()
-        return results
+        return self._run_here(lambda i, sink: self.add_request(prompts[i], plist[i], sink), len(prompts))
 
     def embed(self, prompts: list[str | list[int]]) -> list[GenerationResult]:
         """Embed prompts in this thread (not while the background loop runs); each result's
         `embedding` is the pooled vector."""
-        assert self._thread is None, "embed() runs the loop itself; use generate_stream with start()"
-        results: list[GenerationResult] = []
-        for prompt in prompts:
-            res = GenerationResult(rid="")
-            res.rid = self.add_request(prompt, SamplingParams(max_tokens=1), res.add, is_embedding=True)
-            results.append(res)
+        return self._run_here(lambda i, sink: self.add_request(prompts[i], SamplingParams(max_tokens=1), sink,
+                                                               is_embedding=True), len(prompts))
+
+    def _run_here(self, add, n: int) -> list[GenerationResult]:
+        """`add(i, sink)` for each of n requests (returning its rid), then step until none has work."""
+        assert self._thread is None, "the offline API runs the loop itself; use generate_stream with start()"
+        results = [GenerationResult(rid="") for _ in range(n)]
+        for i, res in enumerate(results):
+            res.rid = add(i, res.add)
         while self.has_work():
             self.step()
         return results
@@ -481,19 +471,12 @@ class Engine:
         while self._inflight:  # overlapped plans still on the ranks: finish them first
             self._inflight.popleft()
             self.workers.collect()
-        t0 = time.monotonic()
-        done = 0
-        for save in saves:
-            if time.monotonic() - t0 > budget_s:
-                break
+
+        def execute(save) -> None:
             self.scheduler._step_id += 1
-            save.wait_s = min(save.wait_s, max(0.0, budget_s - (time.monotonic() - t0)))  # within the budget
             self.workers.execute(StepPlan(self.scheduler._step_id, ForwardMode.IDLE, [], kv_saves=[save]))
-            self.kv_offload.saves.drained(save)
-            done += len(save.page_ids)
-        total = sum(len(s.page_ids) for s in saves)
-        logger.info("KV store: saved %d of %d cached pages at shutdown in %.1f s", done, total,
-                    time.monotonic() - t0)
+
+        self.kv_offload.saves.write_out(saves, budget_s, execute)
 
     async def generate_stream(
         self,

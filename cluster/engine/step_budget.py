@@ -213,6 +213,19 @@ class StepBudget:
                 "prompt_fit_ms": [] if self._prompt is None else [1e3 * c for c in self._prompt]}
 
 
+def for_config(config, chunked_prefill_size: int, prompt_buckets: Sequence[int]) -> StepBudget | None:
+    """The step budget an engine config asks for (`itl_target_ms`), or None. The prompt ceiling is
+    the config's prefill cap (else its batched-token limit); a prompt always takes a quarter of it,
+    at most 256 tokens. Without chunking (the checkpoint computes whole prompts) there is none."""
+    if not config.itl_target_ms or chunked_prefill_size <= 0:
+        return None
+    ceiling = config.prefill_cap or config.max_num_batched_tokens
+    return StepBudget(config.itl_target_ms / 1e3, ceiling=ceiling,
+                      floor=max(config.page_size, min(256, ceiling // 4)),
+                      sizes=tuple(prompt_buckets) if config.prompt_graphs else None,
+                      ttft_target_s=config.ttft_target_ms / 1e3 if config.ttft_target_ms else None)
+
+
 def prompt_backlog(scheduler, limit: int, now: float | None = None) -> list[tuple[float, int]]:
     """The prompts a scheduler's running requests and the waiting ones it has free running
     slots for still have to compute, in the order it computes them: (seconds since the request
