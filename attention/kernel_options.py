@@ -39,6 +39,11 @@ What is left to choose is what a user or a benchmark needs:
   the pointer-load W8A8 kernel) from there (the baseline). The step A/B on an H200
   (`gpu_bench.sh fp8tmaab`, BENCHMARKS.md, 2026-12-06): batch 16 5.15 -> 3.55 ms, batch 64
   5.19 -> 4.80, batch 128 6.58 -> 6.17.
+- `fp8_kv_mma` (`MANTA_FP8_KV_MMA=1` turns it on; off by default): the paged decode over an FP8
+  cache on a Hopper GPU puts the keys on the MMA's M side and multiplies them as e4m3 against
+  queries quantized per head (`attention.triton_decode_mma`), instead of widening every cached
+  element to float16 (the baseline). Compiled for sm_90 it issues 24% fewer instructions a block
+  than the element loads and takes 112 registers against 240; it has not run on a GPU yet.
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """
@@ -67,6 +72,7 @@ class KernelOptions:
     fp8_rows: bool = True
     fp8_kv_words: bool = True
     fp8_tma: bool = True
+    fp8_kv_mma: bool = False  # opt-in until a GPU has measured it (above)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:
@@ -78,7 +84,8 @@ class KernelOptions:
                    triton_prefill=environ.get("MANTA_TRITON_PREFILL") != "0",
                    fp8_rows=environ.get("MANTA_FP8_ROWS") != "0",
                    fp8_kv_words=environ.get("MANTA_FP8_KV_WORDS") != "0",
-                   fp8_tma=environ.get("MANTA_FP8_TMA") != "0")
+                   fp8_tma=environ.get("MANTA_FP8_TMA") != "0",
+                   fp8_kv_mma=environ.get("MANTA_FP8_KV_MMA") == "1")
 
     def gemv_launch(self, n: int, k: int) -> GemvLaunch | None:
         shape = f"{n}x{k}"
@@ -92,7 +99,7 @@ class KernelOptions:
                  f"Triton prefill {'on' if self.triton_prefill else 'off'}",
                  f"FP8 rows {'on' if self.fp8_rows else 'off'}",
                  f"FP8 KV words {'on' if self.fp8_kv_words else 'off'}",
-                 f"FP8 TMA {'on' if self.fp8_tma else 'off'}"]
+                 f"FP8 TMA {'on' if self.fp8_tma else 'off'}", f"FP8 KV MMA {'on' if self.fp8_kv_mma else 'off'}"]
         if self.gemv_configs:
             parts.append("GEMV launches " + "; ".join(f"{s}:{','.join(map(str, c))}" for s, c in self.gemv_configs))
         return ", ".join(parts)

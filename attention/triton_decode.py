@@ -37,6 +37,7 @@ import triton.language as tl
 
 from attention import kernel_options, pdl
 from attention.arrival import COUNTERS, arrival_counters
+from attention.decode_splits import VARYING, _merge_heads, merge_splits, split_bounds
 
 LOG2E = 1.4426950408889634
 
@@ -164,23 +165,6 @@ def widens_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 caches get true float32 products (tf32 would cost ~1e-3 relative error)."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-@triton.jit
-def split_bounds(seq_len, split_id, num_splits, BLOCK_N: tl.constexpr):
-    """Slice [start, end) of a request's keys taken by `split_id`; slices are whole blocks of
-    BLOCK_N tokens, so the last splits of a short request are empty (start >= end)."""
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    per_split = tl.maximum(per_split, BLOCK_N)
-    start = split_id * per_split
-    end = tl.minimum(start + per_split, seq_len)
-    return start, end, per_split
-
-
-# Arguments that vary from step to step outside CUDA graphs (the split count and the eager page
-# table's width): not specialised on (Triton compiles a variant per value that is 1 or a multiple
-# of 16), so an eager step meets the variants the graphs compiled, not a ~1.3 s compile.
-VARYING = ["num_splits", "stride_pb", "stride_lb", "stride_lh"]
 
 
 @triton.jit(do_not_specialize=VARYING)
@@ -326,100 +310,6 @@ def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PREC: tl.co
     return m_new, l_i, acc
 
 
-@triton.jit
-def _merge_heads(MidO, MidLse, Out, b, kvh, n_active,
-                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                 GROUP: tl.constexpr, V_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
-    """Out[b, heads of kvh] = sum_s 2^(lse_s - lse) * o_s over the n_active splits (stage 2's
-    math). The partials are read past L1 (which may hold none of them), CHUNK_S splits of every
-    head in one load: a split at a time costs a round trip to L2 each, and this runs after the
-    other programs of its head, at the end of the kernel."""
-    offs_g = tl.arange(0, BLOCK_G)
-    mask_g = offs_g < GROUP
-    heads = kvh * GROUP + offs_g
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < V_DIM
-    offs_s = tl.arange(0, BLOCK_S)
-    lse_rows = MidLse + b * stride_lb + heads[:, None] * stride_lh
-    lse = tl.load(lse_rows + offs_s[None, :], mask=mask_g[:, None] & (offs_s[None, :] < n_active),
-                  other=float("-inf"), cache_modifier=".cg")
-    m = tl.where(mask_g, tl.max(lse, 1), 0.0)
-    denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    offs_c = tl.arange(0, CHUNK_S)
-    o_rows = MidO + b * stride_ob + heads[:, None, None] * stride_oh + offs_dv[None, None, :]
-    for s0 in range(0, n_active, CHUNK_S):
-        splits = s0 + offs_c
-        cmask = mask_g[:, None] & (splits[None, :] < n_active)
-        w = tl.exp2(tl.load(lse_rows + splits[None, :], mask=cmask, other=float("-inf"), cache_modifier=".cg")
-                    - m[:, None])
-        o = tl.load(o_rows + splits[None, :, None] * stride_os, mask=cmask[:, :, None] & mask_dv[None, None, :],
-                    other=0.0, cache_modifier=".cg")
-        acc += tl.sum(w[:, :, None] * o, 1)
-    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(Out + b * stride_outb + heads[:, None] * stride_outh + offs_dv[None, :],
-             out.to(Out.dtype.element_ty), mask=mask_g[:, None] & mask_dv[None, :])
-
-
-@triton.jit(do_not_specialize=[v for v in VARYING if v != "stride_pb"])
-def merge_splits_kernel(
-    MidO, MidLse, SeqLens, Out,
-    num_splits,
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh,
-    stride_outb, stride_outh,
-    V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Stage 2, grid (B, H): out = sum_s 2^(lse_s - lse) * o_s over the request's non-empty
-    splits (the same `split_bounds` as stage 1 says which exist). A request of length 0 gets 0."""
-    pdl.launch_dependents(PDL)
-    pdl.wait(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.load(SeqLens + b)
-    _, _, per_split = split_bounds(seq_len, 0, num_splits, BLOCK_N)
-    n_active = tl.cdiv(seq_len, per_split)
-    offs_s = tl.arange(0, BLOCK_S)
-    lse_row = MidLse + b * stride_lb + h * stride_lh
-    lse = tl.load(lse_row + offs_s, mask=offs_s < n_active, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(n_active > 0, m, 0.0)
-    denom = tl.sum(tl.exp2(lse - m), 0)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < V_DIM
-    acc = tl.zeros([BLOCK_DV], tl.float32)
-    o_row = MidO + b * stride_ob + h * stride_oh
-    for s in range(0, n_active):
-        w = tl.exp2(tl.load(lse_row + s) - m)
-        acc += w * tl.load(o_row + s * stride_os + offs_dv, mask=mask_dv, other=0.0)
-    out = tl.where(denom > 0, acc / denom, 0.0)
-    tl.store(Out + b * stride_outb + h * stride_outh + offs_dv, out.to(Out.dtype.element_ty), mask=mask_dv)
-
-
-def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, cache_seqlens: torch.Tensor,
-                 out: torch.Tensor, block_n: int) -> None:
-    """Stage 2 shared with the MLA kernel. mid_o: [B, H, S, Dv] f32; mid_lse: [B, H, S] f32
-    (base 2); out: [B, H, Dv]; `block_n` must be the stage-1 block the splits were cut with."""
-    batch, heads, num_splits, v_dim = mid_o.shape
-    use_pdl = pdl.enabled(out.device)
-    merge_splits_kernel[(batch, heads)](
-        mid_o, mid_lse, cache_seqlens, out,
-        num_splits,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        V_DIM=v_dim,
-        BLOCK_DV=triton.next_power_of_2(v_dim),
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        BLOCK_N=block_n,
-        PDL=use_pdl,
-        num_warps=4 if v_dim >= 256 else 2,
-        launch_pdl=use_pdl,
-    )
-
-
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -460,7 +350,7 @@ def paged_decode(
         return out
     # An FP8 cache under bf16 queries: q is widened to float16 in the kernel (no copy here).
     to_f16 = decode_dtype(q, k_cache) == torch.float16 != q.dtype
-    words = can_widen_words(q, k_cache, v_cache) and (_words_chosen(batch * kv_heads) if words is None else words)
+    asked_words, words = words, can_widen_words(q, k_cache, v_cache) and (_words_chosen(batch * kv_heads) if words is None else words)
     q = q.to(compute_dtype(q, k_cache))
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -470,7 +360,16 @@ def paged_decode(
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(v_dim))
+    kernel, variant = _decode_stage1, {"DOT_PREC": dot_precision(q.dtype), "Q_TO_F16": to_f16}
     auto_n, auto_warps, auto_stages = stage1_launch(batch * kv_heads, q.dtype, k_cache.dtype, words)
+    if k_cache.dtype == torch.float8_e4m3fn:  # keys as e4m3 on the MMA's M side (an imported module: it imports this one)
+        from attention import triton_decode_mma
+
+        if triton_decode_mma.mma_applies(q, k_cache):
+            kernel, variant = triton_decode_mma._decode_stage1_t, {}
+            auto_n, auto_warps, auto_stages = triton_decode_mma.BLOCK_N, 4, triton_decode_mma.STAGES
+            block_n, num_warps = auto_n, auto_warps  # one warpgroup's M side; the values as words where they can be
+            words = can_widen_words(q, k_cache, v_cache) and asked_words is not False
     block_n, num_warps, num_stages = block_n or auto_n, num_warps or auto_warps, num_stages or auto_stages
     use_pdl = pdl.enabled(q.device)
     # The last-arriving program merges; past the counters (e.g. 32 KV heads x 2,049 requests)
@@ -478,7 +377,7 @@ def paged_decode(
     merge = batch * kv_heads <= COUNTERS
     counters = arrival_counters(q.device, batch * kv_heads) if merge else mid_lse
     block_s, block_g = max(2, triton.next_power_of_2(num_splits)), triton.next_power_of_2(group)
-    _decode_stage1[(batch, kv_heads, num_splits)](
+    kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, cache_seqlens, mid_o, mid_lse, out, counters,
         scaling * LOG2E, num_splits,
         q.stride(0), q.stride(1),
@@ -491,9 +390,9 @@ def paged_decode(
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
-        DOT_PREC=dot_precision(q.dtype), PDL=use_pdl, MERGE=merge,
+        PDL=use_pdl, MERGE=merge,
         BLOCK_S=block_s, BLOCK_G=block_g, CHUNK_S=min(block_s, max(1, 8192 // (block_g * block_dv))),
-        EARLY=use_pdl and batch == 1, Q_TO_F16=to_f16, WIDEN=words,
+        EARLY=use_pdl and batch == 1, WIDEN=words, **variant,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
     if not merge:
@@ -511,10 +410,8 @@ def token_table_to_page_table(token_table: torch.Tensor, page_size: int) -> torc
 
 __all__ = [
     "paged_decode",
-    "merge_splits",
     "choose_num_splits",
     "token_table_to_page_table",
-    "split_bounds",
     "dot_precision",
     "compute_dtype",
     "decode_dtype",

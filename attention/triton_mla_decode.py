@@ -15,15 +15,8 @@ import triton
 import triton.language as tl
 
 from attention import pdl
-from attention.triton_decode import (
-    LOG2E,
-    VARYING,
-    choose_num_splits,
-    compute_dtype,
-    dot_precision,
-    merge_splits,
-    split_bounds,
-)
+from attention.decode_splits import VARYING, merge_splits, split_bounds
+from attention.triton_decode import LOG2E, choose_num_splits, compute_dtype, dot_precision
 
 # Tokens per latent block (a [BLOCK_N, L] bf16 tile is 32 KB at L = 512; float32 caches take
 # half as many tokens) and heads per program.

@@ -1,7 +1,9 @@
 """Time the paged decode over an FP8 KV cache both ways (CUDA): e4m3 elements converted where
 Triton places the conversion against 16-bit words widened in registers as they are loaded (`attention.triton_decode._load_block`), per (batch, context) and stage-1
 launch; Llama-8B heads (32 q / 8 KV, dim 128), bf16 queries, page size 16, random page tables.
-`--kv bf16` times a bf16 cache's launches instead (one way: "elements").
+`--kv bf16` times a bf16 cache's launches instead (one way: "elements"). `--mma-stages N ...` also times
+the keys-on-M kernel (`attention.triton_decode_mma`, 64 keys on four warps) at each stage count; its
+error includes the queries' e4m3 round-off.
 Microseconds under CUDA-graph replay, the cache's GB/s, and each output's largest difference
 from the float32 reference on the dequantized cache. Prints a table, writes JSON (--out)."""
 
@@ -12,8 +14,9 @@ import json
 
 import torch
 
-from attention import kernels, torch_ops
+from attention import kernel_options, kernels, torch_ops
 from attention.bench_kernels import _bench_graph, _paged
+from attention.kernel_options import KernelOptions
 from attention.triton_decode import choose_num_splits, paged_decode, stage1_launch
 
 
@@ -28,6 +31,7 @@ def main() -> None:
                    help="only run each kernel N times eagerly, untimed (for a profiler such as ncu)")
     p.add_argument("--words", choices=["both", "0", "1"], default="both")
     p.add_argument("--kv", choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--mma-stages", type=int, nargs="*", default=[], help="FP8: the keys-on-M kernel at these stage counts")
     a = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     heads, kv_heads, dim, page = 32, 8, 128, 16
@@ -82,6 +86,22 @@ def main() -> None:
             print(f"{batch:>4} {ctx:>5} {name:>9} {fmt(e):>18} {fmt(wd):>18} {change}  {e['err']}, {wd['err']}"
                   + (f"  (elements {','.join(map(str, e['launch']))}, words {','.join(map(str, wd['launch']))})"
                      if launch == "default" else ""))
+        for st in a.mma_stages if a.kv == "fp8" else ():
+            kernel_options.install(KernelOptions(fp8_kv_mma=True))
+            try:
+                def run_mma(st=st, args=(q, kc, vc, pt, lens, dim**-0.5, page), splits=splits, out=out):
+                    paged_decode(*args, num_splits=splits, out=out, num_stages=st)
+                run_mma()
+                err = (out.float() - ref).abs().max().item()
+                us = _bench_graph(run_mma)
+            except Exception as e:  # noqa: BLE001
+                print(f"  B={batch} ctx={ctx} mma stages {st}: {type(e).__name__}: {str(e)[:120]}")
+                us, err = None, None
+            finally:
+                kernel_options.install(KernelOptions.from_env())
+            results.append({"batch": batch, "ctx": ctx, "mma": {"stages": st, "us": us, "err": err,
+                                                                "gbps": nbytes / us / 1e3 if us else None}})
+            print(f"{batch:>4} {ctx:>5} {'mma,' + str(st):>9} {(f'{us:8.1f} ({nbytes / us / 1e3:5.0f})' if us else '-'):>18}  {err}")
         del kc, vc
         torch.cuda.empty_cache()
     if a.out:

@@ -337,7 +337,7 @@ def test_serve_logs_cluster_placement_kernels_and_kv_store(live):
     assert re.search(r"^  node [0-9a-f]{12} at [\d.]+: CPU 4", text, re.M), text
     for replica in ("replica-0", "replica-1"):
         assert re.search(rf"^replica {replica} ready: tp=1, placement PACK, step channel \w+, "
-                         r"attention flash_attention: torch-sdpa \(cpu\) \(one-row GEMV on, PDL on, MIXED split on, prompt graphs on, decode zero bias on, Triton prefill on, FP8 rows on, FP8 KV words on, FP8 TMA on\), KV cache \d+ "
+                         r"attention flash_attention: torch-sdpa \(cpu\) \(one-row GEMV on, PDL on, MIXED split on, prompt graphs on, decode zero bias on, Triton prefill on, FP8 rows on, FP8 KV words on, FP8 TMA on, FP8 KV MMA off\), KV cache \d+ "
                          r"tokens", text, re.M), text
         assert re.search(rf"^  {replica} rank 0: node [0-9a-f]{{12}} ip [\d.]+ pid \d+ gpus none$", text, re.M), text
     if kv_root is None:

@@ -29,6 +29,8 @@ def test_environment_is_read_once_into_a_frozen_object(monkeypatch):
     assert KernelOptions().fp8_tma and "FP8 TMA on" in KernelOptions().describe()
     assert not KernelOptions.from_env({"MANTA_FP8_TMA": "0"}).fp8_tma
     assert "FP8 TMA off" in KernelOptions.from_env({"MANTA_FP8_TMA": "0"}).describe()
+    assert not KernelOptions().fp8_kv_mma and "FP8 KV MMA off" in KernelOptions().describe()  # opt-in
+    assert KernelOptions.from_env({"MANTA_FP8_KV_MMA": "1"}).fp8_kv_mma
     assert "Triton prefill on" in KernelOptions().describe()
     assert opts.gemv_launch(4096, 4096) == (64, 128, 2, 4) and opts.gemv_launch(14336, 4096) == (32, 256, 1, 8)
     assert opts.gemv_launch(6144, 4096) == (16, 512, 1, 8, 16)  # with 16-column vectors

@@ -157,7 +157,7 @@ def test_prometheus_scrapes_manta_serve(tmp_path):
     assert re.search(r"Ray cluster: started a local Ray instance \(gcs \S+, namespace manta\): 1 node\(s\)", log), log
     for replica in replicas:
         assert re.search(rf"replica {replica} ready: tp=1, placement PACK, step channel \w+, "
-                         r"attention flash_attention: torch-sdpa \(cpu\) \(one-row GEMV on, PDL on, MIXED split on, prompt graphs on, decode zero bias on, Triton prefill on, FP8 rows on, FP8 KV words on, FP8 TMA on\), "
+                         r"attention flash_attention: torch-sdpa \(cpu\) \(one-row GEMV on, PDL on, MIXED split on, prompt graphs on, decode zero bias on, Triton prefill on, FP8 rows on, FP8 KV words on, FP8 TMA on, FP8 KV MMA off\), "
                          r"KV cache \d+ tokens", log), log
         assert re.search(rf"{replica} rank 0: node [0-9a-f]{{12}} ip [\d.]+ pid \d+ gpus none", log), log
     assert re.search(r"KV store: \S", log), log

@@ -1,0 +1,115 @@
+"""The paged decode over an FP8 cache with the keys on the MMA's M side
+(`attention.triton_decode_mma`, `MANTA_FP8_KV_MMA=1`).
+
+- Against the float32 reference on the dequantized cache, with queries that e4m3 holds exactly
+  per head (e4m3 values at a power-of-two scale, each head's largest at +-448: the kernel's
+  quantization gives them back bit for bit, whatever its rounding), so only the products'
+  bf16 round-off differs: tests/test_gpu_kernels.py's bf16 bounds. Mixed batches (lengths 1 to
+  1,030), GQA groups 1, 4 and 7, head dims 40, 80, 96 and 128, pages of 1 and 16 tokens, split
+  counts chosen and 1.
+- On a GPU, against the reference with random bf16 queries: the round-off of q's e4m3 (rounded
+  to nearest) bounded at 3% of the largest |output| (torch's own rounding of q moved these
+  cases' reference by 1.1-2.0%).
+
+Runs on a Hopper GPU, or on CPU under Triton's interpreter (`TRITON_INTERPRET=1`, which loads the
+values as elements and rounds to e4m3 by truncation: the second test is GPU-only). Skipped
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_gpu_kernels import (
+    DECODE_LENS,
+    DEVICE,
+    INTERPRET,
+    assert_close,
+    gpu_only,
+    paged_cache,
+    ref_attention,
+)
+
+pytestmark = pytest.mark.gpu
+if not INTERPRET and torch.cuda.get_device_capability()[0] != 9:  # (test_gpu_kernels skips without CUDA)
+    pytest.skip("needs a Hopper GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from attention import kernel_options  # noqa: E402
+from attention.kernel_options import KernelOptions  # noqa: E402
+from attention.triton_decode import paged_decode  # noqa: E402
+from workers import kv_quant  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def mma(monkeypatch):
+    monkeypatch.setattr(kernel_options, "_current", KernelOptions(fp8_kv_mma=True))
+
+
+def _fp8(cache: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    stored = kv_quant.quantize(cache * 3.0, scale)  # values across the FP8 range, some saturated
+    return stored, stored.float() * scale
+
+
+def exact_queries(batch: int, heads: int, dim: int, seed: int) -> torch.Tensor:
+    """[batch, heads, dim] bf16 queries whose per-head e4m3 quantization is exact: e4m3 values
+    times 2^-5, each head's first element +-448 (its largest)."""
+    g = torch.Generator().manual_seed(seed)
+    q8 = (torch.randn(batch, heads, dim, generator=g) * 40).clamp(-440, 440).to(FP8).float()
+    q8[..., 0] = torch.where(torch.rand(batch, heads, generator=g) < 0.5, -448.0, 448.0)
+    return (q8 * 2.0**-5).to(BF16).to(DEVICE)
+
+
+def _case(heads, kv_heads, dim, page_size, k_spread=3.0):
+    kc, vc, pt, tt = paged_cache(DECODE_LENS, kv_heads, dim, dim, page_size, BF16, seed=dim + heads)
+    k8, v8 = kv_quant.quantize(kc * k_spread, 0.02), kv_quant.quantize(vc * 3.0, 0.5)  # spread over the FP8 range
+    lens = torch.tensor(DECODE_LENS, dtype=torch.int32, device=DEVICE)
+    return k8, v8, k8.float() * 0.02, v8.float() * 0.5, pt, tt, lens
+
+
+def _decode(q, k8, v8, pt, lens, page_size, num_splits=None):
+    scale = q.shape[-1] ** -0.5
+    return paged_decode(q, k8, v8, pt, lens, scale * 0.02, page_size, num_splits=num_splits) * 0.5
+
+
+def _reference(q, kref, vref, tt):
+    return ref_attention(q, kref, vref, tt, [1] * len(DECODE_LENS), DECODE_LENS, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 40), (8, 2, 80), (7, 1, 96), (32, 8, 128)])
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_mma_decode_equals_the_reference(mma, heads, kv_heads, dim, page_size, num_splits):
+    k8, v8, kref, vref, pt, tt, lens = _case(heads, kv_heads, dim, page_size)
+    q = exact_queries(len(DECODE_LENS), heads, dim, seed=heads * dim)
+    got = _decode(q, k8, v8, pt, lens, page_size, num_splits)
+    assert got.dtype == BF16
+    assert_close(got, _reference(q, kref, vref, tt), BF16)
+
+
+@gpu_only
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 80), (32, 8, 128)])
+def test_mma_decode_round_off_of_the_queries(mma, heads, kv_heads, dim):
+    k8, v8, kref, vref, pt, tt, lens = _case(heads, kv_heads, dim, 16, k_spread=1.0)
+    q = torch.randn(len(DECODE_LENS), heads, dim, generator=torch.Generator().manual_seed(1)).to(BF16).to(DEVICE)
+    ref = _reference(q, kref, vref, tt)
+    err = (_decode(q, k8, v8, pt, lens, 16).float() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 0.03, f"e4m3 queries moved the output by {err:.4f} of its largest value"
+
+
+@gpu_only
+@pytest.mark.parametrize("batch", [1, 64, 130])
+def test_mma_decode_words_equal_elements(mma, batch):
+    """The values loaded as 16-bit words and widened in registers (the GPU's load) give the
+    element loads' bits (real PTX: GPU-only)."""
+    lens = [(37 * i) % 1500 + 1 for i in range(batch)]
+    kc, vc, pt, _ = paged_cache(lens, 8, 128, 128, 16, BF16, seed=batch)
+    k8, v8 = kv_quant.quantize(kc, 0.02), kv_quant.quantize(vc, 0.5)
+    q = exact_queries(batch, 32, 128, seed=batch)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    words = paged_decode(q, k8, v8, pt, seqlens, 0.02 / 128**0.5, 16, words=True)
+    elements = paged_decode(q, k8, v8, pt, seqlens, 0.02 / 128**0.5, 16, words=False)
+    assert torch.equal(words, elements)
