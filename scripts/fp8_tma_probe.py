@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -57,8 +58,10 @@ def splits_for(m: int, n: int, k: int, launch: tuple[int, int, int, int], sms: i
     return out
 
 
-def candidates(x: torch.Tensor, q: torch.Tensor, sx: torch.Tensor, k: int, launches: list, splits) -> list:
-    """(label, fn(weight pair)) to time for rows x (bf16) and their per-token quantization (q, sx)."""
+def candidates(x: torch.Tensor, q: torch.Tensor, sx: torch.Tensor, k: int, launches: list, splits,
+               tile_cap: int = 0) -> list:
+    """(label, fn(weight pair)) to time for rows x (bf16) and their per-token quantization (q, sx);
+    with `tile_cap`, the TMA launches also with the batch tiled in that many rows."""
     m = x.shape[0]
     ones = torch.ones((), device=x.device)
     out = [("ships (x bf16)", lambda w: fp8_linear(x, w[0], w[1], k))]
@@ -72,10 +75,14 @@ def candidates(x: torch.Tensor, q: torch.Tensor, sx: torch.Tensor, k: int, launc
         for split in splits(launch):
             out.append((f"tma {launch} split {split}",
                         lambda w, launch=launch, split=split: tma_linear(q, sx, w[0], w[1], launch, split)))
+            if tile_cap and m > tile_cap:  # the batch in tiles of tile_cap rows, one program each
+                out.append((f"tma {launch} split {split} tile {tile_cap}", lambda w, launch=launch, split=split: (
+                    fp8_tma.linear(q, sx, w[0], w[1], torch.bfloat16, None, (*launch, split, tile_cap)))))
     return out
 
 
-def bench_rows(name: str, n: int, k: int, m: int, ws: list, wb: list, quick: bool, sms: int, copy: float) -> list[dict]:
+def bench_rows(name: str, n: int, k: int, m: int, ws: list, wb: list, quick: bool, sms: int, copy: float,
+               tile_cap: int = 0) -> list[dict]:
     """Every candidate for one product and row count, checked, then timed: table rows."""
     dev = ws[0][0].device
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -91,7 +98,7 @@ def bench_rows(name: str, n: int, k: int, m: int, ws: list, wb: list, quick: boo
 
     launches = LAUNCHES if m >= 64 else SMALL_LAUNCHES
     for label, fn in candidates(x, q, sx, k, launches[:2] if quick else launches,
-                                lambda launch: splits_for(m, n, k, launch, sms)):
+                                lambda launch: splits_for(m, n, k, launch, sms), tile_cap):
         try:
             err = float("nan")
             if "timing only" not in label:
@@ -105,10 +112,11 @@ def bench_rows(name: str, n: int, k: int, m: int, ws: list, wb: list, quick: boo
     tma = [r for r in rows if r["kernel"].startswith("tma") and r["rel_err"] < 0.05]
     if tma:  # o_proj's input is not quantized by the op before it: the best launch with quantize_rows
         best = min(tma, key=lambda r: r["us"])
-        launch_s, split_s = best["kernel"][4:].split(" split ")
-        launch, split = tuple(int(v) for v in launch_s.strip("()").split(",")), int(split_s)
-        record(f"{best['kernel']} + quantize_rows",
-               time_in_graph(lambda w: tma_linear(*quantize_rows(x), w[0], w[1], launch, split), ws, len(ws)))
+        parts = re.match(r"tma \(([^)]*)\) split (\d+)(?: tile (\d+))?", best["kernel"])
+        full = (*(int(v) for v in parts.group(1).split(",")), int(parts.group(2)))
+        full += (int(parts.group(3)),) if parts.group(3) else ()
+        record(f"{best['kernel']} + quantize_rows", time_in_graph(
+            lambda w: fp8_tma.linear(*quantize_rows(x), w[0], w[1], torch.bfloat16, None, full), ws, len(ws)))
     record("bf16 F.linear", time_in_graph(lambda w: F.linear(x, w), wb, len(wb)))
     return rows
 
@@ -118,6 +126,8 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="*", default=[8, 16, 32, 48, 64, 128, 256])
     parser.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
     parser.add_argument("--quick", action="store_true", help="only the first two launches")
+    parser.add_argument("--tile-cap", type=int, default=0,
+                        help="also time the TMA launches with the batch tiled in this many rows (e.g. 128 at 160-256 rows)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -132,7 +142,7 @@ def main() -> None:
         ws = [fp8_layer.quantize_rows(torch.randn(n, k, device=dev) / k**0.5) for _ in range(copies)]
         wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(max(2, copies // 2))]
         for m in args.m:
-            rows += bench_rows(name, n, k, m, ws, wb, args.quick, sms, copy)
+            rows += bench_rows(name, n, k, m, ws, wb, args.quick, sms, copy, args.tile_cap)
         del ws, wb
         torch.cuda.empty_cache()
     print("\n# best TMA launch against what ships")

@@ -113,14 +113,15 @@ def token_tile(m: int) -> int:
 
 
 def linear(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
-           bias: torch.Tensor | None, launch: tuple[int, int, int, int, int]) -> torch.Tensor:
+           bias: torch.Tensor | None, launch: tuple[int, ...]) -> torch.Tensor:
     """q [M, K] e4m3 (contiguous rows) with float32 scales sx [M, 1]; weight [N, K] e4m3 with
     per-channel scales [N, 1]; bias [N] in out_dtype or None. Returns [M, N] in out_dtype.
-    launch: (weight rows a program, K a step, warps, stages, K splits)."""
-    block_w, block_k, warps, stages, split = launch
+    launch: (weight rows a program, K a step, warps, stages, K splits[, token rows a program:
+    default `token_tile(M)`; fewer tile the batch over the grid's second axis])."""
+    block_w, block_k, warps, stages, split = launch[:5]
     m, k = q.shape
     n = weight.shape[0]
-    block_t = token_tile(m)
+    block_t = launch[5] if len(launch) > 5 else token_tile(m)
     w_desc = TensorDescriptor.from_tensor(weight, [block_w, block_k])
     x_desc = TensorDescriptor.from_tensor(q, [block_t, block_k])
     y = torch.empty(m, n, dtype=out_dtype, device=q.device)
