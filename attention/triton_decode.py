@@ -335,7 +335,10 @@ def paged_decode(
     pass a fixed count when capturing CUDA graphs whose page table width may vary). block_n,
     num_warps and num_stages are stage 1's launch parameters (`bench_kernels --sweep` tunes
     them); None: `stage1_launch`'s choice. `words`: load an FP8 cache as 16-bit words (where
-    `can_widen_words`) or as elements; None: `widens_words`'s choice."""
+    `can_widen_words`) or as elements; None: `widens_words`'s choice. Where the keys-on-M kernel
+    takes an FP8 cache (`triton_decode_mma.mma_applies`) its block and warps are fixed (64 keys on
+    one warpgroup), `num_stages` is honoured, and `words=None` means words wherever they can be
+    (the kernel option `fp8_kv_words` off: elements)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     v_dim = v_cache.shape[-1]
@@ -365,11 +368,12 @@ def paged_decode(
     if k_cache.dtype == torch.float8_e4m3fn:  # keys as e4m3 on the MMA's M side (an imported module: it imports this one)
         from attention import triton_decode_mma
 
-        if triton_decode_mma.mma_applies(q, k_cache):
+        if triton_decode_mma.mma_applies(q, k_cache, v_cache):
             kernel, variant = triton_decode_mma._decode_stage1_t, {}
             auto_n, auto_warps, auto_stages = triton_decode_mma.BLOCK_N, 4, triton_decode_mma.STAGES
             block_n, num_warps = auto_n, auto_warps  # one warpgroup's M side; the values as words where they can be
-            words = can_widen_words(q, k_cache, v_cache) and asked_words is not False
+            words = (can_widen_words(q, k_cache, v_cache) and kernel_options.current().fp8_kv_words
+                     if asked_words is None else asked_words and can_widen_words(q, k_cache, v_cache))
     block_n, num_warps, num_stages = block_n or auto_n, num_warps or auto_warps, num_stages or auto_stages
     use_pdl = pdl.enabled(q.device)
     # The last-arriving program merges; past the counters (e.g. 32 KV heads x 2,049 requests)

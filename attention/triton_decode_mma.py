@@ -17,7 +17,8 @@ are the other decodes' (`attention.decode_splits`): the partials are the same.
 
 `paged_decode` sends an FP8 cache here where `mma_applies` (the kernel option `fp8_kv_mma`,
 `MANTA_FP8_KV_MMA=1`, off by default until a GPU has measured it; a Hopper GPU or Triton's
-interpreter; 16-bit queries; head dims of 17 to 256).
+interpreter; 16-bit queries; decode batches of at least MIN_PROGRAMS (request, KV head) pairs;
+head dims of 17 to 256, value dims up to 256).
 """
 
 from __future__ import annotations
@@ -36,15 +37,22 @@ from attention.triton_decode import _load_block
 E4M3_MAX = 448.0
 BLOCK_N = 64  # keys a block: one warpgroup's wgmma M side
 STAGES = 3  # (not measured: a guess for the first GPU sweep)
+# Fewest (request, KV head) programs it takes: below, the words launch of `triton_decode` issues
+# fewer instructions a block (1,650 warp-instructions against 1,928, `scripts/decode_sass.py`).
+MIN_PROGRAMS = 65
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def mma_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def mma_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the FP8 cache's decode runs here: the option on, an e4m3 cache under 16-bit
-    queries, on a Hopper GPU (or the interpreter)."""
+    queries, at least MIN_PROGRAMS (request, KV head) pairs, head dims of 17-256 (e4m3 wgmma
+    takes K in 32s; past 256 the tiles outgrow the registers), on a Hopper GPU (or the
+    interpreter)."""
     if not kernel_options.current().fp8_kv_mma or k_cache.dtype != torch.float8_e4m3fn:
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or not 17 <= q.shape[-1] <= 256:  # (e4m3 wgmma: K in 32s)
+    if q.shape[0] * k_cache.shape[1] < MIN_PROGRAMS:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or not 17 <= q.shape[-1] <= 256 or v_cache.shape[-1] > 256:
         return False
     if _INTERPRETED:
         return True

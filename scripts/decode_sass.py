@@ -5,8 +5,8 @@
 elements or as 16-bit words by `attention.triton_decode._decode_stage1`, and the keys-on-M
 kernel of `attention.triton_decode_mma`), the registers, dynamic shared memory, and the SASS
 instructions of the longest loop (one 64-key block) with the commonest opcodes. Llama-8B heads
-(GROUP 4, dim 128), page size 16, bf16 output, pointers and strides 16-divisible as the
-launches give them. A proxy for the GPU: instructions issued and occupancy, not time.
+(GROUP 4, dim 128), page size 16, bf16 queries and output, pointers and the specialised strides
+16-divisible as the launches give them. A proxy for the GPU: instructions issued and occupancy, not time.
 """
 
 from __future__ import annotations
@@ -22,17 +22,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from attention.decode_splits import VARYING
 from attention.triton_decode import _decode_stage1
 from attention.triton_decode_mma import _decode_stage1_t
 
-POINTERS = {"Q": "*fp16", "K": "*fp8e4nv", "V": "*fp8e4nv", "PageTable": "*i32", "SeqLens": "*i32",
+POINTERS = {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv", "PageTable": "*i32", "SeqLens": "*i32",
             "MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16", "Counters": "*i32"}
 SCALARS = {"sm_scale_log2": "fp32", "num_splits": "i32"}
 STRIDES = ["stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_pb", "stride_ob",
            "stride_oh", "stride_os", "stride_lb", "stride_lh", "stride_outb", "stride_outh"]
 COMMON = dict(GROUP=4, HEAD_DIM=128, V_DIM=128, PAGE_SIZE=16, BLOCK_H=16, BLOCK_D=128, BLOCK_DV=128,
               PDL=True, MERGE=True, BLOCK_S=2, BLOCK_G=4, CHUNK_S=2, EARLY=False, BLOCK_N=64)
-OLD = dict(DOT_PREC="tf32", Q_TO_F16=False)
+OLD = dict(DOT_PREC="tf32", Q_TO_F16=True)  # bf16 queries over an FP8 cache: widened to float16 (decode_dtype)
 # (name, kernel, constexprs, warps, stages): the shipped launches at serve batches and the new kernel's
 VARIANTS = [
     ("elements 64,2,5", _decode_stage1, dict(OLD, WIDEN=False), 2, 5),
@@ -50,7 +51,7 @@ def _tool(name: str) -> str:
 
 def compile_sm90(fn, constexprs: dict, warps: int, stages: int):
     signature = {**POINTERS, **SCALARS, **{s: "i32" for s in STRIDES}, **{c: "constexpr" for c in constexprs}}
-    hinted = set(POINTERS) | (set(STRIDES) - {"stride_os"})
+    hinted = set(POINTERS) | (set(STRIDES) - {"stride_os"} - set(VARYING))  # (VARYING: never specialised)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(signature) if n in hinted}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})

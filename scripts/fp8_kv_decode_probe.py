@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from attention import kernel_options, kernels, torch_ops
+from attention import kernel_options, kernels, torch_ops, triton_decode_mma
 from attention.bench_kernels import _bench_graph, _paged
 from attention.kernel_options import KernelOptions
 from attention.triton_decode import choose_num_splits, paged_decode, stage1_launch
@@ -87,10 +87,17 @@ def main() -> None:
                   + (f"  (elements {','.join(map(str, e['launch']))}, words {','.join(map(str, wd['launch']))})"
                      if launch == "default" else ""))
         for st in a.mma_stages if a.kv == "fp8" else ():
+            before, least = kernel_options.current(), triton_decode_mma.MIN_PROGRAMS
             kernel_options.install(KernelOptions(fp8_kv_mma=True))
+            triton_decode_mma.MIN_PROGRAMS = 1  # the kernel at every batch here
             try:
                 def run_mma(st=st, args=(q, kc, vc, pt, lens, dim**-0.5, page), splits=splits, out=out):
                     paged_decode(*args, num_splits=splits, out=out, num_stages=st)
+                if a.plain:
+                    for _ in range(a.plain):
+                        run_mma()
+                    torch.cuda.synchronize()
+                    continue
                 run_mma()
                 err = (out.float() - ref).abs().max().item()
                 us = _bench_graph(run_mma)
@@ -98,7 +105,8 @@ def main() -> None:
                 print(f"  B={batch} ctx={ctx} mma stages {st}: {type(e).__name__}: {str(e)[:120]}")
                 us, err = None, None
             finally:
-                kernel_options.install(KernelOptions.from_env())
+                kernel_options.install(before)
+                triton_decode_mma.MIN_PROGRAMS = least
             results.append({"batch": batch, "ctx": ctx, "mma": {"stages": st, "us": us, "err": err,
                                                                 "gbps": nbytes / us / 1e3 if us else None}})
             print(f"{batch:>4} {ctx:>5} {'mma,' + str(st):>9} {(f'{us:8.1f} ({nbytes / us / 1e3:5.0f})' if us else '-'):>18}  {err}")
