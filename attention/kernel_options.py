@@ -43,7 +43,7 @@ What is left to choose is what a user or a benchmark needs:
   cache on a Hopper GPU puts the keys on the MMA's M side and multiplies them as e4m3 against
   queries quantized per head (`attention.triton_decode_mma`), instead of widening every cached
   element to float16 (the baseline). Compiled for sm_90 it issues 19% fewer instructions a block
-  than the element loads of serve batches and takes 112 registers against 255; it has not run on
+  than the element loads of serve batches and takes 116 registers against 255; it has not run on
   a GPU yet.
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).

@@ -192,9 +192,8 @@ def _decode_stage1(
     split = tl.program_id(2)
     # With EARLY (one row), before the PDL wait: the lengths and page table (written before the
     # forward's first kernel, which is not launched early, so complete), and the first block's
-    # keys and values except the newest token's (written by an earlier forward; the newest is
-    # written by this layer's qkv product or RoPE kernel, a predecessor). The cache reads then
-    # overlap the product's last programs; after the wait only q and one K/V row are loaded.
+    # keys and values except the newest token's (`_first_block`). The cache reads then overlap
+    # the product's last programs; after the wait only q and one K/V row are loaded.
     seq_len = tl.load(SeqLens + b)
     start, end, per_split = split_bounds(seq_len, split, num_splits, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
@@ -204,21 +203,9 @@ def _decode_stage1(
     heads = kvh * GROUP + offs_h
     if start < end:
         page_row = PageTable + b * stride_pb
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-        old = mask_n & (offs_n < seq_len - 1)
-        k = _load_block(K, slot, stride_kt, kvh * stride_kh, old, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN, False)
-        v = _load_block(V, slot, stride_vt, kvh * stride_vh, old, V_DIM, BLOCK_N, BLOCK_DV, WIDEN, False)
-        if EARLY:
-            pdl.wait(PDL)
-        newest = mask_n & (offs_n == seq_len - 1)
-        # past L1: a line loaded above may hold part of the newest row from before it was written
-        k = tl.where(newest[:, None],
-                     _load_block(K, slot, stride_kt, kvh * stride_kh, newest, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN, True), k)
-        v = tl.where(newest[:, None],
-                     _load_block(V, slot, stride_vt, kvh * stride_vh, newest, V_DIM, BLOCK_N, BLOCK_DV, WIDEN, True), v)
+        k, v, mask_n = _first_block(K, V, page_row, kvh, start, end, seq_len, stride_kt, stride_kh, stride_vt,
+                                    stride_vh, HEAD_DIM, V_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV, WIDEN, WIDEN,
+                                    EARLY, PDL)
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
         q = tl.load(
@@ -233,30 +220,80 @@ def _decode_stage1(
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
         m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PREC)
         for t0 in range(start + BLOCK_N, end, BLOCK_N):
-            offs_n = t0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-            slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+            slot, mask_n = _block_slots(page_row, t0, end, PAGE_SIZE, BLOCK_N)
             k = _load_block(K, slot, stride_kt, kvh * stride_kh, mask_n, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN, False)
             v = _load_block(V, slot, stride_vt, kvh * stride_vh, mask_n, V_DIM, BLOCK_N, BLOCK_DV, WIDEN, False)
             m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PREC)
         o_ptrs = MidO + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
         tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_dv[None, :])
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=mask_h)
-        if MERGE:  # the last split of (request, KV head) to finish merges them all
-            tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-            arrived = tl.atomic_add(Counters + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
-            n_active = tl.cdiv(seq_len, per_split)
-            if arrived == n_active - 1:
-                _merge_heads(MidO, MidLse, Out, b, kvh, n_active,
-                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                             GROUP, V_DIM, BLOCK_G, BLOCK_DV, BLOCK_S, CHUNK_S)
-                tl.atomic_xchg(Counters + b * tl.num_programs(1) + kvh, 0)
-    elif MERGE and split == 0 and seq_len == 0:  # no keys: the output is 0, as stage 2 writes
-        if EARLY:
-            pdl.wait(PDL)
-        o_ptrs = Out + b * stride_outb + heads[:, None] * stride_outh + offs_dv[None, :]
-        tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_DV], Out.dtype.element_ty), mask=mask_h[:, None] & mask_dv[None, :])
+        if MERGE:
+            _merge_if_last(MidO, MidLse, Out, Counters, b, kvh, seq_len, per_split,
+                           stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                           GROUP, V_DIM, BLOCK_G, BLOCK_DV, BLOCK_S, CHUNK_S)
+    elif MERGE and split == 0 and seq_len == 0:
+        _zero_output(Out, b, heads, mask_h, stride_outb, stride_outh, V_DIM, BLOCK_H, BLOCK_DV, EARLY, PDL)
+
+
+@triton.jit
+def _block_slots(page_row, t0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(cache slot of each of the BLOCK_N keys from t0, which of them are before `end`)."""
+    offs_n = t0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+    return page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE, mask_n
+
+
+@triton.jit
+def _first_block(K, V, page_row, kvh, start, end, seq_len, stride_kt, stride_kh, stride_vt, stride_vh,
+                 HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WIDEN_K: tl.constexpr, WIDEN_V: tl.constexpr,
+                 EARLY: tl.constexpr, PDL: tl.constexpr):
+    """(k, v, mask_n) of a split's first block (`_load_block`'s tiles; WIDEN_K / WIDEN_V for each).
+    With EARLY (one row) the keys and values but the newest token's are read before the PDL wait:
+    the newest is written by this layer's qkv product or RoPE kernel, a predecessor, and is read
+    after the wait, past L1 (a line loaded before may hold part of it from before it was written)."""
+    slot, mask_n = _block_slots(page_row, start, end, PAGE_SIZE, BLOCK_N)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    old = mask_n & (offs_n < seq_len - 1)
+    k = _load_block(K, slot, stride_kt, kvh * stride_kh, old, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN_K, False)
+    v = _load_block(V, slot, stride_vt, kvh * stride_vh, old, V_DIM, BLOCK_N, BLOCK_DV, WIDEN_V, False)
+    if EARLY:
+        pdl.wait(PDL)
+    newest = mask_n & (offs_n == seq_len - 1)
+    k = tl.where(newest[:, None],
+                 _load_block(K, slot, stride_kt, kvh * stride_kh, newest, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN_K, True), k)
+    v = tl.where(newest[:, None],
+                 _load_block(V, slot, stride_vt, kvh * stride_vh, newest, V_DIM, BLOCK_N, BLOCK_DV, WIDEN_V, True), v)
+    return k, v, mask_n
+
+
+@triton.jit
+def _merge_if_last(MidO, MidLse, Out, Counters, b, kvh, seq_len, per_split,
+                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                   GROUP: tl.constexpr, V_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+    """After a split wrote its partial: the last split of (request, KV head) to arrive merges them
+    all (`_merge_heads`) and leaves the counter at zero."""
+    tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+    arrived = tl.atomic_add(Counters + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
+    n_active = tl.cdiv(seq_len, per_split)
+    if arrived == n_active - 1:
+        _merge_heads(MidO, MidLse, Out, b, kvh, n_active,
+                     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                     GROUP, V_DIM, BLOCK_G, BLOCK_DV, BLOCK_S, CHUNK_S)
+        tl.atomic_xchg(Counters + b * tl.num_programs(1) + kvh, 0)
+
+
+@triton.jit
+def _zero_output(Out, b, heads, mask_h, stride_outb, stride_outh, V_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """A request with no keys: its output is 0, as stage 2 writes."""
+    if EARLY:
+        pdl.wait(PDL)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o_ptrs = Out + b * stride_outb + heads[:, None] * stride_outh + offs_dv[None, :]
+    tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_DV], Out.dtype.element_ty), mask=mask_h[:, None] & (offs_dv[None, :] < V_DIM))
 
 
 @triton.jit

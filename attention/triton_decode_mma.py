@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from attention import kernel_options, pdl
-from attention.decode_splits import VARYING, _merge_heads, split_bounds
-from attention.triton_decode import _load_block
+from attention.decode_splits import VARYING, split_bounds
+from attention.triton_decode import _block_slots, _first_block, _load_block, _merge_if_last, _zero_output
 
 E4M3_MAX = 448.0
 BLOCK_N = 64  # keys a block: one warpgroup's wgmma M side
@@ -123,21 +123,9 @@ def _decode_stage1_t(
     heads = kvh * GROUP + offs_h
     if start < end:
         page_row = PageTable + b * stride_pb
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-        old = mask_n & (offs_n < seq_len - 1)
-        k = _load_block(K, slot, stride_kt, kvh * stride_kh, old, HEAD_DIM, BLOCK_N, BLOCK_D, False, False)
-        v = _load_block(V, slot, stride_vt, kvh * stride_vh, old, V_DIM, BLOCK_N, BLOCK_DV, WIDEN, False)
-        if EARLY:
-            pdl.wait(PDL)
-        newest = mask_n & (offs_n == seq_len - 1)
-        # past L1: a line loaded above may hold part of the newest row from before it was written
-        k = tl.where(newest[:, None],
-                     _load_block(K, slot, stride_kt, kvh * stride_kh, newest, HEAD_DIM, BLOCK_N, BLOCK_D, False, True), k)
-        v = tl.where(newest[:, None],
-                     _load_block(V, slot, stride_vt, kvh * stride_vh, newest, V_DIM, BLOCK_N, BLOCK_DV, WIDEN, True), v)
+        k, v, mask_n = _first_block(K, V, page_row, kvh, start, end, seq_len, stride_kt, stride_kh, stride_vt,
+                                    stride_vh, HEAD_DIM, V_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV, False, WIDEN,
+                                    EARLY, PDL)  # the keys as e4m3
         offs_d = tl.arange(0, BLOCK_D)
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
@@ -148,27 +136,16 @@ def _decode_stage1_t(
         acc_t = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
         m_i, l_i, acc_t = _attend_block_t(q8, sq_log2, k, v, mask_n, m_i, l_i, acc_t)
         for t0 in range(start + BLOCK_N, end, BLOCK_N):
-            offs_n = t0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-            slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+            slot, mask_n = _block_slots(page_row, t0, end, PAGE_SIZE, BLOCK_N)
             k = _load_block(K, slot, stride_kt, kvh * stride_kh, mask_n, HEAD_DIM, BLOCK_N, BLOCK_D, False, False)
             v = _load_block(V, slot, stride_vt, kvh * stride_vh, mask_n, V_DIM, BLOCK_N, BLOCK_DV, WIDEN, False)
             m_i, l_i, acc_t = _attend_block_t(q8, sq_log2, k, v, mask_n, m_i, l_i, acc_t)
         o_ptrs = MidO + b * stride_ob + heads[None, :] * stride_oh + split * stride_os + offs_dv[:, None]
         tl.store(o_ptrs, acc_t / l_i[None, :], mask=mask_h[None, :] & mask_dv[:, None])
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=mask_h)
-        if MERGE:  # the last split of (request, KV head) to finish merges them all
-            tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-            arrived = tl.atomic_add(Counters + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
-            n_active = tl.cdiv(seq_len, per_split)
-            if arrived == n_active - 1:
-                _merge_heads(MidO, MidLse, Out, b, kvh, n_active,
-                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                             GROUP, V_DIM, BLOCK_G, BLOCK_DV, BLOCK_S, CHUNK_S)
-                tl.atomic_xchg(Counters + b * tl.num_programs(1) + kvh, 0)
-    elif MERGE and split == 0 and seq_len == 0:  # no keys: the output is 0, as stage 2 writes
-        if EARLY:
-            pdl.wait(PDL)
-        o_ptrs = Out + b * stride_outb + heads[:, None] * stride_outh + offs_dv[None, :]
-        tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_DV], Out.dtype.element_ty), mask=mask_h[:, None] & mask_dv[None, :])
+        if MERGE:
+            _merge_if_last(MidO, MidLse, Out, Counters, b, kvh, seq_len, per_split,
+                           stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                           GROUP, V_DIM, BLOCK_G, BLOCK_DV, BLOCK_S, CHUNK_S)
+    elif MERGE and split == 0 and seq_len == 0:
+        _zero_output(Out, b, heads, mask_h, stride_outb, stride_outh, V_DIM, BLOCK_H, BLOCK_DV, EARLY, PDL)
