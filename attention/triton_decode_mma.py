@@ -34,7 +34,6 @@ from attention import kernel_options, pdl
 from attention.decode_splits import VARYING, split_bounds
 from attention.triton_decode import _block_slots, _first_block, _load_block, _merge_if_last, _zero_output
 
-E4M3_MAX = 448.0
 BLOCK_N = 64  # keys a block: one warpgroup's wgmma M side
 STAGES = 3  # (not measured: a guess for the first GPU sweep)
 # Fewest (request, KV head) programs it takes: below, the words launch of `triton_decode` issues
@@ -65,7 +64,7 @@ def _hopper(index: int) -> bool:
 
 
 @triton.jit
-def _quantize_heads(q, BLOCK_H: tl.constexpr):
+def _quantize_heads(q):
     """(q8, s_q): q [BLOCK_H, D] float32 as e4m3 with one scale per head (row), s_q = max|q| / 448
     (heads of zeros get scale 1)."""
     amax = tl.max(tl.abs(q), 1)
@@ -129,7 +128,7 @@ def _decode_stage1_t(
         offs_d = tl.arange(0, BLOCK_D)
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-        q8, s_q = _quantize_heads(q, BLOCK_H)
+        q8, s_q = _quantize_heads(q)
         sq_log2 = s_q * sm_scale_log2
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
