@@ -1,7 +1,8 @@
 """The split-K partials of the paged decodes (`attention.triton_decode`, the MLA decode): which
 slice of a request's keys each split takes (`split_bounds`), and how the per-split partials
 (output, base-2 log-sum-exp) of a (request, head) merge into its output (`_merge_heads`, run by
-the last split to arrive; `merge_splits`, the separate stage-2 kernel)."""
+the last split to arrive: `_merge_if_last`; `merge_splits`, the separate stage-2 kernel), and
+the zeros of a request with no keys (`_zero_output`)."""
 
 from __future__ import annotations
 
@@ -121,3 +122,31 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, cache_seqlens: torc
         num_warps=4 if v_dim >= 256 else 2,
         launch_pdl=use_pdl,
     )
+
+
+@triton.jit
+def _merge_if_last(MidO, MidLse, Out, Counters, b, kvh, seq_len, per_split,
+                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                   GROUP: tl.constexpr, V_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+    """After a split wrote its partial: the last split of (request, KV head) to arrive merges them
+    all (`_merge_heads`) and leaves the counter at zero."""
+    tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+    arrived = tl.atomic_add(Counters + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
+    n_active = tl.cdiv(seq_len, per_split)
+    if arrived == n_active - 1:
+        _merge_heads(MidO, MidLse, Out, b, kvh, n_active,
+                     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                     GROUP, V_DIM, BLOCK_G, BLOCK_DV, BLOCK_S, CHUNK_S)
+        tl.atomic_xchg(Counters + b * tl.num_programs(1) + kvh, 0)
+
+
+@triton.jit
+def _zero_output(Out, b, heads, mask_h, stride_outb, stride_outh, V_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """A request with no keys: its output is 0, as stage 2 writes."""
+    if EARLY:
+        pdl.wait(PDL)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o_ptrs = Out + b * stride_outb + heads[:, None] * stride_outh + offs_dv[None, :]
+    tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_DV], Out.dtype.element_ty), mask=mask_h[:, None] & (offs_dv[None, :] < V_DIM))

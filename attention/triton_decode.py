@@ -35,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from attention import kernel_options, pdl
+from attention import kernel_options, pdl, triton_decode_mma
 from attention.arrival import COUNTERS, arrival_counters
-from attention.decode_splits import VARYING, _merge_heads, merge_splits, split_bounds
+from attention.decode_blocks import _block_slots, _first_block, _load_block
+from attention.decode_splits import VARYING, _merge_if_last, _zero_output, merge_splits, split_bounds
 
 LOG2E = 1.4426950408889634
 
@@ -236,101 +237,6 @@ def _decode_stage1(
 
 
 @triton.jit
-def _block_slots(page_row, t0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(cache slot of each of the BLOCK_N keys from t0, which of them are before `end`)."""
-    offs_n = t0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
-    page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-    return page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE, mask_n
-
-
-@triton.jit
-def _first_block(K, V, page_row, kvh, start, end, seq_len, stride_kt, stride_kh, stride_vt, stride_vh,
-                 HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WIDEN_K: tl.constexpr, WIDEN_V: tl.constexpr,
-                 EARLY: tl.constexpr, PDL: tl.constexpr):
-    """(k, v, mask_n) of a split's first block (`_load_block`'s tiles; WIDEN_K / WIDEN_V for each).
-    With EARLY (one row) the keys and values but the newest token's are read before the PDL wait:
-    the newest is written by this layer's qkv product or RoPE kernel, a predecessor, and is read
-    after the wait, past L1 (a line loaded before may hold part of it from before it was written)."""
-    slot, mask_n = _block_slots(page_row, start, end, PAGE_SIZE, BLOCK_N)
-    offs_n = start + tl.arange(0, BLOCK_N)
-    old = mask_n & (offs_n < seq_len - 1)
-    k = _load_block(K, slot, stride_kt, kvh * stride_kh, old, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN_K, False)
-    v = _load_block(V, slot, stride_vt, kvh * stride_vh, old, V_DIM, BLOCK_N, BLOCK_DV, WIDEN_V, False)
-    if EARLY:
-        pdl.wait(PDL)
-    newest = mask_n & (offs_n == seq_len - 1)
-    k = tl.where(newest[:, None],
-                 _load_block(K, slot, stride_kt, kvh * stride_kh, newest, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN_K, True), k)
-    v = tl.where(newest[:, None],
-                 _load_block(V, slot, stride_vt, kvh * stride_vh, newest, V_DIM, BLOCK_N, BLOCK_DV, WIDEN_V, True), v)
-    return k, v, mask_n
-
-
-@triton.jit
-def _merge_if_last(MidO, MidLse, Out, Counters, b, kvh, seq_len, per_split,
-                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                   GROUP: tl.constexpr, V_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
-    """After a split wrote its partial: the last split of (request, KV head) to arrive merges them
-    all (`_merge_heads`) and leaves the counter at zero."""
-    tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-    arrived = tl.atomic_add(Counters + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
-    n_active = tl.cdiv(seq_len, per_split)
-    if arrived == n_active - 1:
-        _merge_heads(MidO, MidLse, Out, b, kvh, n_active,
-                     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                     GROUP, V_DIM, BLOCK_G, BLOCK_DV, BLOCK_S, CHUNK_S)
-        tl.atomic_xchg(Counters + b * tl.num_programs(1) + kvh, 0)
-
-
-@triton.jit
-def _zero_output(Out, b, heads, mask_h, stride_outb, stride_outh, V_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-    """A request with no keys: its output is 0, as stage 2 writes."""
-    if EARLY:
-        pdl.wait(PDL)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    o_ptrs = Out + b * stride_outb + heads[:, None] * stride_outh + offs_dv[None, :]
-    tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_DV], Out.dtype.element_ty), mask=mask_h[:, None] & (offs_dv[None, :] < V_DIM))
-
-
-@triton.jit
-def _load_block(base, slot, stride_t, col0, rows, width, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                WIDEN: tl.constexpr, CG: tl.constexpr):
-    """The [BLOCK_N, BLOCK_D] tile of `base` at rows `slot` (stride_t apart), columns col0 + [0,
-    width), zero where `rows` is false or past `width`; read past L1 with CG. With WIDEN (an e4m3
-    cache under float16 products) the tile is loaded as 16-bit words of two elements and each
-    word widened to float16 by one `cvt.rn.f16x2.e4m3x2` in registers, before it meets a shared
-    memory layout: loaded as e4m3 and converted afterwards, Triton moves the conversion past the
-    dot operands' layout change and reshuffles single bytes in shared memory (~40% more
-    instructions in the loop, BENCHMARKS.md)."""
-    if WIDEN:
-        offs = tl.arange(0, BLOCK_D // 2)
-        ptrs = base.to(tl.pointer_type(tl.int16)) + slot[:, None] * (stride_t // 2) + col0 // 2 + offs[None, :]
-        mask = rows[:, None] & (offs[None, :] < width // 2)
-        if CG:
-            w = tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg")
-        else:
-            w = tl.load(ptrs, mask=mask, other=0)
-        pair = tl.inline_asm_elementwise(asm="cvt.rn.f16x2.e4m3x2 $0, $1;", constraints="=r,h", args=[w],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-        lo = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-        tile = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_D])
-    else:
-        offs = tl.arange(0, BLOCK_D)
-        ptrs = base + slot[:, None] * stride_t + col0 + offs[None, :]
-        mask = rows[:, None] & (offs[None, :] < width)
-        if CG:
-            tile = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            tile = tl.load(ptrs, mask=mask, other=0.0)
-    return tile
-
-
-@triton.jit
 def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PREC: tl.constexpr):
     """One block of keys into the online softmax: (m_i, l_i, acc) updated. An FP8 cache's
     block is widened to q's dtype here (its scales are folded into sm_scale and the output)."""
@@ -402,15 +308,12 @@ def paged_decode(
     block_dv = max(16, triton.next_power_of_2(v_dim))
     kernel, variant = _decode_stage1, {"DOT_PREC": dot_precision(q.dtype), "Q_TO_F16": to_f16}
     auto_n, auto_warps, auto_stages = stage1_launch(batch * kv_heads, q.dtype, k_cache.dtype, words)
-    if k_cache.dtype == torch.float8_e4m3fn:  # keys as e4m3 on the MMA's M side (an imported module: it imports this one)
-        from attention import triton_decode_mma
-
-        if triton_decode_mma.mma_applies(q, k_cache, v_cache):
-            kernel, variant = triton_decode_mma._decode_stage1_t, {}
-            auto_n, auto_warps, auto_stages = triton_decode_mma.BLOCK_N, 4, triton_decode_mma.STAGES
-            block_n, num_warps = auto_n, auto_warps  # one warpgroup's M side; the values as words where they can be
-            words = (can_widen_words(q, k_cache, v_cache) and kernel_options.current().fp8_kv_words
-                     if asked_words is None else asked_words and can_widen_words(q, k_cache, v_cache))
+    if triton_decode_mma.mma_applies(q, k_cache, v_cache):  # an FP8 cache's keys as e4m3 on the MMA's M side
+        kernel, variant = triton_decode_mma._decode_stage1_t, {}
+        auto_n, auto_warps, auto_stages = triton_decode_mma.BLOCK_N, 4, triton_decode_mma.STAGES
+        block_n, num_warps = auto_n, auto_warps  # one warpgroup's M side; the values as words where they can be
+        words = (can_widen_words(q, k_cache, v_cache) and kernel_options.current().fp8_kv_words
+                 if asked_words is None else asked_words and can_widen_words(q, k_cache, v_cache))
     block_n, num_warps, num_stages = block_n or auto_n, num_warps or auto_warps, num_stages or auto_stages
     use_pdl = pdl.enabled(q.device)
     # The last-arriving program merges; past the counters (e.g. 32 KV heads x 2,049 requests)

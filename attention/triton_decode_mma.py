@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from attention import kernel_options, pdl
-from attention.decode_splits import VARYING, split_bounds
-from attention.triton_decode import _block_slots, _first_block, _load_block, _merge_if_last, _zero_output
+from attention.decode_blocks import _block_slots, _first_block, _load_block
+from attention.decode_splits import VARYING, _merge_if_last, _zero_output, split_bounds
 
 BLOCK_N = 64  # keys a block: one warpgroup's wgmma M side
 STAGES = 3  # (not measured: a guess for the first GPU sweep)

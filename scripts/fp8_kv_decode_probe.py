@@ -1,5 +1,5 @@
 """Time the paged decode over an FP8 KV cache both ways (CUDA): e4m3 elements converted where
-Triton places the conversion against 16-bit words widened in registers as they are loaded (`attention.triton_decode._load_block`), per (batch, context) and stage-1
+Triton places the conversion against 16-bit words widened in registers as they are loaded (`attention.decode_blocks._load_block`), per (batch, context) and stage-1
 launch; Llama-8B heads (32 q / 8 KV, dim 128), bf16 queries, page size 16, random page tables.
 `--kv bf16` times a bf16 cache's launches instead (one way: "elements"). `--mma-stages N ...` also times
 the keys-on-M kernel (`attention.triton_decode_mma`, 64 keys on four warps) at each stage count; its
