@@ -55,8 +55,8 @@ def _install_interpreter_shims() -> None:
     create_dot = interp.InterpreterBuilder.create_dot
 
     def upcast(x):
-        if x.dtype in (tl.bfloat16, tl.float8e4nv):  # stored as unsigned ints: convert the bits, don't multiply them
-            data = interp._convert_float(x.data, x.dtype, tl.float32, None).view(np.float32)
+        if x.dtype == tl.bfloat16:  # stored as uint16: convert the bits, don't multiply them
+            data = interp._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
             return interp.TensorHandle(data, tl.float32)
         return x
 
