@@ -1,6 +1,7 @@
 """The router's index of what one replica's caches hold, kept from the replica's KV events
 (`cluster/engine/kv_events.py`): the chained block hashes of its pages on the GPU, in its ranks'
-host tier, and (in one index every replica's events feed, `StoreIndex`) in the shared store.
+host tier, and (in one index every replica's events feed, `StoreIndex`) in the shared store,
+less the pages the store itself reports removed (`kvstore/removals.py`).
 
 `cache_aware` routing scores a replica by the longest prefix of a prompt whose blocks it can
 serve, each block from the best tier that holds it, weighted by tier (`TIER_WEIGHTS`: a GPU
@@ -19,22 +20,53 @@ from cluster.engine.block_hash import cached_prefix_tokens, chain_hashes
 from cluster.engine.kv_events import GPU, HOST, REMOVED, STORE, STORED
 
 TIER_WEIGHTS = {GPU: 1.0, HOST: 0.8, STORE: 0.6}  # a cached prompt token's worth by where it is
-STORE_INDEX_MAX = 1_000_000  # store pages the router remembers (it never sees the store's evictions)
+STORE_INDEX_MAX = 1_000_000  # store pages the router remembers, most recent kept
 
 
 class StoreIndex:
-    """The shared store's pages, as every replica's events report them, most recent last."""
+    """The shared store's pages: what every replica's events report it wrote there, less what
+    the store reports it removed (`kvstore/removals.py`, pulled by `sync`), most recent last."""
 
     def __init__(self, capacity: int = STORE_INDEX_MAX) -> None:
         self.capacity = capacity
-        self.hashes: OrderedDict[int, None] = OrderedDict()
+        self.hashes: OrderedDict[int, str | None] = OrderedDict()  # block hash -> its chain key
+        self.chains: dict[str, int] = {}  # chain key -> block hash
+        self.epoch: str | None = None  # of the store's removal log
+        self.seq = 0
+        self.updated = 0.0  # monotonic time of the last removal pull that answered
 
-    def add(self, hashes) -> None:
-        for h in hashes:
-            self.hashes[h] = None
+    def add(self, hashes, keys=None) -> None:
+        for h, key in zip(hashes, keys if keys is not None else [None] * len(hashes)):
+            self.hashes[h] = key
             self.hashes.move_to_end(h)
+            if key is not None:
+                self.chains[key] = h
         while len(self.hashes) > self.capacity:
-            self.hashes.popitem(last=False)
+            self._forget(self.hashes.popitem(last=False))
+
+    def _forget(self, item: tuple[int, str | None]) -> None:
+        if item[1] is not None and self.chains.get(item[1]) == item[0]:
+            del self.chains[item[1]]
+
+    def sync(self, reply: dict) -> int:
+        """Take a store's `removed_since` reply; returns the pages it dropped from the index.
+        A reset lists every chain key the store holds (None: too many to list, so everything
+        is forgotten and relearnt from events); pages known only by hash stay."""
+        before = len(self.hashes)
+        if "reset" in reply:
+            present = reply["reset"]
+            keep = set(present) if present is not None else set()
+            for h, key in list(self.hashes.items()):
+                if key is not None and key not in keep:
+                    self._forget((h, self.hashes.pop(h)))
+        else:
+            for key in reply["removed"]:
+                h = self.chains.pop(key, None)
+                if h is not None and self.hashes.get(h) == key:
+                    del self.hashes[h]
+        self.epoch, self.seq = reply["epoch"], reply["seq"]
+        self.updated = time.monotonic()
+        return before - len(self.hashes)
 
     def __contains__(self, h: int) -> bool:
         return h in self.hashes
@@ -55,13 +87,13 @@ class KVIndex:
         if "snapshot" in reply:
             self.hashes = set(reply["snapshot"])
             self.host = set(reply.get("snapshot_host", ()))
-            self.store.add(reply.get("snapshot_store", ()))
+            self.store.add(reply.get("snapshot_store", ()), reply.get("snapshot_store_keys"))
         else:
-            for kind, hashes, *tier in reply["events"]:
-                tier = tier[0] if tier else GPU
+            for kind, hashes, *rest in reply["events"]:
+                tier = rest[0] if rest else GPU
                 if tier == STORE:
                     if kind == STORED:
-                        self.store.add(hashes)
+                        self.store.add(hashes, rest[1] if len(rest) > 1 else None)
                     continue
                 held = self.hashes if tier == GPU else self.host
                 if kind == STORED:

@@ -223,7 +223,13 @@ class Replica:
                 "vocab_size": self.engine.model_config.vocab_size if self.engine else 0,
                 "is_encoder_decoder": bool(self.engine and self.engine.model_config.is_encoder_decoder),
                 "matryoshka_dimensions": self.engine.model_config.matryoshka_dimensions if self.engine else None,
-                "embedding_size": self.engine.model_config.hidden_size if self.engine else None}
+                "embedding_size": self.engine.model_config.hidden_size if self.engine else None,
+                "kv_store": self.kv_store()}
+
+    def kv_store(self) -> tuple[str, str | None] | None:
+        """The shared KV store's (name, namespace) this replica writes to, or None."""
+        off = self.engine.kv_offload if self.engine is not None else None
+        return (off.store_name, off.namespace) if off is not None else None
 
     def kv_source(self):
         """Where decode replicas read the prompts this replica hands off (a KVSource), or None

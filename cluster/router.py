@@ -119,6 +119,8 @@ class Router:
         self.embedding_size = embedding_size
         self.replicas: dict[str, ReplicaHandle] = {}
         self.store_index = StoreIndex()  # the shared store's pages, from every replica's KV events
+        self.kv_store: tuple[str, str | None] | None = None  # the store's (name, namespace), from a replica's info
+        self._store_actor = None
         self._rr = itertools.count()
         self._poller: asyncio.Task | None = None
         self._inflight = 0
@@ -132,6 +134,8 @@ class Router:
                                             recent=RecentRoutes(self.options.kv_events_max_age_s),
                                             client=ReplicaClient(name, actor), role=info.get("role", "mixed"),
                                             kv_source=info.get("kv_source"))
+        if info.get("kv_store"):
+            self.kv_store = tuple(info["kv_store"])
         if self.metrics is not None:
             self.metrics.init_replica(name, self.options.policy)
             self.metrics.set_kv_capacity(name, info)
@@ -355,7 +359,7 @@ class Router:
         handles = list(self.replicas.values())
         refs = [h.actor.stats.remote() for h in handles]
         if self.options.policy == "cache_aware" and self.options.kv_events:
-            await asyncio.gather(*(self._pull_kv_events(h) for h in handles))
+            await asyncio.gather(*(self._pull_kv_events(h) for h in handles), self._pull_store_removals())
 
         async def one(h: ReplicaHandle, ref) -> None:
             try:
@@ -405,6 +409,25 @@ class Router:
             idx.apply(reply)
         if self.metrics is not None:
             self.metrics.set_kv_index(h.name, len(idx.hashes) * idx.block, idx.lag_s())
+
+    async def _pull_store_removals(self) -> None:
+        """Drop from the store index the pages the shared store removed (one call a poll; a
+        store that does not answer leaves the index as it is)."""
+        if self.kv_store is None:
+            return
+        idx = self.store_index
+        try:
+            if self._store_actor is None:  # (looked up once: a GCS round trip on the event loop)
+                self._store_actor = ray.get_actor(self.kv_store[0], namespace=self.kv_store[1])
+            reply = await asyncio.wait_for(self._store_actor.removed_since.remote(idx.epoch, idx.seq),
+                                           timeout=self.options.stats_timeout_s)
+        except Exception as exc:
+            logger.debug("router: the KV store's removals: %s", exc)
+            self._store_actor = None  # (a restarted store is a new actor)
+            return
+        dropped = idx.sync(reply)
+        if self.metrics is not None:
+            self.metrics.store_index(len(idx.hashes), dropped)
 
     async def start(self) -> None:
         if self._poller is None:

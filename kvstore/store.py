@@ -41,6 +41,7 @@ from kvstore.file_tier import FileTier
 from kvstore.keys import recent_pages, validate_key, validate_keys, validate_tag
 from kvstore.messages import STORE_NAME, LocateReply, PageLoc, ReserveReply, page_checksum
 from kvstore.ram_tier import RamTier
+from kvstore.removals import RemovalLog
 from kvstore.store_files import Entry, StoreFiles
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class KVStore(StoreFiles):
         # Registered with every backend that takes DRAM: UCX (clients) and POSIX (file tier).
         self.agent.register_memory([(self.ram.base, self.ram.capacity, 0, "")], "DRAM")
         self.index: dict[str, Entry] = {}
+        self.removals = RemovalLog()  # pages that left `index`, for the router (kvstore.removals)
         self.pending: dict[str, tuple[int, list[int], int]] = {}  # key -> (lease, slots, size)
         self.ram_lru: OrderedDict[str, None] = OrderedDict()
         self.files = FileTier(self.root, file_bytes, self.agent, self.agent_name, fsync)
@@ -184,6 +186,11 @@ class KVStore(StoreFiles):
     def keys(self) -> list[str]:
         with self._lock:
             return list(self.index)
+
+    def removed_since(self, epoch: str | None, seq: int) -> dict:
+        """Chain keys of the pages that left the store since `seq` (`kvstore.removals`)."""
+        with self._lock:
+            return self.removals.since(epoch, seq, lambda: list(self.index))
 
     def recent(self, tag: str, tp_size: int | None, limit: int) -> list[str]:
         """Chain keys of up to `limit` whole pages written by clients of model tag `tag` (MHA:
@@ -444,6 +451,7 @@ class KVStore(StoreFiles):
         self.ram_lru.pop(key, None)
         if not entry.on_file:
             del self.index[key]
+            self.removals.note(key)
 
     def _in_ram(self, key: str) -> Entry | None:
         """The entry with a RAM copy (read from its file if needed), or None (missing, no room,
@@ -472,6 +480,7 @@ class KVStore(StoreFiles):
         entry = self.index.pop(key, None)
         if entry is None:
             return
+        self.removals.note(key)
         if entry.slots is not None and not entry.loading:  # (a loading page's reader frees them)
             self.ram.give(entry.slots)
             entry.slots = None

@@ -16,6 +16,7 @@ from kvstore.file_tier import FileTier, file_bytes
 from kvstore.keys import validate_keys
 from kvstore.messages import page_checksum
 from kvstore.ram_tier import RamTier
+from kvstore.removals import RemovalLog
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class StoreFiles:
     ram: RamTier
     files: FileTier
     index: dict[str, Entry]
+    removals: RemovalLog
     dirty: OrderedDict[str, None]
     counters: Counter[str]
     _lock: threading.RLock
@@ -261,3 +263,4 @@ class StoreFiles:
             self.counters["file_evictions"] += 1
             if dropped.slots is None:
                 del self.index[victim]
+                self.removals.note(victim)

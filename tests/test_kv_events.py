@@ -263,6 +263,13 @@ def test_pages_the_gpu_evicts_after_a_save_move_to_the_host_tier_and_the_store()
     evicted = [h for p in PROMPTS_13 for h in chain_hashes(p, P)[:3] if h not in idx.hashes]
     assert len(evicted) > 6  # more than the host tier holds
     assert set(evicted) <= set(store.hashes)  # every evicted page was saved: the store has it
+    from kvstore.keys import chain_keys
+
+    key_of = {h: k for p in PROMPTS_13 for k, h in zip(chain_keys(p, P, "f" * 64, "mha"), chain_hashes(p, P))}
+    assert {h: store.hashes[h] for h in evicted} == {h: key_of[h] for h in evicted}  # named as the store names them
+    assert store.sync({"epoch": "s", "seq": 1, "removed": [key_of[evicted[0]]]}) == 1  # the store evicted one
+    assert evicted[0] not in store and idx.tiers(next(p for p in PROMPTS_13 if evicted[0] in chain_hashes(p, P)))["store"] < 12
+    store.add([evicted[0]], [key_of[evicted[0]]])
     assert idx.host == host_hashes(tier) and len(idx.host) == 6  # the host tier: what the rank's holds
     # Scored by tier: an evicted prompt the host tier still holds, one only the store holds.
     on_host = next(p for p in PROMPTS_13 if chain_hashes(p, P)[0] in idx.host)
@@ -272,6 +279,7 @@ def test_pages_the_gpu_evicts_after_a_save_move_to_the_host_tier_and_the_store()
     fresh = KVIndex(StoreIndex())
     fresh.apply(log.since(None, 0))
     assert fresh.hashes == idx.hashes and fresh.host == idx.host and set(fresh.store.hashes) == set(store.hashes)
+    assert fresh.store.chains == store.chains
 
 
 def test_the_host_tier_events_follow_the_ranks_own_reads():

@@ -559,6 +559,52 @@ def test_ram_eviction_spills_to_files_and_file_lru_deletes(ray_local, tmp_path):
     ray.kill(handle)
 
 
+def test_the_store_logs_the_pages_it_removes_and_the_router_index_follows(ray_local, tmp_path):
+    """Pages leave the store by the file LRU (no RAM copy left) and by `clear`; each is logged
+    once by its chain key, a reader from another epoch gets the chain keys present instead, and
+    the router (told the store's name by a replica's info, pulling each poll) drops from its
+    store index exactly the removed pages of those its replicas' events reported."""
+    import asyncio
+
+    from cluster.api.metrics import ServerMetrics
+    from cluster.router import Router, RouterOptions
+
+    page = 2048  # an MHA page of one rank: K and V keys of 2,048 bytes each
+    handle, name = new_store(tmp_path, ram_bytes=8 * page, slot_bytes=page, file_bytes=12 * page_file_bytes(page))
+    metrics = ServerMetrics()
+    router = Router(RouterOptions(), metrics, None, "m", max_context_len=4096, vocab_size=32000)
+    router.add_replica("a", object(), {"kv_store": (name, NS)})
+    index = router.store_index
+    c = client(handle, name, "mha", page_bytes=2 * page)
+    chain = c.chain_keys(tokens(12, salt=3), PAGE)
+    index.add(range(100, 112), chain)  # what the replica's events said it wrote (hash 100 + i: page i)
+    asyncio.run(router._pull_store_removals())  # a new reader: reset, and none is present yet
+    assert not index.hashes and index.epoch is not None
+    index.add(range(100, 112), chain)
+    for i in range(0, 12, 2):
+        assert c.batch_set(chain[i : i + 2], [[torch.full((page // 4,), float(i))] * 2 for _ in range(2)])
+    first = ray.get(handle.removed_since.remote(None, 0))
+    assert first["reset"] == sorted({k.split("-")[0] for k in ray.get(handle.keys.remote())})
+    assert ray.get(handle.stats.remote())["counters"]["file_evictions"] > 0  # the file LRU deleted the oldest
+    gone = [k for k in chain if not all(ray.get(handle.exists.remote([f"{k}-r0-k", f"{k}-r0-v"])))]
+    assert gone and gone == chain[: len(gone)]
+    assert ray.get(handle.removed_since.remote(index.epoch, index.seq))["removed"] == gone  # once each, by chain
+    asyncio.run(router._pull_store_removals())
+    assert set(index.hashes) == set(range(100 + len(gone), 112))
+    exported = metrics.render().decode()
+    assert f"manta:router_store_index_pages {12 - len(gone)}.0" in exported
+    assert f"manta:router_store_removals_total {12 + len(gone)}.0" in exported
+    # Caught up: nothing new. Then `clear` removes the rest.
+    assert ray.get(handle.removed_since.remote(index.epoch, index.seq))["removed"] == []
+    ray.get(handle.clear.remote())
+    assert index.sync(ray.get(handle.removed_since.remote(index.epoch, index.seq))) == 12 - len(gone)
+    assert not index.hashes and not index.chains
+    # A reader from another epoch (the store restarted) keeps only the pages present: none.
+    index.add([7], chain[:1])
+    assert index.sync(ray.get(handle.removed_since.remote("another", 3))) == 1
+    ray.kill(handle)
+
+
 def test_file_tier_never_fills_its_disk(ray_local, small_fs, caplog):
     """A file tier asked for 16 GiB on a 32 MiB filesystem: capped to the disk's free space
     beyond its reserve at start, and when someone else fills the disk while it runs it shrinks,

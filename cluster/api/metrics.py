@@ -231,6 +231,14 @@ class ServerMetrics:
             "manta:router_kv_event_lag_seconds", "Seconds since the router's index of the replica's cache was last "
             "brought up to date from its KV events (-1: never).", ["replica"], registry=r,
         )
+        self.router_store_index_pages = Gauge(
+            "manta:router_store_index_pages", "Pages of the shared KV store the router's index holds (replicas' "
+            "events of pages stored there, less the store's reports of pages it removed).", registry=r,
+        )
+        self.router_store_removals = Counter(
+            "manta:router_store_removals", "Pages the router dropped from its store index on the store's reports "
+            "of its evictions.", registry=r,
+        )
         self.request_errors = Counter(
             "manta:request_errors", "HTTP error responses, by status code.", ["code"], registry=r
         )
@@ -351,6 +359,11 @@ class ServerMetrics:
     def set_kv_index(self, replica: str, tokens: int, lag_s: float) -> None:
         self.router_kv_index_tokens.labels(replica).set(tokens)
         self.router_kv_event_lag.labels(replica).set(max(0.0, lag_s) if lag_s != float("inf") else -1)
+
+    def store_index(self, pages: int, dropped: int) -> None:
+        self.router_store_index_pages.set(pages)
+        if dropped > 0:
+            self.router_store_removals.inc(dropped)
 
     def record_retry(self, replica: str, reason: str) -> None:
         self.router_retries.labels(replica, reason).inc()

@@ -18,10 +18,11 @@ each step result (`HostTierPicture`, cluster/engine/kv_host_admission.py), and t
 keeps the chain key of each page it put in "host", turns those into `removed` from "host" (the
 store keeps them). A page goes into "host" when the GPU evicts it after its save, before the
 rank has said it published it (a save the rank drops leaves by the fallback below). A report
-comes a step or two after the save it answers, so the log may hold
-a few pages more than the tier for a moment; past `host_capacity` + `host_slack` pages (reports
-lost to a rank that restarted, say) its oldest go as well. The store's own evictions are not seen: the router bounds its store index
-instead. Events are (kind, hashes, tier).
+comes a step or two after the save it answers, so the log may hold a few pages more than the tier
+for a moment; past `host_capacity` + `host_slack` pages (reports lost to a rank that restarted,
+say) its oldest go as well. The store's own evictions are not seen here: the store logs them by
+chain key (`kvstore/removals.py`) and the router pulls them, so a "store" event carries the chain
+keys of its pages too. Events are (kind, hashes, tier), and (kind, hashes, "store", chain keys).
 
 A reader that is new, behind the retained window, or from another epoch (the replica's engine
 restarted) gets a snapshot of every cached page instead of deltas. Everything runs on the
@@ -63,11 +64,11 @@ class KVEventLog:
         # keys the rank evicted while the GPU still held their pages (saved early: write-through,
         # hot pages): their GPU eviction later finds the copy in the store alone
         self._host_gone: OrderedDict[str, None] = OrderedDict()
-        self._store: OrderedDict[int, None] = OrderedDict()
+        self._store: OrderedDict[int, str] = OrderedDict()  # block hash -> chain key, oldest first
         self.block = radix.page_size
         self.epoch = uuid.uuid4().hex
         self.seq = 0  # the last event's number
-        self._events: deque[tuple[int, str, list[int]]] = deque(maxlen=max_events)
+        self._events: deque[tuple] = deque(maxlen=max_events)  # (seq, kind, hashes, tier[, keys])
         self._lock = threading.Lock()
         self._page_hash: dict[int, int] = {}  # cached page -> its block hash
         self._snapshot()
@@ -91,15 +92,15 @@ class KVEventLog:
             kept = [(copied[p], h) for p, h in gone if h is not None and p in copied]
             if kept:
                 self._append(STORED, [h for key, h in kept if key not in self._host_gone], HOST)
-                self._append(STORED, [h for _, h in kept], STORE)
+                self._append(STORED, [h for _, h in kept], STORE, [key for key, _ in kept])
                 for key, h in kept:
                     if key in self._host_gone:  # (the host tier's copy is gone already)
                         del self._host_gone[key]
                         continue
                     self._host[key] = h
                     self._host.move_to_end(key)
-                for _, h in kept:
-                    self._store[h] = None
+                for key, h in kept:
+                    self._store[h] = key
                     self._store.move_to_end(h)
                 over = len(self._host) - self.host_capacity - self.host_slack
                 out = [self._host.popitem(last=False)[1] for _ in range(over)]
@@ -132,11 +133,11 @@ class KVEventLog:
             self.epoch = uuid.uuid4().hex  # every reader starts over from a snapshot
             self.seq = 0
 
-    def _append(self, kind: str, hashes: list[int], tier: str = GPU) -> None:
-        """(under the lock)"""
+    def _append(self, kind: str, hashes: list[int], tier: str = GPU, keys: list[str] | None = None) -> None:
+        """(under the lock) `keys`: a "store" event's chain keys, one per hash."""
         if hashes:
             self.seq += 1
-            self._events.append((self.seq, kind, hashes, tier))
+            self._events.append((self.seq, kind, hashes, tier) if keys is None else (self.seq, kind, hashes, tier, keys))
 
     def _snapshot(self) -> None:
         """Hashes of the pages already cached when the log starts (a walk of the tree)."""
@@ -150,16 +151,16 @@ class KVEventLog:
 
     # ---------------- the reader (any thread) ----------------
     def since(self, epoch: str | None, seq: int) -> dict:
-        """Events after `seq` of `epoch`: {"epoch", "seq", "block", "events": [(kind, hashes, tier)]},
-        or with "snapshot" (the GPU's pages), "snapshot_host" and "snapshot_store" instead, when
-        the reader cannot catch up."""
+        """Events after `seq` of `epoch`: {"epoch", "seq", "block", "events": [(kind, hashes, tier
+        [, chain keys])]}, or with "snapshot" (the GPU's pages), "snapshot_host", "snapshot_store"
+        and "snapshot_store_keys" (their chain keys) instead, when the reader cannot catch up."""
         with self._lock:
             out = {"epoch": self.epoch, "seq": self.seq, "block": self.block}
             first = self._events[0][0] if self._events else self.seq + 1
             if epoch != self.epoch or seq > self.seq or seq < first - 1:
                 out["snapshot"] = list(self._page_hash.values())
                 out["snapshot_host"], out["snapshot_store"] = list(self._host.values()), list(self._store)
+                out["snapshot_store_keys"] = list(self._store.values())
                 return out
-            out["events"] = [(kind, hashes, tier)
-                             for _, kind, hashes, tier in itertools.islice(self._events, seq - first + 1, None)]
+            out["events"] = [ev[1:] for ev in itertools.islice(self._events, seq - first + 1, None)]
             return out

@@ -229,6 +229,12 @@ def build() -> dash_b.Dashboard:
         "from its KV events (past 2 s the router routes on its memory instead; -1: never).",
         [(f"max by (replica) (manta:router_kv_event_lag_seconds{{{REPLICA}}})", "{{replica}}")], "s", width=12))
     n.panel(timeseries(
+        "Shared store in the router's index", "Pages of the shared KV store the router counts on (replicas' "
+        "events of pages written there, less those the store reports evicting), and pages per second it drops "
+        "on those reports.",
+        [("max(manta:router_store_index_pages)", "pages indexed"),
+         (_rate("manta:router_store_removals_total", labels=""), "removed / s")], "short", width=12))
+    n.panel(timeseries(
         "Prefill→decode transfers", "Disaggregated serving: KV bytes per second decode replicas read from "
         "prefill replicas over NIXL.",
         [(_rate("manta:pd_transfer_bytes_total", by="replica"), "{{replica}}")], "Bps", width=12))
