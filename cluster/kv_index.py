@@ -51,7 +51,9 @@ class StoreIndex:
     def sync(self, reply: dict) -> int:
         """Take a store's `removed_since` reply; returns the pages it dropped from the index.
         A reset lists every chain key the store holds (None: too many to list, so everything
-        is forgotten and relearnt from events); pages known only by hash stay."""
+        is forgotten and relearnt from events); pages known only by hash stay. (A page the store
+        dropped and a replica wrote again within one poll may be dropped here after its new
+        event: the index then undercounts it until its next event, never overcounts.)"""
         before = len(self.hashes)
         if "reset" in reply:
             present = reply["reset"]
