@@ -17,7 +17,7 @@
 # gemvfp8ab (the step's FP8 one-row launches swept on this GPU, then batch 1 with the fastest against FP8_LAUNCH's)
 # (`bench_gemv --fp8`) fp8tmaab (FP8 decode batches, MANTA_FP8_TMA=0 / 1 / 1 / 0; TMA_BATCH, TMA_FLAGS) fp8rowsab (FP8 decode batches and prefill, MANTA_FP8_ROWS=0 / 1) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
-# FP8_HTTP_MODES picks; fp8kvnotma: the last with MANTA_FP8_TMA=0) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8) dsv2q (bf16, --quantization fp8 with TMA on / off, block FP8) kvmma (the FP8 cache's
+# FP8_HTTP_MODES picks; fp8kvnotma: the last with MANTA_FP8_TMA=0; fp8kvmma / fp8kvnomma: with MANTA_FP8_KV_MMA=1 / 0) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8) dsv2q (bf16, --quantization fp8 with TMA on / off, block FP8) kvmma (the FP8 cache's
 # keys-on-M decode: tests, kernel probe, step A/B MANTA_FP8_KV_MMA=0 / 1 / 1 / 0, the first decode step's logits error) l8kvfp8 (batch 1/64 with the FP8 KV cache,
 # and the logits error it adds: scripts/kv_fp8_error.py).
 # (default: build tests profile l8 l8serve dsv2 spec). Each writes JSON to ${OUT:-/tmp/out};
@@ -191,9 +191,10 @@ for s in $stages; do
     l8fp8http) serve_model  # `manta serve` bf16 / --quantization fp8 / + --kv-cache-dtype fp8_e4m3, KV store on
         KV=${KV_DIR:-/tmp/kvstore}
         for mode in ${FP8_HTTP_MODES:-bf16 fp8 fp8kv}; do rm -rf "$KV"
-          tma=1; case $mode in bf16) q= ;; fp8) q="--quantization fp8" ;; fp8kv) q="--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
-            fp8kvnotma) q="--quantization fp8 --kv-cache-dtype fp8_e4m3"; tma=0 ;; kv) q="--kv-cache-dtype fp8_e4m3" ;; esac
-          MANTA_FP8_TMA=$tma serve_start "$mode" $F $q --kv-store $KV --kv-store-disk-gb ${KV_DISK_GB:-8} \
+          tma=1 mma=${MANTA_FP8_KV_MMA:-}; case $mode in bf16) q= ;; fp8) q="--quantization fp8" ;; fp8kv) q="--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
+            fp8kvnotma) q="--quantization fp8 --kv-cache-dtype fp8_e4m3"; tma=0 ;; kv) q="--kv-cache-dtype fp8_e4m3" ;;
+            fp8kvmma) q="--quantization fp8 --kv-cache-dtype fp8_e4m3"; mma=1 ;; fp8kvnomma) q="--quantization fp8 --kv-cache-dtype fp8_e4m3"; mma=0 ;; esac
+          MANTA_FP8_TMA=$tma MANTA_FP8_KV_MMA=$mma serve_start "$mode" $F $q --kv-store $KV --kv-store-disk-gb ${KV_DISK_GB:-8} \
             && { http_bench "l8_http_$mode"; serve_stop; }
         done; rm -rf "$KV" ;;
     kvmma) build /tmp/l8 --preset llama-3.1-8b  # the FP8 cache's decode with e4m3 keys on the MMA's M side (MANTA_FP8_KV_MMA):
