@@ -21,6 +21,7 @@ from cluster.engine.kv_events import GPU, HOST, REMOVED, STORE, STORED
 
 TIER_WEIGHTS = {GPU: 1.0, HOST: 0.8, STORE: 0.6}  # a cached prompt token's worth by where it is
 STORE_INDEX_MAX = 1_000_000  # store pages the router remembers, most recent kept
+RESYNC_EVERY_S = 600.0  # how often the store index is checked against the store's whole list
 
 
 class StoreIndex:
@@ -34,9 +35,13 @@ class StoreIndex:
         self.epoch: str | None = None  # of the store's removal log
         self.seq = 0
         self.updated = 0.0  # monotonic time of the last removal pull that answered
+        self.resynced = 0.0  # ... and of the last reset
 
     def add(self, hashes, keys=None) -> None:
         for h, key in zip(hashes, keys if keys is not None else [None] * len(hashes)):
+            old = self.hashes.get(h)
+            if old is not None and old != key:  # (another model's or TP size's name for the block)
+                self._forget((h, old))
             self.hashes[h] = key
             self.hashes.move_to_end(h)
             if key is not None:
@@ -51,16 +56,19 @@ class StoreIndex:
     def sync(self, reply: dict) -> int:
         """Take a store's `removed_since` reply; returns the pages it dropped from the index.
         A reset lists every chain key the store holds (None: too many to list, so everything
-        is forgotten and relearnt from events); pages known only by hash stay. (A page the store
-        dropped and a replica wrote again within one poll may be dropped here after its new
-        event: the index then undercounts it until its next event, never overcounts.)"""
+        is forgotten and relearnt from events); pages known only by hash stay. Pull the
+        replicas' events first: a removal applied before the event that reported the page's
+        write would be undone by it. What stays possible is an overcount: a page a replica
+        reports writing whose write the store refused, or that the store dropped before that
+        report reached the router, counts until a reset (`resync_due`)."""
         before = len(self.hashes)
         if "reset" in reply:
-            present = reply["reset"]
-            keep = set(present) if present is not None else set()
+            present = set(reply["reset"] or ())
             for h, key in list(self.hashes.items()):
-                if key is not None and key not in keep:
+                if key is not None and key not in present:
                     self._forget((h, self.hashes.pop(h)))
+            self.chains = {k: h for k, h in self.chains.items() if k in present}
+            self.resynced = time.monotonic()
         else:
             for key in reply["removed"]:
                 h = self.chains.pop(key, None)
@@ -69,6 +77,10 @@ class StoreIndex:
         self.epoch, self.seq = reply["epoch"], reply["seq"]
         self.updated = time.monotonic()
         return before - len(self.hashes)
+
+    def resync_due(self, every_s: float = RESYNC_EVERY_S) -> bool:
+        """Whether the next pull should ask the store for its whole list (a reset) again."""
+        return time.monotonic() - self.resynced > every_s
 
     def __contains__(self, h: int) -> bool:
         return h in self.hashes

@@ -121,6 +121,7 @@ class Router:
         self.store_index = StoreIndex()  # the shared store's pages, from every replica's KV events
         self.kv_store: tuple[str, str | None] | None = None  # the store's (name, namespace), from a replica's info
         self._store_actor = None
+        self._store_lookup = float("-inf")  # when the store's actor was last looked up
         self._rr = itertools.count()
         self._poller: asyncio.Task | None = None
         self._inflight = 0
@@ -359,7 +360,8 @@ class Router:
         handles = list(self.replicas.values())
         refs = [h.actor.stats.remote() for h in handles]
         if self.options.policy == "cache_aware" and self.options.kv_events:
-            await asyncio.gather(*(self._pull_kv_events(h) for h in handles), self._pull_store_removals())
+            await asyncio.gather(*(self._pull_kv_events(h) for h in handles))
+            await self._pull_store_removals()  # (after the events: see StoreIndex.sync)
 
         async def one(h: ReplicaHandle, ref) -> None:
             try:
@@ -415,19 +417,25 @@ class Router:
         store that does not answer leaves the index as it is)."""
         if self.kv_store is None:
             return
-        idx = self.store_index
+        idx, dropped = self.store_index, 0
         try:
-            if self._store_actor is None:  # (looked up once: a GCS round trip on the event loop)
-                self._store_actor = ray.get_actor(self.kv_store[0], namespace=self.kv_store[1])
-            reply = await asyncio.wait_for(self._store_actor.removed_since.remote(idx.epoch, idx.seq),
+            if self._store_actor is None:  # looked up off the loop (a GCS round trip), at most every 10 s
+                if time.monotonic() - self._store_lookup < 10.0:
+                    return
+                self._store_lookup = time.monotonic()
+                self._store_actor = await asyncio.to_thread(ray.get_actor, self.kv_store[0], namespace=self.kv_store[1])
+            epoch = None if idx.resync_due() else idx.epoch  # (None: the store lists what it holds)
+            reply = await asyncio.wait_for(self._store_actor.removed_since.remote(epoch, idx.seq),
                                            timeout=self.options.stats_timeout_s)
+            dropped = idx.sync(reply)
+        except ray.exceptions.RayActorError as exc:
+            logger.debug("router: the KV store's removals: %s", exc)
+            self._store_actor = None  # (gone for good: a store started again is a new actor)
         except Exception as exc:
             logger.debug("router: the KV store's removals: %s", exc)
-            self._store_actor = None  # (a restarted store is a new actor)
-            return
-        dropped = idx.sync(reply)
-        if self.metrics is not None:
-            self.metrics.store_index(len(idx.hashes), dropped)
+        finally:
+            if self.metrics is not None:
+                self.metrics.store_index(len(idx.hashes), dropped)
 
     async def start(self) -> None:
         if self._poller is None:

@@ -5,14 +5,17 @@ but only the store sees its own evictions: a RAM page dropped without a file cop
 LRU deletes with no RAM copy left, a page that failed its checksum, `clear()`. Without them the
 router would keep scoring a replica for a prefix the store no longer holds.
 
-`RemovalLog` numbers each page that leaves the index by its *chain key* (`kvstore.keys`: the
-page's name without the rank and K/V suffix, which is what the router knows a store page by). An
-MHA page is several store keys (K and V of every rank); the first of them to go makes the page
-unreadable, so that is the one that counts, and the rest repeat its chain key harmlessly.
+`RemovalLog` numbers each store key that leaves the index and hands readers its *chain key*
+(`kvstore.keys`: the page's name without the rank and K/V suffix, which is what the router knows
+a store page by). An MHA page is several store keys (K and V of every rank); the first of them to
+go makes the page unreadable, so that is the one that counts, and the rest repeat its chain key
+harmlessly (a reply lists each chain key once).
 
 A reader asks `since(epoch, seq)`. One that is new, from another epoch (the store restarted) or
-behind the retained window gets `reset` with every chain key the store holds now (or None past
-`RESYNC_MAX`: then the reader drops what it knows of the store and relearns it from events).
+behind the retained window gets `reset` instead: the store then lists every chain key it holds
+(`present_chains`, outside the store's lock; None past `RESYNC_MAX`: the reader drops what it
+knows of the store and relearns it from events). A chain key counts as present while any of its
+keys is, so after a reset an MHA page missing one rank's keys counts until it goes entirely.
 """
 
 from __future__ import annotations
@@ -38,21 +41,27 @@ class RemovalLog:
 
     def note(self, key: str) -> None:
         """`key` left the store's index (under the store's lock)."""
-        chain = chain_of(key)
-        if not self._removed or self._removed[-1][1] != chain:
-            self.seq += 1
-            self._removed.append((self.seq, chain))
+        self.seq += 1
+        self._removed.append((self.seq, key))
 
-    def since(self, epoch: str | None, seq: int, present) -> dict:
+    def since(self, epoch: str | None, seq: int) -> dict:
         """Chain keys removed after `seq` of `epoch`: {"epoch", "seq", "removed": [...]}, or
-        {"epoch", "seq", "reset": [chain keys present] | None}. `present()` lists the store keys
-        it holds (called only for a reset; under the store's lock)."""
+        {"epoch", "seq", "reset": True} when the reader must resync (under the store's lock:
+        cheap either way)."""
         out = {"epoch": self.epoch, "seq": self.seq}
         first = self._removed[0][0] if self._removed else self.seq + 1
         if epoch != self.epoch or seq > self.seq or seq < first - 1:
-            keys = present()
-            chains = {chain_of(k) for k in keys} if len(keys) <= RESYNC_MAX * 4 else None
-            out["reset"] = sorted(chains) if chains is not None and len(chains) <= RESYNC_MAX else None
+            out["reset"] = True
             return out
-        out["removed"] = [c for _, c in itertools.islice(self._removed, seq - first + 1, None)]
+        keys = (k for _, k in itertools.islice(self._removed, seq - first + 1, None))
+        out["removed"] = list(dict.fromkeys(chain_of(k) for k in keys))
         return out
+
+
+def present_chains(keys: list[str]) -> list[str] | None:
+    """A reset's list: the chain keys of `keys` (the store's, copied under its lock), sorted, or
+    None when there are more than `RESYNC_MAX`."""
+    if len(keys) > RESYNC_MAX * 16:  # (16 keys a page: K and V of 8 ranks)
+        return None
+    chains = {chain_of(k) for k in keys}
+    return sorted(chains) if len(chains) <= RESYNC_MAX else None

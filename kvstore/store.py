@@ -41,7 +41,7 @@ from kvstore.file_tier import FileTier
 from kvstore.keys import recent_pages, validate_key, validate_keys, validate_tag
 from kvstore.messages import STORE_NAME, LocateReply, PageLoc, ReserveReply, page_checksum
 from kvstore.ram_tier import RamTier
-from kvstore.removals import RemovalLog
+from kvstore.removals import RemovalLog, present_chains
 from kvstore.store_files import Entry, StoreFiles
 
 logger = logging.getLogger(__name__)
@@ -188,9 +188,14 @@ class KVStore(StoreFiles):
             return list(self.index)
 
     def removed_since(self, epoch: str | None, seq: int) -> dict:
-        """Chain keys of the pages that left the store since `seq` (`kvstore.removals`)."""
+        """Chain keys of the pages that left the store since `seq`, or a reset listing those
+        present (`kvstore.removals`; the listing is built outside the lock)."""
         with self._lock:
-            return self.removals.since(epoch, seq, lambda: list(self.index))
+            out = self.removals.since(epoch, seq)
+            keys = list(self.index) if "reset" in out else None
+        if keys is not None:
+            out["reset"] = present_chains(keys)
+        return out
 
     def recent(self, tag: str, tp_size: int | None, limit: int) -> list[str]:
         """Chain keys of up to `limit` whole pages written by clients of model tag `tag` (MHA:

@@ -311,6 +311,24 @@ def test_without_the_ranks_reports_the_host_tier_is_bounded():
     assert len(idx.host) == 6 + 2 and idx.host <= set(idx.store.hashes)
 
 
+def test_the_store_index_keeps_its_two_maps_in_step():
+    """A block hash renamed (another model's or TP size's chain key), evicted past capacity, or
+    dropped by a reset leaves no chain key behind; a removal of an old name drops nothing."""
+    from cluster.kv_index import StoreIndex
+
+    idx = StoreIndex(capacity=2)
+    idx.add([5, 6], ["a", "b"])
+    idx.add([6], ["c"])  # 6 renamed
+    assert idx.chains == {"a": 5, "c": 6}
+    assert idx.sync({"epoch": "e", "seq": 1, "removed": ["b"]}) == 0 and 6 in idx
+    idx.add([7], ["d"])  # past capacity: 5 goes, with its name
+    assert dict(idx.hashes) == {6: "c", 7: "d"} and idx.chains == {"c": 6, "d": 7}
+    idx.add([8])  # an event without chain keys (an older replica): known by hash alone
+    assert idx.chains == {"d": 7} and idx.sync({"epoch": "e", "seq": 2, "reset": []}) == 1
+    assert dict(idx.hashes) == {8: None} and idx.chains == {}
+    assert idx.resync_due(every_s=60) is False and idx.resync_due(every_s=0) is True
+
+
 def test_cache_aware_prefers_the_gpu_copy_then_the_host_tier_then_the_store():
     prompt = list(range(64))
     hashes = chain_hashes(prompt, 16)
