@@ -24,7 +24,7 @@ import itertools
 import uuid
 from collections import deque
 
-MAX_REMOVALS = 65_536  # chain keys retained (~11 MiB at worst); a reader further behind resyncs
+MAX_REMOVALS = 65_536  # store keys retained (~12 MiB at worst); a reader further behind resyncs
 RESYNC_MAX = 262_144  # chain keys a resync lists at most
 
 
