@@ -43,8 +43,9 @@ What is left to choose is what a user or a benchmark needs:
   cache on a Hopper GPU puts the keys on the MMA's M side and multiplies them as e4m3 against
   queries quantized per head (`attention.triton_decode_mma`), instead of widening every cached
   element to float16 (the baseline). Compiled for sm_90 it issues 19% fewer instructions a block
-  than the element loads of serve batches and takes 116 registers against 255; it has not run on
-  a GPU yet.
+  than the element loads of serve batches and takes 116 registers against 255, yet on an H100
+  (`gpu_bench.sh kvmma`, BENCHMARKS.md, 2026-12-07) it was 3-5% slower than the shipped loads
+  at batches 16-256 alone and 0.5-1.9% slower on the FP8 step at batches 16-128: off.
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """
@@ -73,7 +74,7 @@ class KernelOptions:
     fp8_rows: bool = True
     fp8_kv_words: bool = True
     fp8_tma: bool = True
-    fp8_kv_mma: bool = False  # opt-in until a GPU has measured it (above)
+    fp8_kv_mma: bool = False  # opt-in: slower on an H100 (above)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelOptions:

@@ -31,9 +31,10 @@ F=${F:-"--device cuda --page-size 16 --max-context-len 4096 --mem-fraction 0.6"}
 # (--load-format dummy): no 16 GB to write or read. Only for stages that load through `manta` with $F.
 F="$F${DUMMY:+ --load-format dummy}"
 stages=${*:-build tests profile l8 l8serve dsv2 spec}
-build() {  # build DIR ARGS...: a random-weight checkpoint, once
-  local d=$1; shift
-  [ -f "$d/config.json" ] || $M make-model "$d" "$@" --dtype bfloat16 ${DUMMY:+--no-weights} >/dev/null
+build() {  # build DIR ARGS...: a random-weight checkpoint, once (an FP8 format's weights are written even with DUMMY:
+  local d=$1 nw=${DUMMY:+--no-weights}; shift  # the format is in them)
+  case " $* " in *" --quantization "*) nw= ;; esac
+  [ -f "$d/config.json" ] || $M make-model "$d" "$@" --dtype bfloat16 $nw >/dev/null
 }
 # `manta serve` in its own process group, and the serve workload over HTTP (streamed, usage per chunk).
 SERVE_MODEL=${SERVE_MODEL:-/tmp/l8} PORT=${PORT:-8100} SPID=

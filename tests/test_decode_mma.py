@@ -4,7 +4,8 @@
 - Against the float32 reference on the dequantized cache, with queries that e4m3 holds exactly
   per head (e4m3 values at a power-of-two scale, each head's largest at +-448: the kernel's
   quantization gives them back bit for bit, whatever its rounding), so only the products'
-  bf16 round-off differs: tests/test_gpu_kernels.py's bf16 bounds. Mixed batches (lengths 1 to
+  round-off differs: tests/test_gpu_kernels.py's bf16 bounds, plus 2^-11 of the largest |value|
+  for the float16 probabilities of O = V^T P^T (`assert_close_p16`). Mixed batches (lengths 1 to
   1,030), GQA groups 1, 4 and 7, head dims 40, 80, 96 and 128, pages of 1 and 16 tokens, split
   counts chosen and 1.
 - On a GPU, against the reference with random bf16 queries: the round-off of q's e4m3 (rounded
@@ -25,7 +26,7 @@ from tests.test_gpu_kernels import (
     DECODE_LENS,
     DEVICE,
     INTERPRET,
-    assert_close,
+    TOL,
     gpu_only,
     paged_cache,
     ref_attention,
@@ -77,6 +78,16 @@ def _case(heads, kv_heads, dim, page_size, k_spread=3.0):
     return k8, v8, k8.float() * 0.02, v8.float() * 0.5, pt, tt, lens
 
 
+def assert_close_p16(got, ref, vmax: float):
+    """bf16's bounds (tests/test_gpu_kernels.py), plus what O = V^T P^T in float16 adds: each
+    unnormalized probability (<= 1) rounded by up to 2^-11 of itself, so an output moves by at
+    most 2^-11 of the largest |value| (the first GPU run, an H100 on 2026-12-07, had one output
+    of 4,096 at 0.0223 against bf16's 0.02 where the values reach 224)."""
+    assert not torch.isnan(got).any(), "unwritten (NaN-poisoned) or NaN output"
+    tol = TOL[BF16]
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol["atol"] + 2.0**-11 * vmax, rtol=tol["rtol"])
+
+
 def _decode(q, k8, v8, pt, lens, page_size, num_splits=None):
     scale = q.shape[-1] ** -0.5
     return paged_decode(q, k8, v8, pt, lens, scale * 0.02, page_size, num_splits=num_splits) * 0.5
@@ -94,7 +105,7 @@ def test_mma_decode_equals_the_reference(mma, heads, kv_heads, dim, page_size, n
     q = exact_queries(len(DECODE_LENS), heads, dim, seed=heads * dim)
     got = _decode(q, k8, v8, pt, lens, page_size, num_splits)
     assert mma and got.dtype == BF16
-    assert_close(got, _reference(q, kref, vref, tt), BF16)
+    assert_close_p16(got, _reference(q, kref, vref, tt), vref.abs().max().item())
 
 
 @pytest.mark.parametrize("lens", [[0, 1, 65, 1030], [1030], [64]])
@@ -111,7 +122,7 @@ def test_mma_decode_empty_rows_single_rows_and_every_output_written(mma, lens):
     live = [i for i, n in enumerate(lens) if n]
     ref = ref_attention(q[live], k8.float() * 0.02, v8.float() * 0.5, tt[live], [1] * len(live),
                         [lens[i] for i in live], 128**-0.5)
-    assert_close(out[live].float() * 0.5, ref, BF16)
+    assert_close_p16(out[live].float() * 0.5, ref, v8.float().abs().max().item() * 0.5)
     assert all(out[i].eq(0).all() for i, n in enumerate(lens) if not n)
 
 
