@@ -45,7 +45,9 @@ What is left to choose is what a user or a benchmark needs:
   element to float16 (the baseline). Compiled for sm_90 it issues 19% fewer instructions a block
   than the element loads of serve batches and takes 116 registers against 255, yet on an H100
   (`gpu_bench.sh kvmma`, BENCHMARKS.md, 2026-12-07) it was 3-5% slower than the shipped loads
-  at batches 16-256 alone and 0.5-1.9% slower on the FP8 step at batches 16-128: off.
+  at batches 16-256 alone and 0.5-1.9% slower on the FP8 step at batches 16-128: off. There the
+  shipped loads were already at 77-87% of the copy bandwidth; an H200 (40% more bandwidth, the
+  same SMs) is where fewer instructions could still pay, and its A/B is not run yet.
 Switches whose A/B is settled in BENCHMARKS.md kept no old path (GEMV_AHEAD, GEMV_ADD,
 GEMV_ROPE, DECODE_EARLY, DECODE_SPECIALIZE, DECODE_PREP).
 """
