@@ -11,6 +11,7 @@ import time
 
 from cluster.engine.config import KV_PREFETCH_POLICIES, KV_WRITE_POLICIES, EngineConfig, default_cache_dir
 from cluster.engine.kv_store_link import replica_identity, why_no_store
+from workers import actor_exit
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ def ensure_kv_store(config: EngineConfig, timeout_s: float = 120.0):
     try:
         handle = existing or get_or_create_store(
             config.kv_store, ram_bytes=max(int(config.kv_store_host_gb * 2**30), slot),
-            file_bytes=int(config.kv_store_disk_gb * 2**30), slot_bytes=slot)
+            file_bytes=int(config.kv_store_disk_gb * 2**30), slot_bytes=slot,
+            on_start=actor_exit.install)  # Ray's SIGTERM at shutdown never prints a traceback into the driver's log
         ray.get(handle.info.remote(), timeout=timeout_s)
         return handle, existing is None
     except Exception as exc:

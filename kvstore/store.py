@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,7 +67,9 @@ class KVStore(StoreFiles):
     commit/release. flush_interval_s: write-behind period (None: files only on spill, flush()
     or shutdown()). fsync: fsync every page file. verify_writes: re-checksum committed pages
     in the store (costs store CPU; the client verifies every read anyway). prefault: touch the
-    RAM tier at start (commits the memory; see RamTier).
+    RAM tier at start (commits the memory; see RamTier). on_start: called first thing in the
+    store's process (the caller's process set-up, e.g. `workers.actor_exit.install`, which this
+    layer cannot import).
     """
 
     def __init__(
@@ -80,7 +83,10 @@ class KVStore(StoreFiles):
         fsync: bool = False,
         verify_writes: bool = False,
         prefault: bool = True,
+        on_start: Callable[[], object] | None = None,
     ):
+        if on_start is not None:
+            on_start()
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.root = Path(root)

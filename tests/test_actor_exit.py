@@ -84,3 +84,23 @@ def test_sigterm_in_a_weakref_callback(ray_local, hook):
         assert "Exception ignored in" in log and "Traceback" in log and "SystemExit" in log, log
         assert os.path.exists(f"/proc/{pid}")
         ray.kill(actor)
+
+
+def test_the_kv_store_actor_gets_the_hook(ray_local, tmp_path_factory):
+    """The store actor `manta serve` starts (`cluster.kv_store_setup.ensure_kv_store`) installs
+    the hook in its own process, though `kvstore` cannot import `workers`."""
+    import sys
+
+    from cluster.engine.config import EngineConfig
+    from cluster.kv_store_setup import ensure_kv_store
+    from tests.fixtures import tiny_model_dir
+
+    config = EngineConfig(model=str(tiny_model_dir(tmp_path_factory, "llama")), page_size=16,
+                          kv_store=str(tmp_path_factory.mktemp("store")), kv_store_host_gb=0.01, kv_store_disk_gb=0.01)
+    store, created = ensure_kv_store(config)
+    assert created
+    try:
+        hooked = ray.get(store.__ray_call__.remote(lambda _self: getattr(sys.unraisablehook, actor_exit._INSTALLED, False)))
+        assert hooked is True
+    finally:
+        ray.kill(store)
