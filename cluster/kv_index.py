@@ -34,8 +34,7 @@ class StoreIndex:
         self.chains: dict[str, int] = {}  # chain key -> block hash
         self.epoch: str | None = None  # of the store's removal log
         self.seq = 0
-        self.updated = 0.0  # monotonic time of the last removal pull that answered
-        self.resynced = 0.0  # ... and of the last reset
+        self.resynced = 0.0  # monotonic time of the last reset
 
     def add(self, hashes, keys=None) -> None:
         for h, key in zip(hashes, keys if keys is not None else [None] * len(hashes)):
@@ -75,7 +74,6 @@ class StoreIndex:
                 if h is not None and self.hashes.get(h) == key:
                     del self.hashes[h]
         self.epoch, self.seq = reply["epoch"], reply["seq"]
-        self.updated = time.monotonic()
         return before - len(self.hashes)
 
     def resync_due(self, every_s: float = RESYNC_EVERY_S) -> bool:

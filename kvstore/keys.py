@@ -204,6 +204,12 @@ def rank_keys(chain_key: str, layout: str, tp_rank: int) -> list[str]:
     return [f"{chain_key}-r{tp_rank}-k", f"{chain_key}-r{tp_rank}-v"]
 
 
+def chain_of(key: str) -> str:
+    """The chain key a store key belongs to (`rank_keys` appends "-r<rank>-k|v" for MHA; an MLA
+    key is its chain key)."""
+    return key[:64]
+
+
 def store_keys(chain: Sequence[str], layout: str, tp_rank: int) -> list[str]:
     """Store keys of pages `chain` for one rank, page-major (a page's keys are consecutive)."""
     return [k for c in chain for k in rank_keys(c, layout, tp_rank)]
@@ -267,7 +273,7 @@ def recent_pages(index: dict, lrus: Sequence, tag: str, tp_size: int | None, lim
     seen: set[str] = set()
     for lru in lrus:
         for key in reversed(lru):
-            chain = key[:64]
+            chain = chain_of(key)
             if chain in seen or (tp_size is None) != (len(key) == 64):
                 continue
             seen.add(chain)

@@ -24,13 +24,10 @@ import itertools
 import uuid
 from collections import deque
 
+from kvstore.keys import chain_of
+
 MAX_REMOVALS = 65_536  # store keys retained (~12 MiB at worst); a reader further behind resyncs
 RESYNC_MAX = 262_144  # chain keys a resync lists at most
-
-
-def chain_of(key: str) -> str:
-    """The chain key a store key belongs to ("<chain>-r<rank>-k|v" for MHA; MLA's is the chain)."""
-    return key.split("-", 1)[0]
 
 
 class RemovalLog:
