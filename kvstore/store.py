@@ -43,7 +43,8 @@ from kvstore.keys import recent_pages, validate_key, validate_keys, validate_tag
 from kvstore.messages import STORE_NAME, LocateReply, PageLoc, ReserveReply, page_checksum
 from kvstore.ram_tier import RamTier
 from kvstore.removals import RemovalLog, present_chains
-from kvstore.store_files import Entry, StoreFiles
+from kvstore.store_files import Entry
+from kvstore.store_ram import StoreRam
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class _Lease:
     entries: list[Entry] = field(default_factory=list)
 
 
-class KVStore(StoreFiles):
+class KVStore(StoreRam):
     """Plain class; `kvstore.actor.get_or_create_store` wraps it into the named Ray actor.
 
     root: directory of the file tier (pages there survive a restart). ram_bytes / file_bytes:
@@ -417,7 +418,7 @@ class KVStore(StoreFiles):
                 out.append(ok)
             return out
 
-    # ---------------- RAM tier ----------------
+    # ---------------- leases and UCX progress ----------------
     def _new_lease(self, kind: str, client: str) -> _Lease:
         lease = _Lease(self._next_lease, kind, client, time.monotonic() + self.lease_s)
         self.leases[lease.id] = lease
@@ -429,89 +430,6 @@ class KVStore(StoreFiles):
         for lid in [lid for lid, lease in self.leases.items() if lease.deadline < now]:
             self.counters["leases_expired"] += 1
             self.release(lid)
-
-    def _alloc(self, size: int, spill: bool = True) -> list[int] | None:
-        """Slots for `size` bytes, evicting unpinned RAM pages, LRU first: pages on file
-        already (they leave at no cost), then — `spill`, or while the file tier refuses writes
-        (their pages are dropped then, as before) — dirty ones, written to files first under the
-        lock (the flusher writes them outside it, ahead of need)."""
-        n = self.ram.slots_for(size)
-        if n > self.ram.num_slots:
-            return None
-        while self.ram.num_free < n:
-            victim = next((k for k in self.ram_lru if self.index[k].pins == 0 and self.index[k].on_file), None)
-            if victim is None and (spill or not self.files.writable()):
-                victim = next((k for k in self.ram_lru if self.index[k].pins == 0), None)
-            if victim is None:
-                return None
-            self._evict_ram(victim)
-        return self.ram.take(n)
-
-    def _evict_ram(self, key: str) -> None:
-        entry = self.index[key]
-        if not entry.on_file:
-            self.dirty.pop(key, None)
-            if self._write_file(key, entry):
-                self.counters["spills"] += 1
-            else:
-                self.counters["ram_dropped"] += 1
-        self.counters["ram_evictions"] += 1
-        assert entry.slots is not None
-        self.ram.give(entry.slots)
-        entry.slots = None
-        self.ram_lru.pop(key, None)
-        if not entry.on_file:
-            del self.index[key]
-            self.removals.note(key)
-
-    def _in_ram(self, key: str) -> Entry | None:
-        """The entry with a RAM copy (read from its file if needed), or None (missing, no room,
-        or its file failed its checks and was deleted)."""
-        entry = self.index.get(key)
-        if entry is None or entry.loading:
-            return None
-        if entry.slots is None:
-            self.files.touch(key)
-            slots = self._slots_for_file_page(key, entry)
-            if slots is None:
-                return None
-            if not self._read_file(key, entry, slots):
-                self.ram.give(slots)
-                self._corrupt(key)
-                return None
-            entry.slots = slots
-            self.ram_lru[key] = None
-        else:
-            self.ram_lru.move_to_end(key)
-        if entry.on_file:
-            self.files.touch(key)
-        return entry
-
-    def _delete(self, key: str) -> None:
-        entry = self.index.pop(key, None)
-        if entry is None:
-            return
-        self.removals.note(key)
-        if entry.slots is not None and not entry.loading:  # (a loading page's reader frees them)
-            self.ram.give(entry.slots)
-            entry.slots = None
-        self.ram_lru.pop(key, None)
-        self.dirty.pop(key, None)
-        if entry.on_file:
-            entry.on_file = False
-            self.files.remove(key)
-
-    def _drop_bad(self, key: str, entry: Entry) -> None:
-        """A page whose file failed its read: free its RAM copy and delete it."""
-        self.ram.give(entry.slots)
-        entry.slots = None
-        self._corrupt(key)
-
-    def _corrupt(self, key: str) -> None:
-        logger.warning("kv store: page %s failed its checks; deleted", key)
-        self.counters["corrupt"] += 1
-        self.counters["errors"] += 1
-        self._delete(key)
 
     def _progress(self) -> None:
         """Progress the UCX worker: the target side of a client's transfer (connection set-up,
@@ -526,7 +444,6 @@ class KVStore(StoreFiles):
 
     def _recent_register(self) -> bool:
         return time.monotonic() - self._registered_at < 2.0
-
 
 
 def _node_id() -> str | None:
