@@ -183,7 +183,7 @@ class Engine:
             tracked = self._tracked.pop(rid, None)
             self._wake.notify()
         if req is not None and tracked is not None:
-            self._deliver([(tracked, self._final_output(req, FinishReason.ABORT.value))])
+            self._deliver([(tracked, req.final_output(FinishReason.ABORT.value))])
 
     def stats(self) -> dict:
         """What a replica reports (`ServerMetrics.update_replica_stats`). Read without the lock:
@@ -325,27 +325,9 @@ class Engine:
             lps = req.prompt_logprobs
             out.prompt_logprobs = [None] + lps[1 : req.num_prompt_tokens] + [None] * (req.num_prompt_tokens - len(lps))
         if req.finished:
-            req.finish_time = now
-            out.finished = True
-            out.finish_reason = req.finish_reason.value if req.finish_reason else None
-            if req.finish_reason == FinishReason.ERROR:
-                out.error, out.error_type = req.error or "the replica failed the request", "internal"
-            out.ttft_s = (req.first_token_time or now) - req.arrival_time
-            out.e2e_s = now - req.arrival_time
-            out.queue_s = (req.scheduled_time or now) - req.arrival_time
-            out.arrival_wall = req.arrival_wall
-            if req.first_token_time is not None:
-                out.first_token_wall = req.arrival_wall + (req.first_token_time - req.arrival_time)
+            req.stamp_finish(out, now)
             del self._tracked[req.rid]
         return tracked, out
-
-    def _final_output(self, req: Request, reason: str, error: str | None = None,
-                      error_type: str | None = None) -> RequestOutput:
-        return RequestOutput(
-            rid=req.rid, finished=True, finish_reason=reason, error=error, error_type=error_type,
-            prompt_tokens=req.num_prompt_tokens, completion_tokens=req.num_output_tokens,
-            cached_tokens=req.cached_tokens,
-        )
 
     def fail_all(self, error: str, close: bool = False, error_type: str = "internal") -> None:
         """Finish every request with an error (the worker group died). Requests that had no
@@ -362,7 +344,7 @@ class Engine:
             self._tracked.clear()
             for t in tracked:
                 self.scheduler.finish(t.req, FinishReason.ERROR)
-        self._deliver([(t, self._final_output(t.req, FinishReason.ERROR.value, error,
+        self._deliver([(t, t.req.final_output(FinishReason.ERROR.value, error,
                                               "unavailable" if t.req.num_output_tokens <= t.req.resumed
                                               else error_type))
                        for t in tracked])

@@ -117,6 +117,26 @@ class Request:
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
+    def final_output(self, reason: str, error: str | None = None, error_type: str | None = None) -> RequestOutput:
+        """The one output of a request ended outside a step (aborted, or its replica failed)."""
+        return RequestOutput(rid=self.rid, finished=True, finish_reason=reason, error=error, error_type=error_type,
+                             prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
+                             cached_tokens=self.cached_tokens)
+
+    def stamp_finish(self, out: RequestOutput, now: float) -> None:
+        """Mark `out` as this finished request's last output, with its reason and timings."""
+        self.finish_time = now
+        out.finished = True
+        out.finish_reason = self.finish_reason.value if self.finish_reason else None
+        if self.finish_reason == FinishReason.ERROR:
+            out.error, out.error_type = self.error or "the replica failed the request", "internal"
+        out.ttft_s = (self.first_token_time or now) - self.arrival_time
+        out.e2e_s = now - self.arrival_time
+        out.queue_s = (self.scheduled_time or now) - self.arrival_time
+        out.arrival_wall = self.arrival_wall
+        if self.first_token_time is not None:
+            out.first_token_wall = self.arrival_wall + (self.first_token_time - self.arrival_time)
+
 
 @dataclass
 class RequestOutput:
