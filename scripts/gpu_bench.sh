@@ -18,7 +18,7 @@
 # (`bench_gemv --fp8`) fp8tmaab (FP8 decode batches, MANTA_FP8_TMA=0 / 1 / 1 / 0; TMA_BATCH, TMA_FLAGS) fp8rowsab (FP8 decode batches and prefill, MANTA_FP8_ROWS=0 / 1) l8fp8serve (in-process serve workload) l8fp8http
 # (through `manta serve`: bf16, --quantization fp8, and FP8 weights + --kv-cache-dtype fp8_e4m3, one after another;
 # FP8_HTTP_MODES picks; fp8kvnotma: the last with MANTA_FP8_TMA=0; fp8kvmma / fp8kvnomma: with MANTA_FP8_KV_MMA=1 / 0) dsv2fp8 (DeepSeek-V2-Lite shape in block FP8) dsv2q (bf16, --quantization fp8 with TMA on / off, block FP8) kvmma (the FP8 cache's
-# keys-on-M decode: tests, kernel probe, step A/B MANTA_FP8_KV_MMA=0 / 1 / 1 / 0, the first decode step's logits error) l8kvfp8 (batch 1/64 with the FP8 KV cache,
+# keys-on-M decode: tests, kernel probe, step A/B MANTA_FP8_KV_MMA=0 / 1 / 1 / 0, the logits error of a first decode step of 16 prompts together) l8kvfp8 (batch 1/64 with the FP8 KV cache,
 # and the logits error it adds: scripts/kv_fp8_error.py).
 # (default: build tests profile l8 l8serve dsv2 spec). Each writes JSON to ${OUT:-/tmp/out};
 # models are built once under /tmp (`build` makes both in parallel: run it in the background beside `tests`, then `wait`).
@@ -208,7 +208,7 @@ for s in $stages; do
             --batch ${KVMMA_BATCH:-1 16 64 128} --steps 32 --input-len ${KVMMA_LEN:-1536} --out "$OUT/kvmma_latency_${i}_$v.json" \
             2>&1 | grep "p50\|fraction"; done
         for v in 0 1; do echo "--- logits error, MANTA_FP8_KV_MMA=$v"; MANTA_FP8_KV_MMA=$v python3 scripts/kv_fp8_error.py /tmp/l8 $F \
-          --kv-cache-tokens 32768 --num-prompts 16 --input-len 1024 --decode --out "$OUT/kvmma_error_$v.json" 2>&1 | grep -v "INFO\|Warning" | tail -7; done ;;
+          --kv-cache-tokens 32768 --num-prompts 16 --input-len 1024 --decode --together --out "$OUT/kvmma_error_$v.json" 2>&1 | grep -v "INFO\|Warning" | tail -7; done ;;
     l8kvfp8) build /tmp/l8 --preset llama-3.1-8b  # the FP8 KV cache: decode steps, and the logits error it adds
         $M bench latency --model /tmp/l8 $F --kv-cache-dtype fp8_e4m3 --batch 1 64 --steps 48 --input-len 512 \
           --out "$OUT/l8_latency_kvfp8.json"

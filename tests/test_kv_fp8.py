@@ -290,3 +290,33 @@ def test_store_identity_follows_the_scales(llama, tmp_path, monkeypatch):
     assert ident(llama, "float32", "cpu", 16, 1)[0] == ident(str(other), "float32", "cpu", 16, 1)[0]
     assert ident(llama, "float32", "cpu", 16, 1, None, "fp8_e4m3")[0] != \
         ident(str(other), "float32", "cpu", 16, 1, None, "fp8_e4m3")[0]
+
+
+def test_the_logits_error_script_reads_each_prompt_s_row_of_a_batched_step(llama):
+    """`scripts/kv_fp8_error.py --together` (every prompt in one prefill step and one decode step,
+    as serving batches run the decode kernel) maps each step's logits rows back to their
+    requests: on the CPU, where a row's math does not depend on its batch, each prompt's rows
+    equal those of the prompts run one at a time, in the same order; and the decode rows are not
+    the prefill's."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "kv_fp8_error.py"
+    spec = importlib.util.spec_from_file_location("kv_fp8_error", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 513, (n,), generator=gen).tolist() for n in (20, 9, 31, 14, 20)]
+    one = EngineConfig(model=llama, page_size=4, kv_cache_dtype="fp8_e4m3")
+    together = EngineConfig(model=llama, page_size=4, kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=128,
+                            chunked_prefill_size=64)
+    for decode in (False, True):
+        alone = script.first_logits(one, prompts, decode)
+        batched = script.first_logits(together, prompts, decode, together=True)
+        assert alone.shape == batched.shape == (len(prompts), 513)
+        torch.testing.assert_close(batched, alone, atol=1e-4, rtol=1e-4)
+        assert (alone.argmax(-1).unique().numel() > 1)  # the rows differ: a permutation would show
+    prefill = script.first_logits(together, prompts, False, together=True)
+    assert (prefill - batched).abs().max() > 1e-2
+    with pytest.raises(RuntimeError, match="max-num-batched-tokens"):  # steps that split the prompts: refused
+        script.first_logits(EngineConfig(model=llama, page_size=4, max_num_batched_tokens=40), prompts, True,
+                            together=True)
