@@ -30,6 +30,7 @@ F=${F:-"--device cuda --page-size 16 --max-context-len 4096 --mem-fraction 0.6"}
 # DUMMY=1: models built without weight files and served on random weights drawn at load
 # (--load-format dummy): no 16 GB to write or read. Only for stages that load through `manta` with $F.
 F="$F${DUMMY:+ --load-format dummy}"
+FW=${F/ --load-format dummy/}  # an FP8 checkpoint's own weights (dummy weights are unquantized: refused for it)
 stages=${*:-build tests profile l8 l8serve dsv2 spec}
 build() {  # build DIR ARGS...: a random-weight checkpoint, once (an FP8 format's weights are written even with DUMMY:
   local d=$1 nw=${DUMMY:+--no-weights}; shift  # the format is in them)
@@ -217,13 +218,13 @@ for s in $stages; do
         python3 scripts/kv_fp8_error.py /tmp/l8 $F --kv-cache-tokens 32768 --num-prompts 16 --input-len 1024 --out "$OUT/l8_kvfp8_error.json" \
           2>&1 | grep -v "INFO\|Warning" | tail -6 ;;
     dsv2fp8) build /tmp/dsv2fp8 --preset deepseek-v2-lite --quantization fp8-block  # DeepSeek-V3's FP8 format
-        $M bench latency --model /tmp/dsv2fp8 $F --batch 1 16 --steps 24 --input-len 512 --out "$OUT/dsv2_latency_fp8.json" ;;
+        $M bench latency --model /tmp/dsv2fp8 $FW --batch 1 16 --steps 24 --input-len 512 --out "$OUT/dsv2_latency_fp8.json" ;;
     dsv2q) build /tmp/dsv2 --preset deepseek-v2-lite  # DeepSeek-V2-Lite's step: bf16, --quantization fp8 (channel FP8,
         build /tmp/dsv2fp8 --preset deepseek-v2-lite --quantization fp8-block  # experts too; TMA on, then off), block FP8
-        for v in ${DSV2Q:-bf16 fp8 fp8notma block}; do echo "--- $v"; m=/tmp/dsv2 q= tma=1
-          case $v in fp8) q="--quantization fp8" ;; fp8notma) q="--quantization fp8"; tma=0 ;; block) m=/tmp/dsv2fp8 ;; esac
-          MANTA_FP8_TMA=$tma $M bench latency --model $m $F $q --batch 1 16 --steps 24 --input-len 512 \
-            --out "$OUT/dsv2q_latency_$v.json" 2>&1 | grep "p50\|fraction"; done ;;
+        for v in ${DSV2Q:-bf16 fp8 fp8notma block}; do echo "--- $v"; m=/tmp/dsv2 q= tma=1 f=$F
+          case $v in fp8) q="--quantization fp8" ;; fp8notma) q="--quantization fp8"; tma=0 ;; block) m=/tmp/dsv2fp8 f=$FW ;; esac
+          MANTA_FP8_TMA=$tma $M bench latency --model $m $f $q --batch 1 16 --steps 24 --input-len 512 \
+            --out "$OUT/dsv2q_latency_$v.json" 2>&1 | grep "p50\|fraction\|Error"; done ;;
     dsv2fp8prof) build /tmp/dsv2fp8 --preset deepseek-v2-lite --quantization fp8-block  # where block FP8's batch-1 step goes
         for b in ${PROF_BATCH:-1}; do echo "--- batch $b, PDL off"  # (against dsv2prof's bf16: which products lose the fusions)
           MANTA_PDL=0 python3 scripts/profile_decode.py /tmp/dsv2fp8 "$b" --steps 24 --out "$OUT/dsv2fp8_profile_b${b}.json" \
