@@ -61,7 +61,8 @@ def add_serve_parser(sub) -> None:
                    help="abort a request that runs longer than S seconds (504; its KV pages are freed)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM/SIGINT: stop admitting, let requests in flight finish for up to S seconds, "
-                        "then end them and exit (a second signal exits at once: streams cut, no KV pages saved)")
+                        "then end them and exit (a second signal ends them at once, each stream with its error event, "
+                        "and exits without saving KV pages)")
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *PARSERS],
                    help="how tool_choice 'auto' outputs are read: the chat template's format (auto), a named "
                         "one, or none (text only)")
@@ -217,7 +218,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # The gate ends every request by the deadline; uvicorn then only closes idle connections.
         from cluster.api.http_protocol import StampedProtocol
 
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on",
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="off",
                                 timeout_graceful_shutdown=2, http=StampedProtocol)
         server = _gated_server_class()(config)
 
@@ -235,9 +236,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 server.should_exit = True
 
             def on_signal() -> None:
-                if gate.closing:  # a second signal: now (streams are cut, no KV pages are saved)
-                    server.should_exit = server.force_exit = True
+                if gate.closing:  # a second signal: now (no KV pages are saved)
                     hurry.append(True)
+                    if len(hurry) == 1:  # what is in flight ends at once, each stream with its error event
+                        gate.end_now()
+                    else:  # a third: out, whatever is still open
+                        server.should_exit = server.force_exit = True
                     return
                 gate.begin(args.shutdown_timeout)
                 loop.create_task(stop_when_drained())

@@ -116,3 +116,39 @@ def test_manta_serve_answers_then_sigterm_ends_everything_by_the_deadline(tmp_pa
     # bound leaves room for a loaded CI machine (a process left behind waits the loop's 30 s out).
     assert gone_s <= DEADLINE_S + 15, f"processes gone after {gone_s:.1f} s"
     assert _shm() <= shm_before, sorted(_shm() - shm_before)
+
+
+def test_a_second_ctrl_c_exits_at_once_and_quietly(tmp_path):
+    """Ctrl-C twice: the first starts the drain (here a long one, with a stream open), the second
+    ends it now: the open stream gets the shutdown error event, and the server is gone long
+    before the drain's deadline, exits 0, leaves no process behind and prints no traceback (a
+    hurried exit once cancelled uvicorn's lifespan task and the stream's, and logged both)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    served = ServeProcess(tmp_path / "cache", "--shutdown-timeout", "60")
+    try:
+        results: list = []
+        streaming = threading.Semaphore(0)
+        reader = threading.Thread(target=_reader, args=(served.url, results, streaming))
+        reader.start()
+        assert streaming.acquire(timeout=60), "the stream did not start"
+        tree = served.tree()
+        served.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        served.proc.send_signal(signal.SIGINT)
+        rc = served.proc.wait(timeout=45)
+        while any(alive(p) for p in tree) and time.monotonic() - t0 < 45:
+            time.sleep(0.1)
+        gone_s = time.monotonic() - t0
+        reader.join(timeout=30)
+    finally:
+        served.stop()
+    assert rc == 0, served.log
+    assert "shutting down" in served.log
+    assert "Traceback" not in served.log, served.log
+    assert not [p for p in tree if alive(p)]
+    print(f"processes gone {gone_s:.1f} s after the second SIGINT")
+    assert gone_s < 30, f"processes gone after {gone_s:.1f} s"  # the drain alone would wait 60 s
+    assert not reader.is_alive() and len(results) == 1 and isinstance(results[0], dict), results
+    assert results[0].get("error", {}).get("code") == "server_shutting_down", results

@@ -69,6 +69,18 @@ class ShutdownGate:
         self._timer = asyncio.get_running_loop().call_later(max(0.0, timeout_s), stop.set)
         logger.info("shutting down: %d request(s) in flight may finish within %.1f s", self.inflight, timeout_s)
 
+    def end_now(self) -> None:
+        """Bring the deadline forward to now (a second signal): what is in flight ends at once,
+        each stream with its error event, as at the deadline."""
+        if not self.closing:
+            self.begin(0.0)
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self.deadline = time.monotonic()
+        self._events()[0].set()
+        logger.info("shutting down now: ending %d request(s) in flight", self.inflight)
+
     async def drained(self) -> None:
         """Returns once nothing is in flight, or the deadline has passed (and one more second
         for the streams to take their final event)."""
