@@ -1,7 +1,8 @@
 """The store's side of its file tier (`kvstore.file_tier.FileTier` holds the files): spilling
 a RAM page to its file, reading pages back (for a locate, or staged ahead of one),
 write-behind flushing, and rebuilding the index from the files at start. A mixin of
-`kvstore.store.KVStore`, which owns the index and the lock."""
+`kvstore.store.KVStore` (below `kvstore.store_ram.StoreRam`, the RAM side, which makes room and
+drops bad pages for it); the store owns the index and the lock."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class StoreFiles:
     _loaded: threading.Condition  # a read of claimed pages ended
     ram_lru: OrderedDict[str, None]
     clients: dict[str, str]
-    _alloc: Callable[[int], list[int] | None]
+    _alloc: Callable[[int], list[int] | None]  # (these two: `store_ram.StoreRam`)
     _drop_bad: Callable[[str, Entry], None]
 
     def _write_file(self, key: str, entry: Entry) -> bool:

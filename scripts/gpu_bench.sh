@@ -30,7 +30,7 @@ F=${F:-"--device cuda --page-size 16 --max-context-len 4096 --mem-fraction 0.6"}
 # DUMMY=1: models built without weight files and served on random weights drawn at load
 # (--load-format dummy): no 16 GB to write or read. Only for stages that load through `manta` with $F.
 F="$F${DUMMY:+ --load-format dummy}"
-FW=${F/ --load-format dummy/}  # an FP8 checkpoint's own weights (dummy weights are unquantized: refused for it)
+FW=${F// --load-format dummy/}  # an FP8 checkpoint's own weights (dummy weights are unquantized: refused for it)
 stages=${*:-build tests profile l8 l8serve dsv2 spec}
 build() {  # build DIR ARGS...: a random-weight checkpoint, once (an FP8 format's weights are written even with DUMMY:
   local d=$1 nw=${DUMMY:+--no-weights}; shift  # the format is in them)

@@ -80,21 +80,21 @@ def _rows_by_request(plans: list, captured: list[torch.Tensor], rids: list[str],
     """Each request's `nth` logits row (0: its prefill's, 1: its first decode step's), from steps
     that ran every request of one kind at once (a MIXED step orders its rows by kind, not by
     plan: refused rather than guessed)."""
-    plans = [plan for plan in plans if plan.reqs]  # (IDLE plans run no forward)
+    # (IDLE plans run no forward; a prompt chunk that is not its prompt's last samples nothing)
+    plans = [plan for plan in plans if any(r.sample for r in plan.reqs)]
+    for plan in plans:
+        if plan.mode.name == "MIXED" or len(plan.reqs) != len(rids):
+            raise RuntimeError(f"a {plan.mode.name} step of {len(plan.reqs)} of the {len(rids)} requests: raise "
+                               "--max-num-batched-tokens / --max-running-requests to hold every prompt in one step")
     if len(plans) != len(captured):
         raise RuntimeError(f"{len(plans)} steps but {len(captured)} logits calls")
     seen: dict[str, list[torch.Tensor]] = {}
     for plan, logits in zip(plans, captured):
         sampled = [r.rid for r in plan.reqs if r.sample]
-        if plan.mode.name == "MIXED" or logits.shape[0] != len(sampled):
-            raise RuntimeError(f"a {plan.mode.name} step of {len(sampled)} sampled rows gave {logits.shape[0]} logits "
-                               "rows: raise --max-num-batched-tokens to hold every prompt in one step")
+        if logits.shape[0] != len(sampled):
+            raise RuntimeError(f"a {plan.mode.name} step of {len(sampled)} sampled rows gave {logits.shape[0]} logits rows")
         for rid, row in zip(sampled, logits):
             seen.setdefault(rid, []).append(row)
-    steps = {len(plan.reqs) for plan in plans}
-    if steps != {len(rids)}:
-        raise RuntimeError(f"steps of {sorted(steps)} requests, not all {len(rids)} together: raise "
-                           "--max-num-batched-tokens / --max-running-requests")
     return [seen[rid][nth] for rid in rids]
 
 

@@ -317,6 +317,6 @@ def test_the_logits_error_script_reads_each_prompt_s_row_of_a_batched_step(llama
         assert (alone.argmax(-1).unique().numel() > 1)  # the rows differ: a permutation would show
     prefill = script.first_logits(together, prompts, False, together=True)
     assert (prefill - batched).abs().max() > 1e-2
-    with pytest.raises(RuntimeError, match="max-num-batched-tokens"):  # steps that split the prompts: refused
-        script.first_logits(EngineConfig(model=llama, page_size=4, max_num_batched_tokens=40), prompts, True,
-                            together=True)
+    for split in (dict(max_num_batched_tokens=40), dict(max_num_batched_tokens=128, chunked_prefill_size=8)):
+        with pytest.raises(RuntimeError, match="max-num-batched-tokens"):  # steps that split the prompts: refused
+            script.first_logits(EngineConfig(model=llama, page_size=4, **split), prompts, True, together=True)

@@ -44,12 +44,13 @@ def _unread_stream(port: int) -> socket.socket:
     return sock
 
 
-def _reader(url: str, out: list, streaming: threading.Semaphore) -> None:
+def _reader(url: str, out: list, streaming: threading.Semaphore, max_tokens: int = 480) -> None:
     """A client that reads its stream to the end and keeps the last event (releases
     `streaming` at its first)."""
     try:
         with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={"prompt": "the mountain", "max_tokens": 480, "stream": True, "ignore_eos": True}) as r:
+                          json={"prompt": "the mountain", "max_tokens": max_tokens, "stream": True,
+                                "ignore_eos": True}) as r:
             last = None
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -129,7 +130,9 @@ def test_a_second_ctrl_c_exits_at_once_and_quietly(tmp_path):
     try:
         results: list = []
         streaming = threading.Semaphore(0)
-        reader = threading.Thread(target=_reader, args=(served.url, results, streaming))
+        # (2,000 tokens: ~6 s on the 2-core VM, so the stream is still open at the second signal on
+        # a machine several times faster; the embedded model's context is 2,048)
+        reader = threading.Thread(target=_reader, args=(served.url, results, streaming, 2000))
         reader.start()
         assert streaming.acquire(timeout=60), "the stream did not start"
         tree = served.tree()

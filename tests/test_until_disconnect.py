@@ -5,6 +5,7 @@ shutdown deadline; a cancel from outside stays a cancel."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from starlette.requests import Request
@@ -77,3 +78,29 @@ def test_a_cancel_from_outside_is_not_turned_into_client_gone():
         return log
 
     assert asyncio.run(run())[1:] == ["cancelled"]
+
+
+def test_a_second_signal_brings_the_deadline_forward():
+    """`end_now` (the second signal) ends what is in flight at once, however far the deadline
+    was: the work is cancelled as at the deadline and `drained` returns; before any `begin` it
+    starts the shutdown with a deadline of now; twice is the same as once."""
+
+    async def run(first: float | None):
+        log: list[str] = []
+        gate = ShutdownGate()
+        task = asyncio.ensure_future(until_disconnect(_request(asyncio.Event()), _work(log, 30), gate))
+        await asyncio.sleep(0.05)
+        if first is not None:
+            gate.begin(first)
+        t0 = time.monotonic()
+        gate.end_now()
+        gate.end_now()
+        with pytest.raises(ServerShuttingDown):
+            await task
+        await asyncio.wait_for(gate.drained(), 5)
+        return time.monotonic() - t0, gate.closing, log
+
+    for first in (60.0, None):
+        took, closing, log = asyncio.run(run(first))
+        assert closing and log[-1] == "cancelled", log
+        assert took < 2.0, took  # not the 60 s deadline (drained() allows the streams 1.5 s past it)
