@@ -34,23 +34,23 @@ class RemovalLog:
     def __init__(self, max_removals: int = MAX_REMOVALS) -> None:
         self.epoch = uuid.uuid4().hex
         self.seq = 0
-        self._removed: deque[tuple[int, str]] = deque(maxlen=max_removals)
+        self._removed: deque[str] = deque(maxlen=max_removals)  # keys numbered seq - len + 1 .. seq
 
     def note(self, key: str) -> None:
         """`key` left the store's index (under the store's lock)."""
         self.seq += 1
-        self._removed.append((self.seq, key))
+        self._removed.append(key)
 
     def since(self, epoch: str | None, seq: int) -> dict:
         """Chain keys removed after `seq` of `epoch`: {"epoch", "seq", "removed": [...]}, or
         {"epoch", "seq", "reset": True} when the reader must resync (under the store's lock:
         cheap either way)."""
         out = {"epoch": self.epoch, "seq": self.seq}
-        first = self._removed[0][0] if self._removed else self.seq + 1
+        first = self.seq - len(self._removed) + 1  # the number of the oldest key retained
         if epoch != self.epoch or seq > self.seq or seq < first - 1:
             out["reset"] = True
             return out
-        keys = (k for _, k in itertools.islice(self._removed, seq - first + 1, None))
+        keys = itertools.islice(self._removed, seq - first + 1, None)
         out["removed"] = list(dict.fromkeys(chain_of(k) for k in keys))
         return out
 
