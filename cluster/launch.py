@@ -439,7 +439,7 @@ def _retire_replicas(actors: dict[str, object], timeout_s: float = 30) -> None:
             pass
     if pings:
         ray.wait(pings, num_returns=len(pings), timeout=15)
-    _wait_for_ranks_gone(list(actors), timeout_s=15)
+    _wait_for_ranks_gone(list(actors), timeout_s=30)
     for name in actors:
         _remove_placement_group(name)
 
@@ -448,16 +448,38 @@ def _wait_for_ranks_gone(replicas: list[str], timeout_s: float) -> None:
     """Wait until no rank actor of these replicas (`manta-<replica>-rank<i>`) is still named:
     Ray kills a dead replica's ranks with it, but a moment later, and a named rank left alive
     refuses the next cluster's rank of that name (CI, 2026-11-29: `manta-replica-1-rank0` still
-    listed right after a failed start)."""
+    listed right after a failed start; again at stop 62, after this waited 15 s).
+
+    A rank still named after a second is killed by name, and the listing must stay empty for
+    half a second: a replica killed while it was creating a rank can leave that rank's
+    registration in flight, to appear after a first empty listing."""
     prefixes = tuple(f"manta-{name}-rank" for name in replicas)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    killed: set[str] = set()
+    left: list[str] = []
+    empty_since = None
+    while time.monotonic() - start < timeout_s:
         try:
-            if not any(a.startswith(prefixes) for a in ray.util.list_named_actors()):
-                return
+            left = [a for a in ray.util.list_named_actors() if a.startswith(prefixes)]
         except Exception:
             return
+        now = time.monotonic()
+        if not left:
+            empty_since = empty_since or now
+            if now - empty_since >= 0.5:
+                return
+        else:
+            empty_since = None
+            if now - start >= 1.0:
+                for name in set(left) - killed:
+                    killed.add(name)
+                    try:
+                        ray.kill(ray.get_actor(name), no_restart=True)
+                    except Exception:  # gone between the listing and the lookup
+                        pass
         time.sleep(0.1)
+    logger.warning("rank actors still named %.0f s after their replicas stopped: %s", timeout_s,
+                   ", ".join(sorted(left)))
 
 
 def _stop_actors(actors: list, timeout_s: float = 30) -> None:
