@@ -127,12 +127,12 @@ for s in $stages; do
           --out "$OUT/dsv2_latency_tp2.json"
         $M bench offline --model /tmp/dsv2 $F --tp 2 --num-prompts 64 --input-len 512 --output-len 128 \
           --out "$OUT/dsv2_offline_tp2.json" ;;
-    tests) python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_rope_store.py tests/test_gemv.py tests/test_argmax_kernel.py \
+    tests) python3 -u -m pytest -v -p no:cacheprovider -rfE --durations=10 tests/test_rope_store.py tests/test_gemv.py tests/test_argmax_kernel.py \
              tests/test_decode_prep_kernels.py tests/test_sampler.py \
              tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_speculative.py \
              tests/test_gpu_encoder_decoder.py tests/test_fused_moe.py tests/test_moe_kernels.py tests/test_fp8_heads.py tests/test_fp8_gemm.py tests/test_gpu_fp8.py \
-             tests/test_gpu_kv_fp8.py 2>&1 | grep -v "Warning\|warn" \
-             | tee "$OUT/tests.log" ;;
+             tests/test_gpu_kv_fp8.py 2>&1 | grep --line-buffered -v "Warning\|warn" \
+             | tee "$OUT/tests.log" | grep -v " PASSED\| SKIPPED" ;;  # a line per test in tests.log: a run cut by the call's limit still names its failures
     servetests) python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_pd.py tests/test_kvstore_serving.py -k "gpu" \
              2>&1 | grep -v "Warning\|warn" | tee "$OUT/servetests.log" ;;  # needs Ray, NIXL, FastAPI (../shared/gpu), openai (pack_device_client.sh)
     pdread) python3 scripts/nixl_read_bench.py --device cuda --mib 256 --out "$OUT/nixl_read_gpu.json" 2>&1 \
