@@ -178,7 +178,7 @@ class StoreFiles:
         if self.files.used > self.files.capacity:  # started with a smaller capacity, or a fuller disk
             for victim in self.files.victims(0, keep="") or []:
                 self.files.remove(victim)
-                del self.index[victim]
+                self._unindex(victim)
         if found:
             logger.info("kv store: %d pages (%.1f MiB) found under %s", len(self.index),
                         self.files.used / 2**20, self.root)
@@ -255,6 +255,15 @@ class StoreFiles:
                 if self.index.get(key) is entry:
                     self.dirty[key] = None  # a later round tries again
 
+    def _unindex(self, key: str) -> Entry | None:
+        """Take `key` out of the index and note its removal for the router (`kvstore.removals`):
+        the one place a page leaves the index, so no deletion path can miss the note. The
+        page's entry (None if it was not there); freeing its RAM copy and file is the caller's."""
+        entry = self.index.pop(key, None)
+        if entry is not None:
+            self.removals.note(key)
+        return entry
+
     def _drop_files(self, victims: list[str]) -> None:
         """Delete the files of `victims` (LRU evictions); an entry with no RAM copy goes."""
         for victim in victims:
@@ -263,5 +272,4 @@ class StoreFiles:
             self.files.remove(victim)
             self.counters["file_evictions"] += 1
             if dropped.slots is None:
-                del self.index[victim]
-                self.removals.note(victim)
+                self._unindex(victim)

@@ -56,8 +56,7 @@ class StoreRam(StoreFiles):
         entry.slots = None
         self.ram_lru.pop(key, None)
         if not entry.on_file:
-            del self.index[key]
-            self.removals.note(key)
+            self._unindex(key)
 
     def _in_ram(self, key: str) -> Entry | None:
         """The entry with a RAM copy (read from its file if needed), or None (missing, no room,
@@ -83,10 +82,9 @@ class StoreRam(StoreFiles):
         return entry
 
     def _delete(self, key: str) -> None:
-        entry = self.index.pop(key, None)
+        entry = self._unindex(key)
         if entry is None:
             return
-        self.removals.note(key)
         if entry.slots is not None and not entry.loading:  # (a loading page's reader frees them)
             self.ram.give(entry.slots)
             entry.slots = None
