@@ -559,6 +559,35 @@ def test_ram_eviction_spills_to_files_and_file_lru_deletes(ray_local, tmp_path):
     ray.kill(handle)
 
 
+def test_a_store_restarted_with_a_smaller_file_tier_keeps_what_fits(ray_local, tmp_path):
+    """Restarted on the same directory with room for fewer page files, the store deletes files
+    until the rest fit, and its index holds exactly the files left: every page it says it has
+    reads back with its bytes, and no page it dropped has a file or is listed."""
+    page = 4096
+    handle, name = new_store(tmp_path, ram_bytes=4 * page, slot_bytes=page, file_bytes=12 * page_file_bytes(page))
+    c = client(handle, name, "mla", page_bytes=page)
+    chain = c.chain_keys(tokens(8, salt=4), PAGE)
+    data = [[torch.full((page // 4,), float(i))] for i in range(8)]
+    for i in range(0, 8, 2):  # (RAM spills to files as it fills; the flush writes the rest)
+        assert c.batch_set(chain[i : i + 2], data[i : i + 2])
+    ray.get(handle.flush.remote())
+    assert ray.get(handle.stats.remote())["file"]["pages"] == 8
+    _kill(handle, name)
+    handle = _restart(tmp_path, name, ram_bytes=4 * page, slot_bytes=page, file_bytes=5 * page_file_bytes(page))
+    st = ray.get(handle.stats.remote())
+    assert st["file"]["pages"] == 5 and st["file"]["used_bytes"] <= st["file"]["capacity_bytes"]
+    present = ray.get(handle.exists.remote(chain))
+    assert sum(present) == 5
+    assert [_page_file(tmp_path, k).exists() for k in chain] == present
+    assert sorted(ray.get(handle.keys.remote())) == sorted(k for k, there in zip(chain, present) if there)
+    out = [[torch.empty(page // 4)]]
+    for i, key in enumerate(chain):
+        assert c.batch_get([key], out) == int(present[i])
+        if present[i]:
+            assert torch.equal(out[0][0], data[i][0])
+    ray.kill(handle)
+
+
 def test_the_store_logs_the_pages_it_removes_and_the_router_index_follows(ray_local, tmp_path):
     """Pages leave the store by the file LRU (no RAM copy left) and by `clear`; each is logged
     once by its chain key, a reader from another epoch gets the chain keys present instead, and
